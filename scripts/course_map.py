@@ -1,0 +1,55 @@
+"""The course's table of contents, in one place.
+
+For each day: its title, the chapter file, the modules of `tiny_llm` a student edits that day,
+and the points of each task. The test runner, the grader, the per-day standalone check, the book
+check and the README's roadmap all read this table. Tasks are numbered as the chapter numbers them
+and as the tests are named (`test_task_N_...`).
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Day:
+    week: int
+    day: int
+    title: str
+    chapter: str  # file under book/src/
+    modules: tuple[str, ...]  # modules of tiny_llm the student fills this day
+    points: dict[int, int] = field(default_factory=dict)  # task number -> points
+
+    @property
+    def key(self) -> str:
+        return f"week{self.week}-day{self.day}"
+
+    @property
+    def test_file(self) -> str:
+        return f"tests/test_week_{self.week}_day_{self.day}.py"
+
+
+DAYS: list[Day] = [
+    Day(1, 1, "Attention", "week1-01-attention.md", ("basics", "attention"), {1: 5, 2: 5}),
+    Day(1, 2, "RoPE", "week1-02-rope.md", ("positional_encoding",), {1: 5, 2: 5}),
+    Day(1, 3, "Grouped-query attention", "week1-03-gqa.md", ("attention",), {1: 5, 2: 5}),
+    Day(1, 4, "RMSNorm and MLP", "week1-04-rmsnorm-and-mlp.md", ("layer_norm", "mlp"), {1: 5, 2: 5}),
+    Day(1, 5, "The Qwen2 model", "week1-05-qwen2-model.md", ("embedding", "qwen2_week1"),
+        {1: 5, 2: 5, 3: 10}),
+    Day(1, 6, "Generating a response", "week1-06-generate-response.md", ("generate",), {1: 10}),
+    Day(1, 7, "Sampling", "week1-07-sampling.md", ("sampler",), {1: 5, 2: 5, 3: 5}),
+    Day(2, 1, "KV cache", "week2-01-kv-cache.md", ("kv_cache", "qwen2_week2", "generate"),
+        {1: 5, 2: 5, 3: 10}),
+    Day(2, 2, "Serving metrics", "week2-02-serving-metrics.md", ("metrics",), {1: 5, 2: 5, 3: 5}),
+    Day(2, 5, "Batching the model", "week2-05-batching-the-model.md", ("kv_cache", "qwen2_week2"),
+        {1: 5, 2: 5, 3: 10}),
+    Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 10, 2: 10, 3: 5}),
+    Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy", "metrics"),
+        {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}),
+]
+
+
+def find_day(week: int, day: int) -> Day:
+    for d in DAYS:
+        if d.week == week and d.day == day:
+            return d
+    known = ", ".join(f"{d.week}.{d.day}" for d in DAYS)
+    raise SystemExit(f"week {week} day {day} is not in the course (days: {known})")
