@@ -17,6 +17,10 @@ class Day:
     chapter: str  # file under book/src/
     modules: tuple[str, ...]  # modules of tiny_llm the student fills this day
     points: dict[int, int] = field(default_factory=dict)  # task number -> points
+    # The model-level workload `pdm run compare` runs for this day ("" when the day has none):
+    # "model" (week-1 model + simple_generate), "kv-cache" (week-2 model + simple_generate_with_kv_cache),
+    # "batch" (batch_generate, prompts prefilled whole), "chunked-prefill" (batch_generate, small chunks).
+    compare: str = ""
 
     @property
     def key(self) -> str:
@@ -33,17 +37,18 @@ DAYS: list[Day] = [
     Day(1, 3, "Grouped-query attention", "week1-03-gqa.md", ("attention",), {1: 5, 2: 5}),
     Day(1, 4, "RMSNorm and MLP", "week1-04-rmsnorm-and-mlp.md", ("layer_norm", "mlp"), {1: 5, 2: 5}),
     Day(1, 5, "The Qwen2 model", "week1-05-qwen2-model.md", ("embedding", "qwen2_week1"),
-        {1: 5, 2: 5, 3: 10}),
-    Day(1, 6, "Generating a response", "week1-06-generate-response.md", ("generate",), {1: 10}),
-    Day(1, 7, "Sampling", "week1-07-sampling.md", ("sampler",), {1: 5, 2: 5, 3: 5}),
+        {1: 5, 2: 5, 3: 10}, compare="model"),
+    Day(1, 6, "Generating a response", "week1-06-generate-response.md", ("generate",), {1: 10}, compare="model"),
+    Day(1, 7, "Sampling", "week1-07-sampling.md", ("sampler",), {1: 5, 2: 5, 3: 5}, compare="model"),
     Day(2, 1, "KV cache", "week2-01-kv-cache.md", ("kv_cache", "qwen2_week2", "generate"),
-        {1: 5, 2: 5, 3: 10}),
+        {1: 5, 2: 5, 3: 10}, compare="kv-cache"),
     Day(2, 2, "Serving metrics", "week2-02-serving-metrics.md", ("metrics",), {1: 5, 2: 5, 3: 5}),
     Day(2, 5, "Batching the model", "week2-05-batching-the-model.md", ("kv_cache", "qwen2_week2"),
-        {1: 5, 2: 5, 3: 10}),
-    Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 10, 2: 10, 3: 5}),
+        {1: 5, 2: 5, 3: 10}, compare="batch"),
+    Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 10, 2: 10, 3: 5},
+        compare="batch"),
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
-        {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}),
+        {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}, compare="chunked-prefill"),
 ]
 
 
