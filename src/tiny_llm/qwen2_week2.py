@@ -1,0 +1,182 @@
+"""The Qwen2 model, week 2 edition: a KV cache per layer, a start position per call, batches of requests.
+
+`model(inputs, offset, cache)` runs only the new tokens: `inputs` is `B x L` token ids that come
+after `offset` tokens whose keys and values are already in `cache` (one cache per layer).
+
+- Prefill: `offset=0`, the whole prompt, a fresh `make_cache()`.
+- A prefill chunk: L prompt tokens after `offset` cached ones; query i is at position offset + i.
+- Decode: one token (`L=1`) at `offset` = the tokens held so far.
+- A batch (day 2.5): `offset` is a list, one start position per row, and the cache is
+  `make_batch_cache(...)`, which also supplies the `B x 1 x L x S` mask.
+"""
+
+import mlx.core as mx
+
+from .attention import scaled_dot_product_attention_grouped
+from .basics import linear
+from .embedding import Embedding
+from .kv_cache import BatchingKvCache, TinyKvCache, TinyKvFullCache
+from .layer_norm import RMSNorm
+from .mlp import Qwen2MLP
+from .positional_encoding import RoPE
+from .weights import dequantize_linear
+
+
+class Qwen2MultiHeadAttention:
+    """Qwen2's self-attention over the new tokens and everything the layer's KV cache holds.
+
+    wq is `hidden_size x hidden_size`, wk and wv `num_kv_heads*head_dim x hidden_size`, wo
+    `hidden_size x hidden_size`; bq, bk, bv are the projection biases (wo has none).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        wq: mx.array,
+        wk: mx.array,
+        wv: mx.array,
+        wo: mx.array,
+        bq: mx.array,
+        bk: mx.array,
+        bv: mx.array,
+        max_seq_len: int = 32768,
+        theta: int = 1000000,
+    ):
+        """Keep the weights and build the RoPE (provided: the same as week 1)."""
+        assert hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.scale = self.head_dim**-0.5
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.bq, self.bk, self.bv = bq, bk, bv
+        self.rope = RoPE(self.head_dim, max_seq_len, theta, traditional=False)
+
+    def __call__(
+        self,
+        x: mx.array,
+        offset: int | list[int],
+        cache: TinyKvCache,
+        mask: mx.array | str | None = "causal",
+    ) -> mx.array:
+        """`B x L x E` new tokens -> `B x L x E`; row b's tokens sit at positions offset[b] .. offset[b]+L-1.
+
+        `offset` is an int (every row starts there) or a list of ints (one per row). The new keys and
+        values go into `cache`, which returns all of them and the mask to use (`mask` is the default,
+        "causal", which a batching cache replaces with its own `B x 1 x L x S` mask).
+        """
+        raise NotImplementedError(
+            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): attention over the new tokens and the cache"
+        )
+
+
+class Qwen2TransformerBlock:
+    """One decoder layer with its KV cache: x + attention(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        num_kv_heads: int,
+        hidden_size: int,
+        intermediate_size: int,
+        rms_norm_eps: float,
+        wq: mx.array,
+        wk: mx.array,
+        wv: mx.array,
+        wo: mx.array,
+        bq: mx.array,
+        bk: mx.array,
+        bv: mx.array,
+        w_gate: mx.array,
+        w_up: mx.array,
+        w_down: mx.array,
+        w_input_layernorm: mx.array,
+        w_post_attention_layernorm: mx.array,
+        max_seq_len: int = 32768,
+        theta: int = 1000000,
+    ):
+        """Build the two norms, the attention and the MLP from their weights (provided: as in week 1)."""
+        self.input_layernorm = RMSNorm(hidden_size, w_input_layernorm, eps=rms_norm_eps)
+        self.self_attn = Qwen2MultiHeadAttention(
+            hidden_size, num_attention_heads, num_kv_heads, wq, wk, wv, wo, bq, bk, bv, max_seq_len, theta
+        )
+        self.post_attention_layernorm = RMSNorm(hidden_size, w_post_attention_layernorm, eps=rms_norm_eps)
+        self.mlp = Qwen2MLP(hidden_size, intermediate_size, w_gate, w_up, w_down)
+
+    def __call__(
+        self,
+        x: mx.array,
+        offset: int | list[int],
+        cache: TinyKvCache,
+        mask: mx.array | str | None = "causal",
+    ) -> mx.array:
+        """`B x L x E` -> `B x L x E`, with `offset`, `cache` and `mask` passed on to the attention."""
+        raise NotImplementedError(
+            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): the transformer block with a cache"
+        )
+
+
+class Qwen2ModelWeek2:
+    """Qwen2 with a KV cache, from an mlx-lm model object (`mlx_lm.load`); quantized weights dequantized."""
+
+    def __init__(self, mlx_model):
+        """Copy every weight out of `mlx_model` into our own layers (provided: as in week 1)."""
+        args = mlx_model.args
+        self.args = args
+        self.num_hidden_layers = args.num_hidden_layers
+        self.vocab_size = args.vocab_size
+        inner = mlx_model.model
+        self.embedding = Embedding(args.vocab_size, args.hidden_size, dequantize_linear(inner.embed_tokens))
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                Qwen2TransformerBlock(
+                    num_attention_heads=args.num_attention_heads,
+                    num_kv_heads=args.num_key_value_heads,
+                    hidden_size=args.hidden_size,
+                    intermediate_size=args.intermediate_size,
+                    rms_norm_eps=args.rms_norm_eps,
+                    wq=dequantize_linear(attn.q_proj),
+                    wk=dequantize_linear(attn.k_proj),
+                    wv=dequantize_linear(attn.v_proj),
+                    wo=dequantize_linear(attn.o_proj),
+                    bq=attn.q_proj.bias,
+                    bk=attn.k_proj.bias,
+                    bv=attn.v_proj.bias,
+                    w_gate=dequantize_linear(mlp.gate_proj),
+                    w_up=dequantize_linear(mlp.up_proj),
+                    w_down=dequantize_linear(mlp.down_proj),
+                    w_input_layernorm=layer.input_layernorm.weight,
+                    w_post_attention_layernorm=layer.post_attention_layernorm.weight,
+                    max_seq_len=args.max_position_embeddings,
+                    theta=args.rope_theta,
+                )
+            )
+        self.norm = RMSNorm(args.hidden_size, inner.norm.weight, eps=args.rms_norm_eps)
+        self.w_lm_head = None if args.tie_word_embeddings else dequantize_linear(mlx_model.lm_head)
+
+    def __call__(self, inputs: mx.array, offset: int | list[int], cache: list[TinyKvCache]) -> mx.array:
+        """New token ids `B x L` after `offset` cached ones -> logits `B x L x vocab_size`.
+
+        `offset` is an int, or a list with one start position per row (a batch); `cache` has one
+        cache per layer (from `make_cache()` or `make_batch_cache(...)`) and is updated in place.
+        """
+        raise NotImplementedError(
+            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): run the new tokens through the layers and their caches"
+        )
+
+    def make_cache(self) -> list[TinyKvFullCache]:
+        """A fresh, empty cache for one request: one `TinyKvFullCache` per layer."""
+        raise NotImplementedError(
+            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): one TinyKvFullCache per layer"
+        )
+
+    def make_batch_cache(self, batch_size: int, max_seq_len: int) -> list[BatchingKvCache]:
+        """A cache for a batch of up to `batch_size` requests of at most `max_seq_len` tokens, one per layer."""
+        raise NotImplementedError(
+            "Week 2 Day 5 Task 3 (book/src/week2-05-batching-the-model.md): one BatchingKvCache per layer"
+        )

@@ -1,0 +1,156 @@
+"""KV caches: keep each layer's keys and values so that a decode step computes only the new token.
+
+Shapes: keys and values are `B x H x L x D` (H = key/value heads). One cache object serves one layer.
+
+- `TinyKvFullCache` holds one request's keys and values for one layer and grows as tokens arrive.
+- `BatchingKvCache` holds up to `max_active_requests` requests, one per slot, each at its own length,
+  and presents them to attention as one `B x H x S x D` batch with a `B x 1 x L x S` mask.
+"""
+
+import mlx.core as mx
+
+
+class TinyKvCache:
+    """The interface every KV cache offers to the model's attention layers."""
+
+    def update_and_fetch(
+        self,
+        key: mx.array,
+        value: mx.array,
+        mask_length: int | None = None,
+        mask: mx.array | str | None = None,
+    ) -> tuple[mx.array, mx.array, int, mx.array | str | None]:
+        """Append L new keys/values (`B x H x L x D`); return (all keys, all values, S, the mask to use).
+
+        S is the number of key positions in the returned keys (`B x H x S x D`). `mask_length` is the
+        number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
+        without this cache (for example "causal"), which a cache may pass on or replace.
+        """
+        raise NotImplementedError("TinyKvCache is an interface: use TinyKvFullCache or BatchingKvCache")
+
+
+class TinyKvFullCache(TinyKvCache):
+    """One request's keys and values for one layer, all of them, growing by concatenation."""
+
+    def __init__(self):
+        self.key_values: tuple[mx.array, mx.array] | None = None
+        self.offset = 0  # how many token positions the cache holds
+
+    def update_and_fetch(
+        self,
+        key: mx.array,
+        value: mx.array,
+        mask_length: int | None = None,
+        mask: mx.array | str | None = None,
+    ) -> tuple[mx.array, mx.array, int, mx.array | str | None]:
+        """Append L new keys/values (`B x H x L x D`); return (all keys, all values, S, the mask to use).
+
+        S is the number of key positions in the returned keys (`B x H x S x D`). `mask_length` is the
+        number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
+        without this cache (for example "causal"), which a cache may pass on or replace.
+        """
+        if self.key_values is None:
+            keys, values = key, value
+        else:
+            cached_keys, cached_values = self.key_values
+            # Positions are axis 2: the new tokens go after the ones already held.
+            keys = mx.concatenate([cached_keys, key], axis=2)
+            values = mx.concatenate([cached_values, value], axis=2)
+        self.key_values = (keys, values)
+        self.offset = keys.shape[2]
+        # One request needs no special mask: "causal" with S = offset + L already lets query i
+        # (at absolute position offset + i) see keys 0 .. offset + i.
+        return keys, values, self.offset, mask
+
+
+class BatchingKvCache(TinyKvCache):
+    """Up to `max_active_requests` requests for one layer, one per slot, each with its own length.
+
+    Row b of the batch the model runs is slot b. A slot holds a request's own per-layer cache (a
+    `TinyKvFullCache` filled by its prefill) or nothing (an idle slot). `update_and_fetch` appends
+    each active row's new keys to its request, then lines the requests up on the right: every row's
+    newest key lands in the last column, shorter requests are padded with zeros on the left, and the
+    mask hides padding and idle slots.
+    """
+
+    def __init__(self, max_active_requests: int, max_seq_len: int):
+        self.max_active_requests = max_active_requests
+        self.max_seq_len = max_seq_len
+        self.kv_caches: list[TinyKvCache | None] = [None] * max_active_requests
+
+    def add_request(self, prefilled: TinyKvCache, id: int) -> None:
+        """Put a request's (prefilled) cache for this layer into slot `id`, which must be free."""
+        if not 0 <= id < self.max_active_requests:
+            raise ValueError(f"slot {id} out of range: this cache has {self.max_active_requests} slots")
+        if self.kv_caches[id] is not None:
+            raise ValueError(f"slot {id} is already taken")
+        self.kv_caches[id] = prefilled
+
+    def remove_request(self, id: int) -> None:
+        """Free slot `id` (the request finished); the other slots are untouched."""
+        if self.kv_caches[id] is None:
+            raise ValueError(f"slot {id} is already free")
+        self.kv_caches[id] = None
+
+    def update_and_fetch(
+        self,
+        key: mx.array,
+        value: mx.array,
+        mask_length: int | None = None,
+        mask: mx.array | str | None = None,
+    ) -> tuple[mx.array, mx.array, int, mx.array | str | None]:
+        """Append L new keys/values (`B x H x L x D`); return (all keys, all values, S, the mask to use).
+
+        S is the number of key positions in the returned keys (`B x H x S x D`). `mask_length` is the
+        number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
+        without this cache (for example "causal"), which a cache may pass on or replace.
+        """
+        batch, heads, length, dim = key.shape
+        if batch != self.max_active_requests:
+            raise ValueError(f"expected a batch of {self.max_active_requests} rows (one per slot), got {batch}")
+        length = mask_length or length
+        # 1. Each active slot appends its own row to its own request's cache.
+        fetched: list[tuple[mx.array, mx.array] | None] = []
+        for slot, cache in enumerate(self.kv_caches):
+            if cache is None:
+                fetched.append(None)
+                continue
+            keys, values, _, _ = cache.update_and_fetch(key[slot : slot + 1], value[slot : slot + 1])
+            if keys.shape[2] > self.max_seq_len:
+                raise ValueError(f"slot {slot} holds {keys.shape[2]} tokens, more than max_seq_len={self.max_seq_len}")
+            fetched.append((keys, values))
+        # 2. Line the rows up on the right, so the L new tokens of every row are the last L columns:
+        #    pad each request on the left (with zeros, which the mask hides) up to the longest one.
+        seq_len = max([kv[0].shape[2] for kv in fetched if kv is not None], default=length)
+        rows_keys, rows_values, masks = [], [], []
+        for kv in fetched:
+            if kv is None:
+                # An idle slot attends to nothing: its output is garbage that nobody reads.
+                empty = mx.zeros((1, heads, seq_len, dim), dtype=key.dtype)
+                rows_keys.append(empty)
+                rows_values.append(empty)
+                masks.append(mx.full((length, seq_len), -mx.inf, dtype=key.dtype))
+                continue
+            keys, values = kv
+            held = keys.shape[2]
+            padding = [(0, 0), (0, 0), (seq_len - held, 0), (0, 0)]
+            rows_keys.append(mx.pad(keys, padding))
+            rows_values.append(mx.pad(values, padding))
+            masks.append(aligned_causal_mask(length, held, seq_len, key.dtype))
+        all_keys = mx.concatenate(rows_keys, axis=0)
+        all_values = mx.concatenate(rows_values, axis=0)
+        # 3. One mask per row, shared by all heads: B x 1 x L x S.
+        return all_keys, all_values, seq_len, mx.stack(masks)[:, None, :, :]
+
+
+def aligned_causal_mask(length: int, held: int, seq_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The `L x S` mask of one request holding `held` keys, placed in the last `held` of `seq_len` columns.
+
+    Query i (of the L new tokens) is at position held - L + i of its request, so it sees that request's
+    keys 0 .. held - L + i, which sit in columns seq_len - held .. seq_len - L + i. The columns before
+    seq_len - held are padding. Allowed entries are 0, the others -inf.
+    """
+    columns = mx.arange(seq_len)[None, :]
+    rows = mx.arange(length)[:, None]
+    allowed = (columns >= seq_len - held) & (columns <= seq_len - length + rows)
+    return mx.where(allowed, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
