@@ -7,6 +7,8 @@ Shapes: keys and values are `B x H x L x D` (H = key/value heads). One cache obj
   and presents them to attention as one `B x H x S x D` batch with a `B x 1 x L x S` mask.
 """
 
+from __future__ import annotations  # annotations stay text, so the skeleton's signatures read as the reference's
+
 import mlx.core as mx
 
 

@@ -10,6 +10,8 @@ after `offset` tokens whose keys and values are already in `cache` (one cache pe
   `make_batch_cache(...)`, which also supplies the `B x 1 x L x S` mask.
 """
 
+from __future__ import annotations  # annotations stay text, so the skeleton's signatures read as the reference's
+
 import mlx.core as mx
 
 from .attention import scaled_dot_product_attention_grouped
