@@ -18,7 +18,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-fast-blas", action="store_true",
                         help="do not load an optimized BLAS (shows MLX's stock CPU speed)")
     parser.add_argument("--size", type=int, default=1024, help="square matrix size (default 1024)")
+    parser.add_argument("--model", help="also measure prompt and decode tokens/s of this model with mlx-lm "
+                                        "(e.g. bench-0.5b, the Qwen2-0.5B-shape model)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for --model (default 128)")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens to generate for --model (default 16)")
     return parser
+
+
+def model_speed(name: str, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
+    """(prompt tokens/s, decode tokens/s) of mlx-lm's own generation loop on model `name`."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from scripts.models import load_model
+
+    model, tokenizer = load_model(name)
+    prompt = list(range(1000, 1000 + prompt_tokens))
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=decode_tokens,
+                                sampler=make_sampler(temp=0.0)):
+        pass
+    return last.prompt_tps, last.generation_tps
 
 
 def matmul_gflops(size: int, repeats: int = 10) -> float:
@@ -60,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
               "or install OpenBLAS (`apt-get install libopenblas0-pthread`).")
     from scripts.models import EMBEDDED_MODEL_DIR
 
+    if args.model:
+        prompt_tps, decode_tps = model_speed(args.model, args.prompt_tokens, args.decode_tokens)
+        print(f"model {args.model}: prompt {prompt_tps:.1f} tokens/s ({args.prompt_tokens} tokens), "
+              f"decode {decode_tps:.2f} tokens/s ({args.decode_tokens} tokens), mlx-lm's generation loop")
     ok = (EMBEDDED_MODEL_DIR / "model.safetensors").exists()
     print(f"embedded model {EMBEDDED_MODEL_DIR} ({'present' if ok else 'MISSING: is the clone complete?'})")
     return 0 if ok else 1

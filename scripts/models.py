@@ -13,6 +13,7 @@ import argparse
 import base64
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -215,7 +216,13 @@ def resolve_model(name: str | None) -> Path:
         if not (BENCH_MODEL_DIR / "model.safetensors").exists():
             print(f"[tiny-llm] building the Qwen2-0.5B-shape benchmark model in {BENCH_MODEL_DIR} (once)",
                   file=sys.stderr)
-            make_random_qwen2(BENCH_MODEL_DIR, QWEN2_05B_CONFIG, seed=5)
+            # Build beside the final place and rename, so a concurrent run never sees half a checkpoint.
+            staging = BENCH_MODEL_DIR.with_name(f"{BENCH_MODEL_DIR.name}.building-{os.getpid()}")
+            make_random_qwen2(staging, QWEN2_05B_CONFIG, seed=5)
+            try:
+                staging.rename(BENCH_MODEL_DIR)
+            except OSError:  # another process finished first: keep its copy
+                shutil.rmtree(staging)
         return BENCH_MODEL_DIR
     path = Path(name).expanduser()
     if path.exists():
