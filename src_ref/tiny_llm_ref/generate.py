@@ -1,0 +1,47 @@
+"""Generating text: run the model, pick the next token, detokenize it as it arrives, repeat."""
+
+from typing import Callable
+
+import mlx.core as mx
+
+
+def simple_generate(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate up to `max_tokens` tokens after `prompt`, recomputing the whole sequence at each step.
+
+    `prompt` is encoded as it is (callers apply the chat template). `sampler` maps log-probabilities
+    `1 x vocab` to a token id `1`; None means greedy (the most likely token). Generation stops at any
+    id in `tokenizer.eos_token_ids` (not emitted) or after `max_tokens` tokens. Each new piece of text
+    is passed to `on_text` as soon as the streaming detokenizer can spell it. Returns the generated text.
+    """
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    detokenizer = tokenizer.detokenizer  # a fresh streaming detokenizer
+    for _ in range(max_tokens):
+        # No KV cache this week: the model reads the whole sequence again and we keep the last row.
+        logits = model(mx.array([tokens]))[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if sampler is None:
+            next_token = mx.argmax(logprobs, axis=-1)
+        else:
+            next_token = sampler(logprobs)
+        token = int(next_token.item())
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+        # A token can end in the middle of a multi-byte character or a word; the detokenizer holds
+        # such text back until it can be printed, so last_segment may be empty for a step.
+        detokenizer.add_token(token)
+        segment = detokenizer.last_segment
+        if segment and on_text is not None:
+            on_text(segment)
+    detokenizer.finalize()
+    segment = detokenizer.last_segment
+    if segment and on_text is not None:
+        on_text(segment)
+    return detokenizer.text

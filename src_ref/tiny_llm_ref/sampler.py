@@ -1,0 +1,40 @@
+"""Sampling the next token: greedy, temperature, top-k and top-p (nucleus)."""
+
+from typing import Callable
+
+import mlx.core as mx
+
+
+def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = None) -> Callable[[mx.array], mx.array]:
+    """A function `sample(logprobs)` that maps log-probabilities `B x V` to token ids `B`.
+
+    temp 0 is greedy (argmax). Otherwise the logits are divided by `temp` (below 1 sharpens, above 1
+    flattens), then only the `top_k` most likely tokens are kept (when given), then only the smallest
+    set of most likely tokens whose probability adds up to at least `top_p` (when given), and one token
+    is drawn from what is left, renormalized. Draws use MLX's global random state (`mx.random.seed`).
+    """
+
+    def sample(logprobs: mx.array) -> mx.array:
+        """Pick one token id per row of `logprobs` (`B x V`)."""
+        if temp == 0:
+            return mx.argmax(logprobs, axis=-1)
+        logits = logprobs / temp
+        if top_k is not None and top_k > 0:
+            # Indices of everything outside the k largest: argpartition puts the k largest first.
+            dropped = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., top_k:]
+            logits = mx.put_along_axis(logits, dropped, mx.array(-mx.inf, dtype=logits.dtype), axis=-1)
+        if top_p is not None and 0 < top_p < 1:
+            # Sort from most to least likely and keep a token while the mass *before* it is below top_p:
+            # that keeps the smallest prefix whose mass reaches top_p.
+            order = mx.argsort(-logits, axis=-1)
+            sorted_logits = mx.take_along_axis(logits, order, axis=-1)
+            sorted_probs = mx.softmax(sorted_logits, axis=-1)
+            mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+            keep_sorted = mass_before < top_p
+            # Scatter the decisions back to vocabulary order.
+            keep = mx.put_along_axis(mx.zeros(logits.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
+            logits = mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        # categorical() draws index i with probability softmax(logits)_i; -inf entries are never drawn.
+        return mx.random.categorical(logits, axis=-1)
+
+    return sample

@@ -1,0 +1,145 @@
+"""Week 1 Day 5: the Qwen2 model (book/src/week1-05-qwen2-model.md).
+
+Oracle: mlx-lm's own Qwen2 (mlx_lm.models.qwen2) on the same weights: the embedded tiny model
+(hidden 64, 4 query heads sharing 2 key/value heads, biased q/k/v, tied embeddings) in float32, and
+the same model quantized in-process to 4 bits (group size 64).
+Tolerances: 1e-4 absolute for one attention block or transformer block, 1e-3 for the logits of the
+full model (logits reach about 20; we measured about 4e-5).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tests.harness import solution
+
+sol = solution(week=1, day=5)
+
+LAYER_ATOL = 1e-4
+LOGITS_ATOL = 1e-3
+
+
+def assert_close(actual, expected, atol):
+    assert actual.shape == expected.shape, f"shape {actual.shape} != expected {expected.shape}"
+    diff = float(mx.max(mx.abs(actual - expected)).item())
+    assert diff <= atol, f"largest difference {diff:.3g} > {atol}"
+
+
+def attention_of(layer, args):
+    a = layer.self_attn
+    return sol.qwen2_week1.Qwen2MultiHeadAttention(
+        args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+        a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+        a.q_proj.bias, a.k_proj.bias, a.v_proj.bias,
+        max_seq_len=args.max_position_embeddings, theta=args.rope_theta,
+    )
+
+
+@pytest.mark.parametrize("B, L", [(1, 1), (1, 6), (2, 9)])
+def test_task_1_qwen2_attention(embedded_model, B, L):
+    model, _ = embedded_model
+    args = model.args
+    mx.random.seed(40)
+    x = mx.random.normal((B, L, args.hidden_size))
+    for layer in model.model.layers:
+        expected = layer.self_attn(x, mask="causal" if L > 1 else None)
+        assert_close(attention_of(layer, args)(x, mask="causal"), expected, LAYER_ATOL)
+
+
+def test_task_1_qwen2_attention_explicit_mask(embedded_model):
+    # An array mask (B x 1 x L x L, broadcast over the heads) works as well as the name "causal".
+    model, _ = embedded_model
+    args = model.args
+    mx.random.seed(41)
+    x = mx.random.normal((2, 5, args.hidden_size))
+    mask = mx.random.normal((2, 1, 5, 5))
+    layer = model.model.layers[0]
+    assert_close(attention_of(layer, args)(x, mask=mask), layer.self_attn(x, mask=mask), LAYER_ATOL)
+
+
+@pytest.mark.parametrize("B, L", [(1, 1), (2, 7)])
+def test_task_2_qwen2_transformer_block(embedded_model, B, L):
+    model, _ = embedded_model
+    args = model.args
+    mx.random.seed(42)
+    x = mx.random.normal((B, L, args.hidden_size))
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        block = sol.qwen2_week1.Qwen2TransformerBlock(
+            args.num_attention_heads, args.num_key_value_heads, args.hidden_size, args.intermediate_size,
+            args.rms_norm_eps,
+            a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+            a.q_proj.bias, a.k_proj.bias, a.v_proj.bias,
+            m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            max_seq_len=args.max_position_embeddings, theta=args.rope_theta,
+        )
+        expected = layer(x, mask="causal" if L > 1 else None)
+        assert_close(block(x, mask="causal"), expected, LAYER_ATOL)
+
+
+def test_task_3_embedding(embedded_model):
+    model, _ = embedded_model
+    table = model.model.embed_tokens
+    emb = sol.embedding.Embedding(table.weight.shape[0], table.weight.shape[1], table.weight)
+    ids = mx.array([[0, 5, 151935], [42, 42, 7]])
+    assert_close(emb(ids), table(ids), 0.0)
+    mx.random.seed(43)
+    h = mx.random.normal((2, 3, table.weight.shape[1]))
+    assert_close(emb.as_linear(h), table.as_linear(h), 1e-4)
+
+
+PROMPTS = [
+    [[9707, 11, 1879, 0]],
+    [[151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30, 151645, 198, 151644, 77091, 198]],
+    [[1, 2, 3, 4, 5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700, 800]],  # a batch of two
+    [[151643]],
+]
+
+
+@pytest.mark.parametrize("tokens", PROMPTS, ids=["short", "chat", "batch2", "one-token"])
+def test_task_3_qwen2_model_logits(embedded_model, tokens):
+    model, _ = embedded_model
+    ours = sol.qwen2_week1.Qwen2ModelWeek1(model)
+    assert ours.num_hidden_layers == model.args.num_hidden_layers
+    assert ours.vocab_size == model.args.vocab_size
+    inputs = mx.array(tokens)
+    logits = ours(inputs)
+    assert logits.shape == (*inputs.shape, model.args.vocab_size)
+    assert_close(logits, model(inputs), LOGITS_ATOL)
+
+
+def test_task_3_qwen2_model_is_causal(embedded_model):
+    # Appending tokens must not change the logits at earlier positions.
+    model, _ = embedded_model
+    ours = sol.qwen2_week1.Qwen2ModelWeek1(model)
+    full = ours(mx.array([[11, 22, 33, 44, 55, 66]]))
+    prefix = ours(mx.array([[11, 22, 33]]))
+    assert_close(full[:, :3], prefix, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def quantized_model(embedded_model):
+    """The embedded model quantized in-process to 4 bits, group size 64 (a fresh copy: the fixture's stays float).
+
+    Layers whose input size is not a multiple of 64 (the MLP's down projection: 176 inputs) stay float,
+    so the model mixes quantized and float layers, as real mixed-precision checkpoints do.
+    """
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    model, _ = embedded_model
+    copy = mlx_qwen2.Model(model.args)
+    copy.update(model.parameters())
+    nn.quantize(copy, group_size=64, bits=4,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
+    mx.eval(copy.parameters())
+    return copy
+
+
+def test_task_3_qwen2_model_quantized(quantized_model):
+    assert isinstance(quantized_model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(quantized_model.model.embed_tokens, nn.QuantizedEmbedding)
+    ours = sol.qwen2_week1.Qwen2ModelWeek1(quantized_model)
+    inputs = mx.array([[9707, 11, 1879, 0, 3838, 374]])
+    assert_close(ours(inputs), quantized_model(inputs), LOGITS_ATOL)

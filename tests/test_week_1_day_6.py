@@ -1,0 +1,144 @@
+"""Week 1 Day 6: generating a response (book/src/week1-06-generate-response.md).
+
+Oracle: mlx_lm.stream_generate with greedy sampling, on the embedded model, for several prompts: our
+greedy tokens must be identical, token for token. Then the loop's contract: stop at EOS, stop at
+max_tokens, stream text through on_text while generating, and use the sampler it is given.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from tests.harness import reference, solution
+
+sol = solution(week=1, day=6)
+ref = reference()
+
+MAX_TOKENS = 12
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "数学很有趣",
+]
+
+
+@pytest.fixture(scope="module")
+def our_model(embedded_model):
+    # Day 6 tests the loop, so the model is the reference's (the student's model is day 5).
+    return ref.qwen2_week1.Qwen2ModelWeek1(embedded_model[0])
+
+
+def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
+    """mlx-lm's greedy token ids and streamed text for `prompt` (encoded as simple_generate encodes it)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    tokens, text = [], ""
+    for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temp=0.0)):
+        if response.finish_reason != "stop":  # the "stop" response carries the EOS token, which is not output
+            tokens.append(response.token)
+        text += response.text
+    return tokens, text
+
+
+class Recorder:
+    """A greedy sampler that writes down each token it picks."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def __call__(self, logprobs):
+        token = mx.argmax(logprobs, axis=-1)
+        self.tokens.append(int(token.item()))
+        return token
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "france", "code", "chat", "chinese"])
+def test_task_1_greedy_matches_mlx_lm(embedded_model, our_model, prompt):
+    model, tokenizer = embedded_model
+    expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
+    # Token ids, through a recording greedy sampler...
+    recorder = Recorder()
+    text = sol.generate.simple_generate(our_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
+    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
+    # ...the same text as mlx-lm's streaming detokenizer spells (it drops a leading space)...
+    assert text == expected_text
+    # ...and the same again with the default sampler (None = greedy).
+    assert sol.generate.simple_generate(our_model, tokenizer, prompt, max_tokens=MAX_TOKENS) == expected_text
+
+
+class EosAfter:
+    """Wraps a model; from the n-th generated token on, EOS is the most likely token."""
+
+    def __init__(self, model, prompt_len, n, eos):
+        self.model, self.prompt_len, self.n, self.eos = model, prompt_len, n, eos
+        self.calls = 0
+
+    def __call__(self, inputs):
+        self.calls += 1
+        logits = self.model(inputs)
+        if inputs.shape[1] >= self.prompt_len + self.n:
+            bump = mx.zeros((logits.shape[-1],)).at[self.eos].add(1e4)
+            logits = logits + bump
+        return logits
+
+
+def test_task_1_stops_at_eos(embedded_model, our_model):
+    _, tokenizer = embedded_model
+    prompt = PROMPTS[0]
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    eos = next(iter(tokenizer.eos_token_ids))
+    wrapped = EosAfter(our_model, prompt_len, 3, eos)
+    recorder = Recorder()
+    text = sol.generate.simple_generate(wrapped, tokenizer, prompt, sampler=recorder, max_tokens=20)
+    # Three tokens, then EOS: the loop stops there and EOS is not part of the text.
+    assert recorder.tokens[-1] == eos and len(recorder.tokens) == 4
+    assert wrapped.calls == 4
+    assert text.strip() == tokenizer.decode(recorder.tokens[:3]).strip()
+    assert "<|im_end|>" not in text
+
+
+def test_task_1_max_tokens(embedded_model, our_model):
+    _, tokenizer = embedded_model
+    recorder = Recorder()
+    sol.generate.simple_generate(our_model, tokenizer, PROMPTS[1], sampler=recorder, max_tokens=5)
+    assert len(recorder.tokens) == 5
+
+
+def test_task_1_streams_text_as_tokens_arrive(embedded_model, our_model):
+    _, tokenizer = embedded_model
+    events = []
+
+    def model(inputs):
+        events.append("model")
+        return our_model(inputs)
+
+    pieces = []
+
+    def on_text(piece):
+        events.append("text")
+        pieces.append(piece)
+
+    text = sol.generate.simple_generate(model, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=on_text)
+    assert "".join(pieces) == text
+    assert len(pieces) > 1, "on_text should be called once per new piece of text, not once at the end"
+    # Streaming: text comes out between model calls, not all after the last one.
+    assert events.index("text") < len(events) - 1 - events[::-1].index("model")
+    assert all(piece for piece in pieces), "on_text should not be called with empty pieces"
+
+
+def test_task_1_uses_the_sampler(embedded_model, our_model):
+    _, tokenizer = embedded_model
+    # A sampler that always answers token 40 ("I") must be obeyed.
+    calls = []
+
+    def always_40(logprobs):
+        calls.append(logprobs.shape)
+        return mx.array([40])
+
+    text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=always_40, max_tokens=4)
+    assert text.strip() == tokenizer.decode([40] * 4).strip()
+    # The sampler gets log-probabilities for one sequence: 1 x vocab.
+    assert len(calls) == 4 and all(shape == (1, our_model.vocab_size) for shape in calls)
