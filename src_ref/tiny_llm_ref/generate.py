@@ -45,3 +45,44 @@ def simple_generate(
     if segment and on_text is not None:
         on_text(segment)
     return detokenizer.text
+
+
+def simple_generate_with_kv_cache(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate like `simple_generate`, but feed the model only the new token at each step.
+
+    `model` is a `Qwen2ModelWeek2`: the prompt is prefilled once into a fresh `model.make_cache()`,
+    then each step runs one token at `offset` = the number of tokens already in the cache. Same
+    contract as `simple_generate`: the same `sampler`, `max_tokens`, EOS and `on_text` behaviour,
+    and, for greedy decoding, the same tokens. Returns the generated text.
+    """
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    cache = model.make_cache()
+    detokenizer = tokenizer.detokenizer
+    offset = 0  # how many tokens the cache holds
+    new_tokens = tokens  # the first step prefills the whole prompt
+    for _ in range(max_tokens):
+        logits = model(mx.array([new_tokens]), offset, cache)[:, -1, :]
+        offset += len(new_tokens)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        next_token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+        token = int(next_token.item())
+        if token in tokenizer.eos_token_ids:
+            break
+        # The cache already holds everything before this token: next step, the model reads only it.
+        new_tokens = [token]
+        detokenizer.add_token(token)
+        segment = detokenizer.last_segment
+        if segment and on_text is not None:
+            on_text(segment)
+    detokenizer.finalize()
+    segment = detokenizer.last_segment
+    if segment and on_text is not None:
+        on_text(segment)
+    return detokenizer.text

@@ -1,0 +1,263 @@
+"""Week 2 Day 1: the KV cache (book/src/week2-01-kv-cache.md).
+
+Oracles: plain concatenation for the cache; mlx-lm's own Qwen2 on the embedded model's weights for
+the logits (prefill, each decode step, and prefill split into chunks); mlx-lm's greedy generation and
+week 1's cacheless loop for the generated tokens. A spy model checks that generation really feeds one
+token per step after the prompt.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from tests.harness import reference, solution
+
+sol = solution(week=2, day=1)
+ref = reference()
+
+ATOL = RTOL = 1e-3  # float32 logits of size ~20; different summation orders differ by ~1e-5
+PROMPT = "The quick brown fox jumps over the lazy dog. A KV cache keeps what attention already computed."
+
+
+def assert_close(actual, expected, what):
+    np.testing.assert_allclose(np.array(actual), np.array(expected), rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+def random_kv(shape, seed):
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    return mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2)
+
+
+# ---------------------------------------------------------------- Task 1: the full cache
+
+def test_task_1_full_cache_appends():
+    cache = sol.kv_cache.TinyKvFullCache()
+    assert cache.offset == 0
+    k1, v1 = random_kv((1, 2, 3, 4), seed=1)  # B x H x L x D: a 3-token prefill
+    keys, values, seq_len, mask = cache.update_and_fetch(k1, v1)
+    assert seq_len == 3 and cache.offset == 3
+    assert mask is None
+    assert_close(keys, k1, "keys after the first update")
+    assert_close(values, v1, "values after the first update")
+
+    k2, v2 = random_kv((1, 2, 2, 4), seed=2)  # a 2-token chunk
+    keys, values, seq_len, mask = cache.update_and_fetch(k2, v2, mask_length=2, mask="causal")
+    assert seq_len == 5 and cache.offset == 5
+    assert mask == "causal", "a one-request cache passes the model's mask on unchanged"
+    assert keys.shape == (1, 2, 5, 4) and values.shape == (1, 2, 5, 4)
+    assert_close(keys, mx.concatenate([k1, k2], axis=2), "keys: old then new, along the sequence axis")
+    assert_close(values, mx.concatenate([v1, v2], axis=2), "values: old then new, along the sequence axis")
+
+    k3, v3 = random_kv((1, 2, 1, 4), seed=3)  # one decode step
+    keys, values, seq_len, _ = cache.update_and_fetch(k3, v3)
+    assert seq_len == 6 and cache.offset == 6
+    assert_close(keys, mx.concatenate([k1, k2, k3], axis=2), "keys after a decode step")
+    assert_close(values, mx.concatenate([v1, v2, v3], axis=2), "values after a decode step")
+
+
+def test_task_1_full_caches_are_independent():
+    first, second = sol.kv_cache.TinyKvFullCache(), sol.kv_cache.TinyKvFullCache()
+    k1, v1 = random_kv((1, 2, 4, 8), seed=4)
+    k2, v2 = random_kv((1, 2, 2, 8), seed=5)
+    first.update_and_fetch(k1, v1)
+    second.update_and_fetch(k2, v2)
+    assert first.offset == 4 and second.offset == 2
+    keys, _, _, _ = second.update_and_fetch(k1[:, :, :1], v1[:, :, :1])
+    assert_close(keys, mx.concatenate([k2, k1[:, :, :1]], axis=2), "a cache holds only its own tokens")
+
+
+# ---------------------------------------------------------------- Task 2: the model with a cache
+
+@pytest.fixture(scope="module")
+def our_model(embedded_model):
+    return sol.qwen2_week2.Qwen2ModelWeek2(embedded_model[0])
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(embedded_model):
+    ids = embedded_model[1].encode(PROMPT, add_special_tokens=False)
+    assert len(ids) >= 16
+    return ids
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_logits(embedded_model, prompt_ids):
+    """mlx-lm's logits for the whole prompt, no cache: position i predicts token i + 1."""
+    return embedded_model[0](mx.array([prompt_ids]))
+
+
+def test_task_2_make_cache(our_model, embedded_model):
+    cache = our_model.make_cache()
+    assert len(cache) == our_model.num_hidden_layers == embedded_model[0].args.num_hidden_layers
+    assert all(isinstance(c, sol.kv_cache.TinyKvFullCache) for c in cache)
+    assert all(c.offset == 0 for c in cache)
+    assert cache[0] is not cache[1], "one cache object per layer"
+
+
+def test_task_2_prefill_matches_mlx_lm(our_model, prompt_ids, mlx_lm_logits):
+    cache = our_model.make_cache()
+    logits = our_model(mx.array([prompt_ids]), 0, cache)
+    assert logits.shape == (1, len(prompt_ids), our_model.vocab_size)
+    assert_close(logits, mlx_lm_logits, "prefill logits vs mlx-lm")
+    assert all(c.offset == len(prompt_ids) for c in cache), "every layer's cache holds the whole prompt"
+
+
+def test_task_2_decode_steps_match_mlx_lm(our_model, prompt_ids, mlx_lm_logits):
+    # Prefill the first 6 tokens, then feed the rest one at a time at offset = tokens cached so far.
+    # Step by step, the logits must equal mlx-lm's for the whole sequence at that position.
+    start = 6
+    cache = our_model.make_cache()
+    logits = our_model(mx.array([prompt_ids[:start]]), 0, cache)
+    assert_close(logits[0, -1], mlx_lm_logits[0, start - 1], "last prefill position")
+    for position in range(start, len(prompt_ids)):
+        logits = our_model(mx.array([[prompt_ids[position]]]), position, cache)
+        assert logits.shape == (1, 1, our_model.vocab_size)
+        assert_close(logits[0, 0], mlx_lm_logits[0, position], f"decode step at position {position}")
+        assert cache[0].offset == position + 1
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 8])
+def test_task_2_chunked_prefill_equals_one_shot(our_model, prompt_ids, mlx_lm_logits, chunk):
+    # L new tokens after `offset` cached ones: query i sits at offset + i and sees keys 0 .. offset + i,
+    # which is causal_mask(L, offset + L). Prefilling in chunks gives the one-shot logits.
+    cache = our_model.make_cache()
+    parts = []
+    for offset in range(0, len(prompt_ids), chunk):
+        part = prompt_ids[offset : offset + chunk]
+        parts.append(our_model(mx.array([part]), offset, cache))
+    assert_close(mx.concatenate(parts, axis=1), mlx_lm_logits, f"prefill in chunks of {chunk} vs one shot")
+
+
+def test_task_2_two_part_prefill(our_model, prompt_ids, mlx_lm_logits):
+    # The smallest case of the above, the one day 2.7 builds on: two parts of unequal length.
+    cache = our_model.make_cache()
+    first = our_model(mx.array([prompt_ids[:5]]), 0, cache)
+    second = our_model(mx.array([prompt_ids[5:]]), 5, cache)
+    assert_close(first, mlx_lm_logits[:, :5], "first part")
+    assert_close(second, mlx_lm_logits[:, 5:], "second part, 5 tokens already cached")
+
+
+# ---------------------------------------------------------------- Task 3: generating with the cache
+
+MAX_TOKENS = 10
+PROMPTS = [
+    "Hello, my name is",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "数学很有趣",
+]
+
+
+@pytest.fixture(scope="module")
+def ref_model(embedded_model):
+    # Task 3 tests the loop, so it runs on the reference model (the model is Task 2).
+    return ref.qwen2_week2.Qwen2ModelWeek2(embedded_model[0])
+
+
+def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
+    """mlx-lm's greedy token ids and streamed text for `prompt`, encoded as our loop encodes it."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    tokens, text = [], ""
+    for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(temp=0.0)):
+        if response.finish_reason != "stop":  # the "stop" response carries EOS, which is not output
+            tokens.append(response.token)
+        text += response.text
+    return tokens, text
+
+
+class Recorder:
+    """A greedy sampler that writes down each token it picks."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def __call__(self, logprobs):
+        token = mx.argmax(logprobs, axis=-1)
+        self.tokens.append(int(token.item()))
+        return token
+
+
+class Spy:
+    """Wraps a week-2 model: records (tokens fed, offset) per call; optionally makes EOS win from a position on."""
+
+    def __init__(self, model, eos=None, eos_from=None):
+        self.model, self.eos, self.eos_from = model, eos, eos_from
+        self.calls = []
+        self.num_hidden_layers = model.num_hidden_layers
+        self.vocab_size = model.vocab_size
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+    def __call__(self, inputs, offset, cache):
+        self.calls.append((inputs.shape[1], offset))
+        logits = self.model(inputs, offset, cache)
+        if self.eos is not None and offset + inputs.shape[1] >= self.eos_from:
+            logits = logits + mx.zeros((logits.shape[-1],)).at[self.eos].add(1e4)
+        return logits
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "chat", "chinese"])
+def test_task_3_greedy_matches_mlx_lm(embedded_model, ref_model, prompt):
+    model, tokenizer = embedded_model
+    expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
+    recorder = Recorder()
+    text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=recorder,
+                                                      max_tokens=MAX_TOKENS)
+    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
+    # The same text as mlx-lm's streaming detokenizer spells (it drops a leading space).
+    assert text == expected_text
+    default = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert default == text, "sampler=None means greedy"
+
+
+def test_task_3_same_text_as_week_1_loop(embedded_model, ref_model):
+    mlx_model, tokenizer = embedded_model
+    week1 = ref.qwen2_week1.Qwen2ModelWeek1(mlx_model)
+    prompt = PROMPTS[0]
+    without_cache = ref.generate.simple_generate(week1, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    with_cache = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert with_cache == without_cache
+
+
+def test_task_3_feeds_one_token_per_step(embedded_model, ref_model):
+    _, tokenizer = embedded_model
+    prompt = PROMPTS[0]
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    spy = Spy(ref_model)
+    sol.generate.simple_generate_with_kv_cache(spy, tokenizer, prompt, max_tokens=6)
+    # The prompt once, at offset 0; then one token per step at offset = tokens already cached.
+    assert spy.calls[0] == (prompt_len, 0), "the first call prefills the whole prompt at offset 0"
+    assert spy.calls[1:] == [(1, prompt_len + i) for i in range(5)], (
+        f"after the prompt, each step feeds one token at the next offset; calls were {spy.calls}")
+
+
+def test_task_3_stops_at_eos_and_max_tokens(embedded_model, ref_model):
+    _, tokenizer = embedded_model
+    prompt = PROMPTS[0]
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    eos = next(iter(tokenizer.eos_token_ids))
+    # From the 4th generated token on, EOS is the most likely token.
+    spy = Spy(ref_model, eos=eos, eos_from=prompt_len + 3)
+    recorder = Recorder()
+    text = sol.generate.simple_generate_with_kv_cache(spy, tokenizer, prompt, sampler=recorder, max_tokens=20)
+    assert len(recorder.tokens) == 4 and recorder.tokens[-1] == eos
+    assert text.strip() == tokenizer.decode(recorder.tokens[:3]).strip(), "EOS ends the text, not part of it"
+    assert "<|im_end|>" not in text
+    assert len(spy.calls) == 4
+
+    recorder = Recorder()
+    sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=recorder, max_tokens=3)
+    assert len(recorder.tokens) == 3
+
+
+def test_task_3_streams_text(embedded_model, ref_model):
+    _, tokenizer = embedded_model
+    pieces = []
+    text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS,
+                                                      on_text=pieces.append)
+    assert len(pieces) >= 2, "text arrives piece by piece as tokens are generated"
+    assert "".join(pieces) == text
