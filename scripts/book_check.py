@@ -1,0 +1,374 @@
+"""Checks that keep the book in step with the code, without mdbook (tests/test_book.py runs them).
+
+Each check takes the repo root and returns a list of problems, each naming the chapter file, the line
+and what is wrong:
+
+- summary:   every SUMMARY.md entry exists, every chapter is listed, every course day's chapter is listed;
+- includes:  every {{#include path}} / {{#include path:anchor}} / {{#include path:a:b}} resolves;
+- links:     every relative link between chapters resolves;
+- paths:     every repo path a chapter names in backticks (`src/tiny_llm/attention.py`) exists;
+- commands:  every `pdm run X ...` shown is a script of pyproject.toml whose arguments its parser accepts;
+- tasks:     every "## Task N" of a day's chapter has tests named test_task_N_... in that day's test file,
+             every such test has its "## Task N", and every task with tests has points in the course map;
+- skeleton:  every "Week W Day D Task N (book/src/X.md)" message in the skeleton names day W.D's chapter
+             and one of its tasks.
+
+A pdm script that runs `python -m module` is checked by importing `module` and calling its
+`build_parser()` (it is never run); arguments after `--` pass through unchecked.
+"""
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import io
+import re
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+
+TOP_LEVEL_DIRS = ("src", "src_ref", "tests", "scripts", "benches", "book", "models", ".ci")
+INCLUDE = re.compile(r"\{\{#(include|rustdoc_include)\s+([^}\s]+)\s*\}\}")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+TASK_HEADING = re.compile(r"^#{1,6}\s+Task\s+(\d+)\b")
+TASK_TEST = re.compile(r"^test_task_(\d+)_")
+SKELETON_MESSAGE = re.compile(r"Week (\d+) Day (\d+) Task (\d+) \((book/src/[^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+# ---------------------------------------------------------------- reading the repo
+
+def load_course_map(root: Path):
+    """The course map of the repo at `root` (loaded from its file, so a synthetic repo has its own)."""
+    path = root / "scripts" / "course_map.py"
+    spec = importlib.util.spec_from_file_location(f"_course_map_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def chapters(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "book" / "src").rglob("*.md") if p.name != "SUMMARY.md")
+
+
+def rel(root: Path, path: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def lines_outside_code(text: str):
+    """(line number, line, inside a fenced code block?) for every line."""
+    inside = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if FENCE.match(line):
+            inside = not inside
+            yield number, line, True
+            continue
+        yield number, line, inside
+
+
+def summary_entries(root: Path) -> list[tuple[int, str]]:
+    summary = root / "book" / "src" / "SUMMARY.md"
+    entries = []
+    for number, line, in_code in lines_outside_code(summary.read_text()):
+        if in_code:
+            continue
+        for target in LINK.findall(line):
+            entries.append((number, target))
+    return entries
+
+
+# ---------------------------------------------------------------- checks
+
+def summary_problems(root: Path) -> list[str]:
+    src = root / "book" / "src"
+    summary = src / "SUMMARY.md"
+    if not summary.exists():
+        return ["book/src/SUMMARY.md: missing"]
+    problems, listed = [], set()
+    for number, target in summary_entries(root):
+        path = (src / target.split("#")[0]).resolve()
+        listed.add(path)
+        if not path.exists():
+            problems.append(f"book/src/SUMMARY.md:{number}: lists {target}, which does not exist")
+    for chapter in chapters(root):
+        if chapter.resolve() not in listed:
+            problems.append(f"{rel(root, chapter)}: not listed in book/src/SUMMARY.md (mdbook would not show it)")
+    for day in load_course_map(root).DAYS:
+        if (src / day.chapter).resolve() not in listed:
+            problems.append(f"book/src/SUMMARY.md: week {day.week} day {day.day}'s chapter {day.chapter} "
+                            f"(scripts/course_map.py) is not listed")
+    return problems
+
+
+def _anchor_lines(text: str, anchor: str) -> list[str] | None:
+    lines, inside, found = [], False, False
+    for line in text.splitlines():
+        if re.search(rf"ANCHOR_END:\s*{re.escape(anchor)}\b", line):
+            inside = False
+            continue
+        if re.search(rf"ANCHOR:\s*{re.escape(anchor)}\b", line):
+            inside, found = True, True
+            continue
+        if inside:
+            lines.append(line)
+    return lines if found else None
+
+
+def include_problems(root: Path) -> list[str]:
+    problems = []
+    for chapter in chapters(root) + [root / "book" / "src" / "SUMMARY.md"]:
+        if not chapter.exists():
+            continue
+        for number, line in enumerate(chapter.read_text().splitlines(), start=1):
+            for _, spec in INCLUDE.findall(line):
+                where = f"{rel(root, chapter)}:{number}"
+                path_text, _, selector = spec.partition(":")
+                path = (chapter.parent / path_text).resolve()
+                if not path.is_file():
+                    problems.append(f"{where}: {{{{#include {spec}}}}}: {path_text} does not exist")
+                    continue
+                text = path.read_text()
+                if not selector:
+                    continue
+                parts = selector.split(":")
+                if all(p.isdigit() or p == "" for p in parts):
+                    count = len(text.splitlines())
+                    numbers = [int(p) for p in parts if p]
+                    if any(n < 1 or n > count for n in numbers):
+                        problems.append(f"{where}: {{{{#include {spec}}}}}: line {max(numbers)} is past the end "
+                                        f"of {path_text} ({count} lines)")
+                    elif len(numbers) == 2 and numbers[0] > numbers[1]:
+                        problems.append(f"{where}: {{{{#include {spec}}}}}: the line range is reversed")
+                elif _anchor_lines(text, parts[0]) is None:
+                    problems.append(f"{where}: {{{{#include {spec}}}}}: {path_text} has no "
+                                    f"'ANCHOR: {parts[0]}' ... 'ANCHOR_END: {parts[0]}'")
+    return problems
+
+
+def link_problems(root: Path) -> list[str]:
+    problems = []
+    for chapter in chapters(root):
+        for number, line, in_code in lines_outside_code(chapter.read_text()):
+            if in_code:
+                continue
+            for target in LINK.findall(CODE_SPAN.sub("", line)):
+                if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                    continue  # a URL, mail address or an anchor on the same page
+                path = (chapter.parent / target.split("#")[0]).resolve()
+                if not path.exists():
+                    problems.append(f"{rel(root, chapter)}:{number}: the link to {target} leads nowhere")
+    return problems
+
+
+def path_problems(root: Path) -> list[str]:
+    """Backticked repo paths (first component one of the repo's top-level folders) must exist."""
+    problems = []
+    for chapter in chapters(root):
+        for number, line, in_code in lines_outside_code(chapter.read_text()):
+            if in_code:
+                continue
+            for _, span in CODE_SPAN.findall(line):
+                candidate = span.strip().rstrip(".,:;")
+                if not re.fullmatch(r"[\w.\-]+(/[\w.\-]*)+", candidate):
+                    continue
+                first = candidate.split("/")[0]
+                if first not in TOP_LEVEL_DIRS:
+                    continue
+                if not (root / candidate).exists() and not _ignored(root, candidate):
+                    problems.append(f"{rel(root, chapter)}:{number}: names `{candidate}`, which does not exist")
+    return problems
+
+
+def _ignored(root: Path, path: str) -> bool:
+    """Generated outputs (benchmark results, built books) may be named before they exist."""
+    return path.startswith(("benches/results/", "book/book/"))
+
+
+# ---------------------------------------------------------------- pdm run commands
+
+def shown_commands(root: Path) -> list[tuple[Path, int, str]]:
+    """Every `pdm run ...` a chapter shows: in inline code and in code blocks."""
+    found = []
+    for chapter in chapters(root):
+        for number, line, in_code in lines_outside_code(chapter.read_text()):
+            if in_code:
+                text = re.sub(r"^\s*\$\s+", "", line)
+                if text.strip().startswith("pdm run "):
+                    found.append((chapter, number, text.strip()))
+            else:
+                for _, span in CODE_SPAN.findall(line):
+                    if span.strip().startswith("pdm run "):
+                        found.append((chapter, number, span.strip()))
+    return found
+
+
+def pdm_scripts(root: Path) -> dict:
+    with open(root / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("pdm", {}).get("scripts", {})
+
+
+def _script_module(definition) -> tuple[str | None, list[str]]:
+    """(module, fixed arguments) of a script that runs `python -m module ...`; (None, []) otherwise."""
+    command = definition.get("cmd") if isinstance(definition, dict) else definition
+    if isinstance(command, str):
+        command = shlex.split(command)
+    if isinstance(command, list) and len(command) >= 3 and command[0] in ("python", "python3") \
+            and command[1] == "-m":
+        return command[2], list(command[3:])
+    return None, []
+
+
+def parse_with(module: str, args: list[str]) -> str | None:
+    """None when `module.build_parser()` accepts `args`; otherwise what is wrong."""
+    try:
+        parser_module = importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - report any import failure as a problem
+        return f"cannot import {module}: {type(error).__name__}: {error}"
+    build = getattr(parser_module, "build_parser", None)
+    if build is None:
+        return f"{module} has no build_parser(), so its arguments cannot be checked"
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            build().parse_args(args)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            message = errors.getvalue().strip().splitlines()
+            return message[-1] if message else f"exit status {stop.code}"
+    return None
+
+
+def command_problems(root: Path) -> list[str]:
+    scripts = pdm_scripts(root)
+    problems = []
+    for chapter, number, command in shown_commands(root):
+        where = f"{rel(root, chapter)}:{number}: `{command}`"
+        try:
+            words = shlex.split(command, comments=True)
+        except ValueError as error:
+            problems.append(f"{where}: cannot be split into words ({error})")
+            continue
+        for stop in ("&&", "||", ";", "|", ">", "2>&1"):
+            if stop in words:
+                words = words[: words.index(stop)]
+        if len(words) < 3:
+            problems.append(f"{where}: names no script")
+            continue
+        name, args = words[2], words[3:]
+        if "--" in args:
+            args = args[: args.index("--")]  # pass-through arguments (to pytest) are not checked
+        if name in ("python", "python3") and len(words) >= 5 and words[3] == "-m":
+            module, fixed, args = words[4], [], [a for a in args[2:]]
+        elif name not in scripts or name.startswith("_"):
+            problems.append(f"{where}: pyproject.toml defines no pdm script named {name!r}")
+            continue
+        else:
+            module, fixed = _script_module(scripts[name])
+        if module is None:
+            continue  # not a `python -m` script: its existence is all we can check
+        problem = parse_with(module, fixed + args)
+        if problem:
+            problems.append(f"{where}: {problem}")
+    return problems
+
+
+# ---------------------------------------------------------------- tasks, tests and points
+
+def tasks_in_tests(test_file: Path) -> dict[int, list[str]]:
+    """Task number -> test function names, read with `ast` (the file is not imported)."""
+    tasks: dict[int, list[str]] = {}
+    for node in ast.walk(ast.parse(test_file.read_text(), filename=str(test_file))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            match = TASK_TEST.match(node.name)
+            if match:
+                tasks.setdefault(int(match.group(1)), []).append(node.name)
+    return tasks
+
+
+def chapter_tasks(chapter: Path) -> dict[int, int]:
+    """Task number -> line of its heading ("## Task N: ...") in a chapter."""
+    tasks = {}
+    for number, line, in_code in lines_outside_code(chapter.read_text()):
+        match = TASK_HEADING.match(line) if not in_code else None
+        if match:
+            tasks.setdefault(int(match.group(1)), number)
+    return tasks
+
+
+def task_problems(root: Path) -> list[str]:
+    problems = []
+    for day in load_course_map(root).DAYS:
+        chapter = root / "book" / "src" / day.chapter
+        test_file = root / day.test_file
+        label = f"week {day.week} day {day.day}"
+        chapter_name = f"book/src/{day.chapter}"
+        if not chapter.exists():
+            problems.append(f"{chapter_name}: {label}'s chapter does not exist yet")
+        if not test_file.exists():
+            problems.append(f"{day.test_file}: {label}'s test file does not exist yet")
+        if not chapter.exists() or not test_file.exists():
+            continue
+        in_chapter, in_tests = chapter_tasks(chapter), tasks_in_tests(test_file)
+        for task, line in sorted(in_chapter.items()):
+            if task not in in_tests:
+                problems.append(f"{chapter_name}:{line}: Task {task} has no tests named test_task_{task}_... "
+                                f"in {day.test_file}")
+        for task, names in sorted(in_tests.items()):
+            if task not in in_chapter:
+                problems.append(f"{chapter_name}: has no '## Task {task}' heading, but {day.test_file} has "
+                                f"{', '.join(names)}")
+            if task not in day.points:
+                problems.append(f"scripts/course_map.py: {label} Task {task} has tests in {day.test_file} but no "
+                                f"points")
+        for task in sorted(set(day.points) - set(in_tests)):
+            problems.append(f"scripts/course_map.py: {label} Task {task} has points but {day.test_file} has no "
+                            f"test_task_{task}_... tests (chapter {chapter_name})")
+    return problems
+
+
+def skeleton_problems(root: Path) -> list[str]:
+    """The skeleton's "not implemented" messages point at the right chapter and at a task it has."""
+    days = {(d.week, d.day): d for d in load_course_map(root).DAYS}
+    problems = []
+    for module in sorted((root / "src" / "tiny_llm").glob("*.py")):
+        for number, line in enumerate(module.read_text().splitlines(), start=1):
+            for week, day_number, task, chapter in SKELETON_MESSAGE.findall(line):
+                where = f"{rel(root, module)}:{number}"
+                day = days.get((int(week), int(day_number)))
+                if day is None:
+                    problems.append(f"{where}: names week {week} day {day_number}, which is not in the course")
+                    continue
+                if chapter != f"book/src/{day.chapter}":
+                    problems.append(f"{where}: names {chapter}, but week {week} day {day_number}'s chapter is "
+                                    f"book/src/{day.chapter}")
+                path = root / "book" / "src" / day.chapter
+                if path.exists() and int(task) not in chapter_tasks(path):
+                    problems.append(f"{where}: names Task {task}, which book/src/{day.chapter} does not have")
+    return problems
+
+
+CHECKS = {
+    "summary": summary_problems,
+    "includes": include_problems,
+    "links": link_problems,
+    "paths": path_problems,
+    "commands": command_problems,
+    "tasks": task_problems,
+    "skeleton": skeleton_problems,
+}
+
+
+def all_problems(root: Path) -> list[str]:
+    return [problem for check in CHECKS.values() for problem in check(root)]
+
+
+if __name__ == "__main__":
+    found = all_problems(Path(__file__).resolve().parent.parent)
+    print("\n".join(found) or "the book is in step with the code")
+    sys.exit(1 if found else 0)

@@ -1,0 +1,131 @@
+"""Prove that each day stands alone: the untouched skeleton plus only that day's modules passes its tests.
+
+    pdm run check-days                  # every day that has a test file
+    pdm run check-days --week 2 --day 7 # one day
+    pdm run check-days --skeleton-rev HEAD   # take the skeleton from a commit instead of the working tree
+
+For each day of scripts/course_map.py, in a temporary copy of the repo: src/tiny_llm is reset to the
+untouched skeleton, the day's modules (`Day.modules`) are copied in from src_ref/tiny_llm_ref (the
+reference uses relative imports, so its files drop in unchanged), and the day's test file runs
+against the student package, in its own pytest process with a time limit per test. Every test must
+pass. This is what a student who starts the course at that day has: their own work on that day's
+modules, the skeleton everywhere else.
+
+The skeleton comes from the working tree by default (what CI checks out, and what a maintainer is
+editing); --skeleton-rev REV takes it from a commit instead, when the working copy holds solutions.
+Exit status: 0 when every checked day passes, 1 when one does not, 2 on bad arguments.
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.course_map import DAYS, Day
+from scripts.isolated_pytest import child_env, run_test_file
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SKELETON = Path("src") / "tiny_llm"
+REFERENCE = Path("src_ref") / "tiny_llm_ref"
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdm run check-days", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--week", type=int, help="only this week's days")
+    parser.add_argument("--day", type=int, nargs="+", help="only these days of --week")
+    parser.add_argument("--skeleton-rev", metavar="REV",
+                        help="take the untouched skeleton from this git commit (default: the working tree)")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="time limit of one test (default 120)")
+    return parser
+
+
+def skeleton_files(rev: str | None) -> dict[str, bytes]:
+    """The skeleton's files (name -> bytes), from the working tree or from a commit."""
+    if rev is None:
+        return {p.name: p.read_bytes() for p in sorted((REPO_ROOT / SKELETON).glob("*.py"))}
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{SKELETON.as_posix()}"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    return {name: subprocess.run(["git", "show", f"{rev}:{SKELETON.as_posix()}/{name}"], cwd=REPO_ROOT,
+                                 capture_output=True, check=True).stdout
+            for name in listing if name.endswith(".py")}
+
+
+def make_workspace(dest: Path) -> None:
+    """A copy of what the tests need; the model directory is linked, not copied."""
+    for name in ("scripts", "tests", "src_ref"):
+        shutil.copytree(REPO_ROOT / name, dest / name, ignore=IGNORE)
+    shutil.copy2(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
+    if (REPO_ROOT / "models").exists():
+        (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
+
+
+def fill_day(dest: Path, skeleton: dict[str, bytes], day: Day) -> list[str]:
+    """Reset src/tiny_llm to the skeleton, then copy in the day's modules from the reference."""
+    package = dest / SKELETON
+    shutil.rmtree(package, ignore_errors=True)
+    package.mkdir(parents=True)
+    for name, data in skeleton.items():
+        (package / name).write_bytes(data)
+    problems = []
+    for module in day.modules:
+        source = REPO_ROOT / REFERENCE / f"{module}.py"
+        if not source.exists():
+            problems.append(f"the reference has no {module}.py")
+            continue
+        if f"{module}.py" not in skeleton:
+            problems.append(f"the skeleton has no {module}.py")
+        shutil.copy2(source, package / f"{module}.py")
+    return problems
+
+
+def check_day(dest: Path, skeleton: dict[str, bytes], day: Day, timeout: float) -> tuple[bool, list[str], float]:
+    problems = fill_day(dest, skeleton, day)
+    run = run_test_file(day.test_file, dest, child_env("student"), timeout=timeout)
+    problems += run.problems + [f"collection error: {e}" for e in run.collect_errors]
+    failed = [r for r in run.results.values() if not r.ok]
+    for result in failed:
+        lines = [line for line in result.output.strip().splitlines() if line.strip()]
+        telling = [line for line in lines if line.startswith("E ") or "not implemented yet" in line] or lines
+        problems.append(f"{result.nodeid} {result.outcome}: " + " | ".join(line.strip() for line in telling[:3]))
+    if not run.results and not problems:
+        problems.append("no tests were collected")
+    passed = sum(r.ok for r in run.results.values())
+    summary = f"{passed}/{len(run.results)} tests"
+    return not problems, [summary, *problems], run.seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.day and args.week is None:
+        build_parser().error("--day needs --week")
+    days = [d for d in DAYS if (args.week is None or d.week == args.week) and (not args.day or d.day in args.day)]
+    if not days:
+        build_parser().error("no such day in scripts/course_map.py")
+    skeleton = skeleton_files(args.skeleton_rev)
+    started, failures = time.monotonic(), 0
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-check-days-") as tmp:
+        dest = Path(tmp)
+        make_workspace(dest)
+        for day in days:
+            label = f"week {day.week} day {day.day} ({', '.join(day.modules)})"
+            if not (REPO_ROOT / day.test_file).exists():
+                print(f"SKIP  {label}: no tests yet ({day.test_file})", flush=True)
+                continue
+            ok, lines, seconds = check_day(dest, skeleton, day, args.timeout)
+            failures += not ok
+            print(f"{'PASS' if ok else 'FAIL'}  {label}: {lines[0]} in {seconds:.1f} s", flush=True)
+            for line in lines[1:]:
+                print(f"        {line[:400]}", flush=True)
+    print(f"check-days: {'all days stand alone' if not failures else f'{failures} day(s) failed'} "
+          f"({time.monotonic() - started:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

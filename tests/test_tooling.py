@@ -1,0 +1,391 @@
+"""Tests of the course's tooling: the grader, its Gradescope report, the per-day check and the book check.
+
+The grader is tested end to end on a tiny synthetic course (three days of two-line modules) built in a
+temporary directory with copies of the real scripts/ and tests/harness.py, so these tests do not depend
+on the state of the real course and run in seconds. The synthetic student breaks on purpose: one task
+hangs, one kills the interpreter, one day's module raises at import. A second test does the same on the
+real course's days 1.1 and 1.4 when their tests exist.
+"""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scripts import book_check
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------- Gradescope's results.json, checked field by field
+# From Gradescope's "Autograder Specifications" (gradescope-autograders.readthedocs.io/en/latest/specs/):
+# every field is optional except that a score is needed at the top level or on every test.
+FORMATS = {"text", "html", "simple_format", "md", "ansi"}
+VISIBILITIES = {"hidden", "after_due_date", "after_published", "visible"}
+STATUSES = {"passed", "failed"}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def gradescope_problems(results) -> list[str]:
+    """Everything in `results` that Gradescope's documented results.json format does not allow."""
+    problems = []
+    if not isinstance(results, dict):
+        return ["the top level must be a JSON object"]
+    top_level = {
+        "score": _is_number, "execution_time": _is_number, "output": lambda v: isinstance(v, str),
+        "output_format": FORMATS.__contains__, "test_output_format": FORMATS.__contains__,
+        "test_name_format": FORMATS.__contains__, "visibility": VISIBILITIES.__contains__,
+        "stdout_visibility": VISIBILITIES.__contains__, "extra_data": lambda v: isinstance(v, dict),
+        "tests": lambda v: isinstance(v, list), "leaderboard": lambda v: isinstance(v, list),
+    }
+    per_test = {
+        "score": _is_number, "max_score": _is_number, "status": STATUSES.__contains__,
+        "name": lambda v: isinstance(v, str), "name_format": FORMATS.__contains__,
+        "number": lambda v: isinstance(v, str), "output": lambda v: isinstance(v, str),
+        "output_format": FORMATS.__contains__,
+        "tags": lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+        "visibility": VISIBILITIES.__contains__, "extra_data": lambda v: isinstance(v, dict),
+    }
+    for key, value in results.items():
+        if key not in top_level:
+            problems.append(f"unknown top-level field {key!r}")
+        elif not top_level[key](value):
+            problems.append(f"top-level {key!r} has an invalid value {value!r:.80}")
+    tests = results.get("tests", [])
+    for i, test in enumerate(tests if isinstance(tests, list) else []):
+        if not isinstance(test, dict):
+            problems.append(f"tests[{i}] is not an object")
+            continue
+        for key, value in test.items():
+            if key not in per_test:
+                problems.append(f"tests[{i}]: unknown field {key!r}")
+            elif not per_test[key](value):
+                problems.append(f"tests[{i}]: {key!r} has an invalid value {value!r:.80}")
+        if _is_number(test.get("score")) and _is_number(test.get("max_score")) and \
+                test["score"] > test["max_score"] + 1e-9:
+            problems.append(f"tests[{i}]: score {test['score']} above max_score {test['max_score']}")
+    if "score" not in results and not (tests and all("score" in t for t in tests if isinstance(t, dict))):
+        problems.append("a score is needed at the top level or on every test")
+    return problems
+
+
+def test_gradescope_checker_can_fail():
+    good = {"score": 1.0, "tests": [{"name": "a", "score": 1.0, "max_score": 2, "status": "passed"}]}
+    assert gradescope_problems(good) == []
+    assert gradescope_problems({"tests": [{"name": "a"}]})  # no score anywhere
+    assert gradescope_problems({"score": 1, "max_points": 3})  # not a documented field
+    assert gradescope_problems({"score": 1, "tests": [{"score": 3, "max_score": 2}]})
+    assert gradescope_problems({"score": 1, "visibility": "public"})
+    assert gradescope_problems({"score": 1, "tests": [{"score": 1, "status": "ok"}]})
+    assert gradescope_problems({"score": float("nan")})
+
+
+# ---------------------------------------------------------------- a synthetic course
+
+SYNTHETIC_DAYS = """
+DAYS[:] = [
+    Day(1, 1, "Alpha", "alpha.md", ("alpha",), {1: 4, 2: 4, 3: 2}),
+    Day(1, 2, "Beta", "beta.md", ("beta",), {1: 3, 2: 3}),
+    Day(2, 1, "Gamma", "gamma.md", ("gamma",), {1: 5}),
+]
+"""
+
+REFERENCE = {
+    "alpha.py": '''
+        def add(a, b):
+            return a + b
+
+        def spin():
+            return 1
+
+        def crash():
+            return 0
+    ''',
+    "beta.py": '''
+        from .alpha import add
+
+        def twice(x):
+            return add(x, x)
+    ''',
+    "gamma.py": '''
+        def square(x):
+            return x * x
+    ''',
+}
+
+BROKEN_STUDENT = {
+    "alpha.py": '''
+        import os
+
+        def add(a, b):
+            return a + b
+
+        def spin():
+            while True:  # hangs on purpose
+                pass
+
+        def crash():
+            os.abort()  # kills the interpreter on purpose
+    ''',
+    "beta.py": '''
+        raise RuntimeError("this module fails at import, on purpose")
+    ''',
+    "gamma.py": REFERENCE["gamma.py"],
+}
+
+TESTS = {
+    "test_week_1_day_1.py": '''
+        import pytest
+        from tests.harness import solution
+
+        def test_task_1_add():
+            assert solution(1, 1).alpha.add(1, 2) == 3
+
+        @pytest.mark.parametrize("a", [0, 1, 2])
+        def test_task_1_add_cases(a):
+            assert solution(1, 1).alpha.add(a, 1) == a + 1
+
+        def test_task_2_spin():
+            assert solution(1, 1).alpha.spin() == 1
+
+        def test_task_3_crash():
+            assert solution(1, 1).alpha.crash() == 0
+
+        def test_task_1_runs_after_the_crash():
+            assert solution(1, 1).alpha.add(2, 2) == 4
+    ''',
+    "test_week_1_day_2.py": '''
+        from tests.harness import solution
+
+        def test_task_1_twice():
+            assert solution(1, 2).beta.twice(2) == 4
+
+        def test_task_2_twice_zero():
+            assert solution(1, 2).beta.twice(0) == 0
+    ''',
+    "test_week_2_day_1.py": '''
+        from tests.harness import solution
+
+        def test_task_1_square():
+            assert solution(2, 1).gamma.square(3) == 9
+    ''',
+}
+
+
+def write_modules(directory: Path, modules: dict[str, str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in modules.items():
+        (directory / name).write_text(textwrap.dedent(text).lstrip())
+
+
+def make_course(root: Path, student: dict[str, str]) -> Path:
+    """A repo with the real tooling, the real harness and conftest, and the synthetic days."""
+    shutil.copytree(REPO_ROOT / "scripts", root / "scripts",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(root / "scripts" / "course_map.py", "a") as f:
+        f.write(SYNTHETIC_DAYS)
+    (root / "tests").mkdir()
+    for name in ("__init__.py", "harness.py", "conftest.py"):
+        shutil.copy2(REPO_ROOT / "tests" / name, root / "tests" / name)
+    write_modules(root / "tests", TESTS)
+    shutil.copy2(REPO_ROOT / "pyproject.toml", root / "pyproject.toml")
+    write_modules(root / "src_ref" / "tiny_llm_ref", {**REFERENCE, "__init__.py": ""})
+    write_modules(root / "src" / "tiny_llm", {**student, "__init__.py": ""})
+    return root
+
+
+def run_tool(root: Path, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=root, capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "PYTHONPATH": "src:src_ref:."})
+
+
+def scores_by_test(results: dict) -> dict[str, float]:
+    return {t["name"].split(": ", 1)[1]: t["score"] for t in results["tests"]}
+
+
+def test_grade_survives_a_hang_a_crash_and_an_import_error(tmp_path):
+    # The repo's own package is correct; the submission given with --src is the broken one.
+    root = make_course(tmp_path / "course", student=REFERENCE)
+    submission = tmp_path / "submission"
+    write_modules(submission, BROKEN_STUDENT)
+    report = tmp_path / "out" / "results.json"
+    done = run_tool(root, "scripts.grade", "--src", str(submission), "--timeout", "2", "--json", str(report))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(report.read_text())
+    assert gradescope_problems(results) == []
+    by_test = scores_by_test(results)
+    assert set(by_test) == {
+        "test_task_1_add", "test_task_1_add_cases[0]", "test_task_1_add_cases[1]", "test_task_1_add_cases[2]",
+        "test_task_2_spin", "test_task_3_crash", "test_task_1_runs_after_the_crash", "test_task_1_twice",
+        "test_task_2_twice_zero", "test_task_1_square"}
+    for name, expected in {"test_task_1_add": 4 / 3, "test_task_1_add_cases[0]": 4 / 9,
+                           "test_task_2_spin": 0.0, "test_task_3_crash": 0.0,
+                           "test_task_1_runs_after_the_crash": 4 / 3, "test_task_1_twice": 0.0,
+                           "test_task_2_twice_zero": 0.0, "test_task_1_square": 5.0}.items():
+        assert by_test[name] == pytest.approx(expected, abs=1e-3), name
+    assert results["score"] == pytest.approx(4 + 5, abs=1e-2)
+    assert results["extra_data"]["max_score"] == pytest.approx(21)
+    outputs = {t["name"].split(": ", 1)[1]: t["output"] for t in results["tests"]}
+    assert "timed out" in outputs["test_task_2_spin"] and "spin" in outputs["test_task_2_spin"]
+    assert "crash" in outputs["test_task_3_crash"]
+    assert "fails at import" in outputs["test_task_1_twice"]
+    # The table: exactly the broken tasks at zero, the rest at full points.
+    rows = {tuple(line.split()[:3]): line for line in done.stdout.splitlines()
+            if line[:4].strip().isdigit()}
+    assert "4.0 / 4" in rows[("1", "1", "1")] and "0.0 / 4" in rows[("1", "1", "2")]
+    assert "0.0 / 2" in rows[("1", "1", "3")] and "0.0 / 3" in rows[("1", "2", "1")]
+    assert "5.0 / 5" in rows[("2", "1", "1")]
+    # The repo's own package was not touched.
+    assert "while True" not in (root / "src" / "tiny_llm" / "alpha.py").read_text()
+
+
+def test_grade_reference_gets_full_points_and_bad_arguments_exit_2(tmp_path):
+    root = make_course(tmp_path / "course", student=BROKEN_STUDENT)
+    report = tmp_path / "results.json"
+    done = run_tool(root, "scripts.grade", "--solution", "ref", "--week", "1", "--day", "2",
+                    "--json", str(report))
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(report.read_text())
+    assert results["score"] == pytest.approx(6) and gradescope_problems(results) == []
+    assert run_tool(root, "scripts.grade", "--day", "1").returncode == 2
+    assert run_tool(root, "scripts.grade", "--week", "9").returncode == 2
+
+
+def test_grade_reports_an_uncollectable_test_file_as_a_grader_failure(tmp_path):
+    root = make_course(tmp_path / "course", student=REFERENCE)
+    (root / "tests" / "test_week_2_day_1.py").write_text("def test_task_1_square(:\n")
+    report = tmp_path / "results.json"
+    done = run_tool(root, "scripts.grade", "--week", "2", "--json", str(report))
+    assert done.returncode == 2, done.stdout + done.stderr
+    results = json.loads(report.read_text())
+    assert results["score"] == 0 and results["extra_data"]["max_score"] == 5
+    assert gradescope_problems(results) == []
+    assert "GRADER PROBLEMS" in done.stdout
+
+
+def test_check_days_passes_each_day_alone_and_catches_a_broken_reference(tmp_path):
+    root = make_course(tmp_path / "course", student={})
+    # The untouched skeleton: the same names, bodies that raise NotImplementedError.
+    write_modules(root / "src" / "tiny_llm", {
+        "alpha.py": 'def add(a, b):\n    raise NotImplementedError("Week 1 Day 1 Task 1")\n\n'
+                    'def spin():\n    raise NotImplementedError("Week 1 Day 1 Task 2")\n\n'
+                    'def crash():\n    raise NotImplementedError("Week 1 Day 1 Task 3")\n',
+        "beta.py": 'def twice(x):\n    raise NotImplementedError("Week 1 Day 2 Task 1")\n',
+        "gamma.py": 'def square(x):\n    raise NotImplementedError("Week 2 Day 1 Task 1")\n',
+    })
+    done = run_tool(root, "scripts.check_days")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("PASS") == 3
+    # Break the reference of day 2.1: check-days fails and names the day and the test.
+    (root / "src_ref" / "tiny_llm_ref" / "gamma.py").write_text("def square(x):\n    return x + x\n")
+    done = run_tool(root, "scripts.check_days")
+    assert done.returncode == 1
+    assert "week 2 day 1" in done.stdout and "test_task_1_square" in done.stdout
+    assert done.stdout.count("PASS") == 2
+    # The skeleton itself was never modified.
+    assert "NotImplementedError" in (root / "src" / "tiny_llm" / "gamma.py").read_text()
+
+
+# ---------------------------------------------------------------- the book check, on small synthetic books
+
+def make_book(root: Path) -> Path:
+    """A course repo with a correct little book; each test then breaks one thing."""
+    make_course(root, student=REFERENCE)
+    src = root / "book" / "src"
+    src.mkdir(parents=True)
+    (src / "SUMMARY.md").write_text(textwrap.dedent("""\
+        # Summary
+
+        [Preface](./preface.md)
+
+        - [Alpha](./alpha.md)
+        - [Beta](./beta.md)
+        - [Gamma](./gamma.md)
+    """))
+    (src / "preface.md").write_text("# Preface\n\nStart with [Alpha](./alpha.md).\n")
+    (src / "alpha.md").write_text(textwrap.dedent("""\
+        # Alpha
+
+        The function lives in `src/tiny_llm/alpha.py`:
+
+        ```python
+        {{#include ../../src_ref/tiny_llm_ref/alpha.py:1:2}}
+        ```
+
+        ## Task 1: add
+
+        Edit `add` in `src/tiny_llm/alpha.py`, then run `pdm run test --week 1 --day 1`.
+
+        ## Task 2: spin
+
+        ```bash
+        pdm run test --week 1 --day 1 -- -k task_2
+        ```
+
+        ## Task 3: crash
+
+        Narrow with `pdm run test --week 1 --day 1 -- -k task_3`.
+    """))
+    (src / "beta.md").write_text("# Beta\n\n## Task 1: twice\n\n## Task 2: twice zero\n\n"
+                                 "{{#include ../../tests/test_week_1_day_2.py:tests}}\n")
+    (src / "gamma.md").write_text("# Gamma\n\n## Task 1: square\n\n`pdm run grade --week 2 --json out.json`\n")
+    test_file = root / "tests" / "test_week_1_day_2.py"
+    test_file.write_text("# ANCHOR: tests\n" + test_file.read_text() + "# ANCHOR_END: tests\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def book_root(tmp_path_factory):
+    return make_book(tmp_path_factory.mktemp("book"))
+
+
+def _problems(root: Path) -> list[str]:
+    return book_check.all_problems(root)
+
+
+def test_book_check_accepts_a_correct_book(book_root):
+    assert _problems(book_root) == []
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    (("SUMMARY.md", "- [Gamma](./gamma.md)", "- [Gamma](./gamma-old.md)"), "gamma-old.md"),
+    (("SUMMARY.md", "- [Beta](./beta.md)\n", ""), "beta.md"),  # a chapter no longer listed
+    (("alpha.md", "alpha.py:1:2}}", "alpha.py:1:99}}"), "line"),
+    (("alpha.md", "alpha.py:1:2}}", "nothing.py}}"), "nothing.py"),
+    (("beta.md", "py:tests}}", "py:no_such_anchor}}"), "no_such_anchor"),
+    (("alpha.md", "`src/tiny_llm/alpha.py`:", "`src/tiny_llm/alfa.py`:"), "src/tiny_llm/alfa.py"),
+    (("alpha.md", "pdm run test --week 1 --day 1`", "pdm run tset --week 1 --day 1`"), "tset"),
+    (("alpha.md", "pdm run test --week 1 --day 1`", "pdm run test --wek 1`"), "--wek"),
+    (("gamma.md", "--json out.json", "--jsn out.json"), "--jsn"),
+    (("alpha.md", "## Task 3: crash", "## Task 4: crash"), "Task 4"),
+    (("beta.md", "## Task 2: twice zero", "## Twice zero"), "test_task_2"),
+    (("preface.md", "(./alpha.md)", "(./alfa.md)"), "alfa.md"),
+])
+def test_book_check_catches_each_kind_of_drift(tmp_path, breakage, expected):
+    root = make_book(tmp_path / "course")
+    name, old, new = breakage
+    path = root / "book" / "src" / name
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    problems = _problems(root)
+    assert problems, f"breaking {name} went unnoticed"
+    assert any(expected in p for p in problems), problems
+    # Each message names the chapter file (and a line where there is one).
+    assert all(".md" in p or "course_map" in p or "tests/" in p for p in problems), problems
+
+
+def test_book_check_catches_points_without_tests(tmp_path):
+    root = make_book(tmp_path / "course")
+    path = root / "tests" / "test_week_2_day_1.py"
+    path.write_text(path.read_text().replace("test_task_1_square", "test_square"))
+    problems = _problems(root)
+    assert any("test_task_1" in p and "gamma.md" in p for p in problems), problems
+    assert any("points" in p for p in problems), problems
