@@ -1,0 +1,42 @@
+"""Generating text: run the model, pick the next token, detokenize it as it arrives, repeat."""
+
+from typing import Callable
+
+import mlx.core as mx
+
+
+def simple_generate(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate up to `max_tokens` tokens after `prompt`, recomputing the whole sequence at each step.
+
+    `prompt` is encoded as it is (callers apply the chat template). `sampler` maps log-probabilities
+    `1 x vocab` to a token id `1`; None means greedy (the most likely token). Generation stops at any
+    id in `tokenizer.eos_token_ids` (not emitted) or after `max_tokens` tokens. Each new piece of text
+    is passed to `on_text` as soon as the streaming detokenizer can spell it. Returns the generated text.
+    """
+    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; detokenize and call on_text
+    raise NotImplementedError("Week 1 Day 6 Task 1 (book/src/week1-06-generate-response.md): greedy generation loop")
+
+
+def simple_generate_with_kv_cache(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate like `simple_generate`, but feed the model only the new token at each step.
+
+    `model` is a `Qwen2ModelWeek2`: the prompt is prefilled once into a fresh `model.make_cache()`,
+    then each step runs one token at `offset` = the number of tokens already in the cache. Same
+    contract as `simple_generate`: the same `sampler`, `max_tokens`, EOS and `on_text` behaviour,
+    and, for greedy decoding, the same tokens. Returns the generated text.
+    """
+    raise NotImplementedError("Week 2 Day 1 Task 3 (book/src/week2-01-kv-cache.md): generation with the KV cache")

@@ -1,0 +1,28 @@
+"""Sampling the next token: greedy, temperature, top-k and top-p (nucleus)."""
+
+from typing import Callable
+
+import mlx.core as mx
+
+
+def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = None) -> Callable[[mx.array], mx.array]:
+    """A function `sample(logprobs)` that maps log-probabilities `B x V` to token ids `B`.
+
+    temp 0 is greedy (argmax). Otherwise the logits are divided by `temp` (below 1 sharpens, above 1
+    flattens), then only the `top_k` most likely tokens are kept (when given), then only the smallest
+    set of most likely tokens whose probability adds up to at least `top_p` (when given), and one token
+    is drawn from what is left, renormalized. Draws use MLX's global random state (`mx.random.seed`).
+    """
+
+    def sample(logprobs: mx.array) -> mx.array:
+        """Pick one token id per row of `logprobs` (`B x V`)."""
+        # TODO Task 1: temp 0 -> argmax; otherwise divide by temp and draw with mx.random.categorical.
+        # TODO Task 2: before drawing, keep only the top_k largest logits (the rest become -inf).
+        # TODO Task 3: then keep only the smallest set of most likely tokens whose mass reaches top_p.
+        if top_k is not None and top_k > 0:
+            raise NotImplementedError("Week 1 Day 7 Task 2 (book/src/week1-07-sampling.md): top-k")
+        if top_p is not None and 0 < top_p < 1:
+            raise NotImplementedError("Week 1 Day 7 Task 3 (book/src/week1-07-sampling.md): top-p")
+        raise NotImplementedError("Week 1 Day 7 Task 1 (book/src/week1-07-sampling.md): greedy and temperature")
+
+    return sample
