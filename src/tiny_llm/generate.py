@@ -39,4 +39,5 @@ def simple_generate_with_kv_cache(
     contract as `simple_generate`: the same `sampler`, `max_tokens`, EOS and `on_text` behaviour,
     and, for greedy decoding, the same tokens. Returns the generated text.
     """
+    # TODO: make_cache(); prefill the prompt at offset 0; then feed one token per step at the next offset
     raise NotImplementedError("Week 2 Day 1 Task 3 (book/src/week2-01-kv-cache.md): generation with the KV cache")
