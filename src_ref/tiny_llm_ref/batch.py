@@ -407,10 +407,15 @@ class Scheduler:
         return tokens
 
     def step(self) -> None:
-        """One iteration: log if due, one prefill chunk, admission into a free slot, one decode step of every running request."""
+        """One iteration: log if due, one prefill chunk, admission into a free slot, one decode step of every running request.
+
+        The decode step is timed with `clock`, counted in `stats` (interleaved when a chunk ran in the
+        same iteration) and reported to the policy. A slot freed by the decode step is handed at once
+        to a request that waits, prefilled, for one.
+        """
         self.log_stats()
         chunk_tokens = self.prefill_chunk()
-        self.admit()
+        self.admit()  # the request whose last chunk just ran takes a free slot
         batch = self.num_running
         if batch == 0:
             return
@@ -419,6 +424,7 @@ class Scheduler:
         seconds = self.clock() - start
         self.stats.record_decode_step(batch, seconds, interleaved=chunk_tokens > 0)
         self.policy.observe_decode(batch, seconds)
+        self.admit()  # a slot this decode step freed goes at once to a request waiting, prefilled
 
     def log_stats(self) -> None:
         """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.

@@ -1,0 +1,356 @@
+"""Continuous batching with chunked prefill: the scheduler of a tiny inference server.
+
+A request moves through three places:
+
+    queue ──> prefill (one request at a time, one chunk per iteration) ──> a decode slot ──> finished
+
+Each iteration of the scheduler (`Scheduler.step`) does two pieces of work:
+
+1. one prefill chunk (at most `prefill_step` prompt tokens) of the request being prefilled;
+2. one decode step: one new token for every request in a decode slot, in one batched model call.
+
+A request takes a decode slot as soon as its prefill is done and a slot is free, and leaves it at
+EOS or when its prompt plus output tokens reach `max_seq_len`; the slot then serves the next one.
+Cutting a long prompt's prefill into chunks is what keeps the decoding requests' tokens flowing:
+they wait one chunk per iteration instead of the whole prompt (head-of-line blocking).
+
+Caches come only from the model: `model.make_cache()` for one request's prefill, and
+`model.make_batch_cache(batch_size, max_seq_len)` for the decode slots.
+"""
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from .chunk_policy import FixedChunkPolicy
+from .metrics import MetricsRecorder
+
+logger = logging.getLogger("tiny_llm.batch")
+
+
+def greedy(logits: mx.array) -> list[int]:
+    """The most likely next token of every row of `B x L x vocab` logits, read at the last position (provided)."""
+    return mx.argmax(logits[:, -1, :], axis=-1).tolist()
+
+
+# ---------------------------------------------------------------- one request
+
+
+class Request:
+    """One prompt on its way through the server: its prefill progress, its KV cache and its output."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        prompt: str | list[int],
+        prefill_max_step: int = 128,
+        prompt_idx: int = 0,
+        max_seq_len: int | None = None,
+    ):
+        """Encode the prompt and make the request's KV cache (provided).
+
+        `prompt` is a string, encoded as it is (the caller applies any chat template), or token ids.
+        `try_prefill` runs chunks of at most `prefill_max_step` tokens. With `max_seq_len`, the request
+        ends once prompt plus output tokens reach it. Raises ValueError, before any model call, for a
+        chunk size below 1, an empty prompt, or a prompt that leaves no room for one output token.
+        """
+        if prefill_max_step < 1:
+            raise ValueError(f"prefill_max_step must be at least 1, got {prefill_max_step}")
+        tokens = list(prompt) if isinstance(prompt, (list, tuple)) else tokenizer.encode(prompt, add_special_tokens=False)
+        if not tokens:
+            raise ValueError(f"prompt {prompt_idx} is empty: there is nothing to prefill")
+        if max_seq_len is not None and len(tokens) >= max_seq_len:
+            raise ValueError(f"prompt {prompt_idx} has {len(tokens)} tokens, which leaves no room to generate "
+                             f"within max_seq_len={max_seq_len}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_idx = prompt_idx
+        self.prompt_tokens: list[int] = tokens
+        self.prefill_max_step = prefill_max_step
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.kv_cache = model.make_cache()  # one cache per layer, filled chunk by chunk
+        self.offset = 0  # how many tokens the KV cache holds = the absolute position of the next one
+        self.is_prefill_done = False
+        self.next_token: int | None = None  # the newest output token: the next decode step feeds it
+        self.output_tokens: list[int] = []  # generated tokens, EOS excluded
+        self.is_done = False
+        self.finish_reason: str | None = None  # "eos", "length" or "cancelled"
+
+    def try_prefill(self) -> int:
+        """Prefill the next chunk of at most `prefill_max_step` prompt tokens; return how many tokens it ran.
+
+        The chunk's tokens sit at absolute positions `offset ..`; the model reads the earlier ones from
+        the KV cache, and `offset` moves past the chunk. A chunk that is not the last materializes the
+        KV cache (MLX is lazy). The last chunk also picks the first output token (greedy), records it
+        with `record_token`, and sets `is_prefill_done`. Raises RuntimeError once the prefill is done.
+        """
+        raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset")
+
+    def record_token(self, token: int) -> None:
+        """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
+
+        An EOS token (any id in `tokenizer.eos_token_ids`) ends the request with finish_reason "eos"
+        and is not part of the output. Any other token is appended to `output_tokens`, and the request
+        ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
+        """
+        raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): record an output token; finish at EOS or max_seq_len")
+
+    def decode_done(self, token: int) -> None:
+        """A decode step ran `next_token` at position `offset` (now in the cache) and produced `token`."""
+        raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the fed token is cached now; record the new one")
+
+    def text(self) -> str:
+        """The generated text so far (EOS excluded)."""
+        raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the generated text")
+
+
+def materialize_cache(kv_cache: list) -> None:
+    """Evaluate every array a request's KV cache holds (one cache object per layer), so no lazy work is left."""
+    raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks")
+
+
+def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step: int) -> int:
+    """The peak memory, in bytes above what was allocated before, of prefilling `prompt` in chunks of `prefill_step` tokens."""
+    raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill")
+
+
+# ---------------------------------------------------------------- the chunk's view of attention
+
+
+def chunk_positions(offset: int, chunk_len: int) -> mx.array:
+    """The absolute positions of a chunk of `chunk_len` tokens after `offset` cached ones: what RoPE rotates by."""
+    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk")
+
+
+def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The additive mask of a prefill chunk: `chunk_len x (offset + chunk_len)`, 0 where allowed, -inf elsewhere.
+
+    Query i of the chunk sits at absolute position offset + i and sees keys 0 .. offset + i: all the
+    cached ones, and the chunk's own up to itself. It is `causal_mask(L, S)` with L = chunk_len and
+    S = offset + chunk_len.
+    """
+    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens")
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+@dataclass
+class SchedulerStats:
+    """What a scheduler did: prefill chunks and their time, decode steps served, and how the two interleaved."""
+
+    chunks: int = 0  # prefill chunks run
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    chunk_seconds: float = 0.0  # time spent in prefill chunks
+    decode_steps: int = 0  # batched decode steps run
+    decode_tokens: int = 0  # tokens those steps produced (one per running request)
+    decode_seconds: float = 0.0  # time spent in decode steps
+    interleaved_steps: int = 0  # decode steps that shared their iteration with a prefill chunk
+
+    def record_chunk(self, tokens: int, seconds: float) -> None:
+        """Count one prefill chunk of `tokens` prompt tokens that took `seconds`."""
+        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a prefill chunk")
+
+    def record_decode_step(self, batch: int, seconds: float, interleaved: bool) -> None:
+        """Count one decode step of `batch` requests that took `seconds`; `interleaved`: a chunk ran in the same iteration."""
+        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a decode step")
+
+    @property
+    def avg_chunk_time(self) -> float | None:
+        """Mean seconds per prefill chunk (None before the first chunk)."""
+        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): mean seconds per chunk")
+
+    @property
+    def interleave_ratio(self) -> float | None:
+        """Prefill chunks per decode step (None before the first decode step)."""
+        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step")
+
+    def to_dict(self) -> dict:
+        """The counters and the two derived figures, JSON-ready."""
+        return {**vars(self), "avg_chunk_time": self.avg_chunk_time, "interleave_ratio": self.interleave_ratio}
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, driven one iteration at a time; requests may arrive at any time.
+
+    `add_request` queues a prompt; `step` runs one iteration; `has_work` says whether anything is
+    left. Finished requests collect in `finished`. `slots[b]` is the request decoding in row b of the
+    batch (None: idle), `prefilling` the request being prefilled (or prefilled and waiting for a
+    slot), `queue` the requests not started. Token times go to `metrics` (a MetricsRecorder).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_seq_len: int = 512,
+        batch_size: int = 5,
+        prefill_step: int = 128,
+        policy=None,
+        metrics: MetricsRecorder | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        log: Callable[[str], None] | None = None,
+        log_interval: float = 5.0,
+    ):
+        """Check the settings and make the decode slots' batch KV cache (provided).
+
+        `policy` picks each chunk's size (default: `FixedChunkPolicy(prefill_step)`); `clock` times
+        chunks, decode steps and log lines; `log` receives log lines (default: the "tiny_llm.batch"
+        logger). Raises ValueError for `batch_size < 1`, `prefill_step < 1` or `max_seq_len < 2`.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if prefill_step < 1:
+            raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and an output token), got {max_seq_len}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+        self.prefill_step = prefill_step
+        self.policy = policy if policy is not None else FixedChunkPolicy(prefill_step)
+        self.clock = clock
+        self.metrics = metrics if metrics is not None else MetricsRecorder(clock=clock)
+        self.log = log if log is not None else logger.info
+        self.log_interval = log_interval
+        self.stats = SchedulerStats()
+        self.batch_cache = model.make_batch_cache(batch_size, max_seq_len)
+        self.slots: list[Request | None] = [None] * batch_size
+        self.prefilling: Request | None = None
+        self.queue: deque[Request] = deque()
+        self.finished: list[Request] = []
+        self.next_prompt_idx = 0
+        self.last_log_time: float | None = None  # when log_stats last wrote a line (None: never)
+        self.last_log_tokens = (0, 0)  # (prompt, generated) token counts at that line
+
+    # -- provided helpers
+
+    def add_request(self, prompt: str | list[int], prompt_idx: int | None = None, max_tokens: int | None = None) -> Request:
+        """Queue a prompt (a string encoded as it is, or token ids) and return its Request (provided).
+
+        `prompt_idx` defaults to the next unused index; `max_tokens` caps the output below what
+        `max_seq_len` allows. Bad input raises ValueError here, before any model call.
+        """
+        idx = self.next_prompt_idx if prompt_idx is None else prompt_idx
+        request = Request(self.model, self.tokenizer, prompt, self.prefill_step, idx, self.max_seq_len)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+            request.max_seq_len = min(self.max_seq_len, len(request.prompt_tokens) + max_tokens)
+        self.next_prompt_idx = max(self.next_prompt_idx, idx + 1)
+        self.queue.append(request)
+        self.metrics.arrive(idx, len(request.prompt_tokens))
+        return request
+
+    def has_work(self) -> bool:
+        """Whether any request is queued, prefilling or decoding (provided)."""
+        return bool(self.queue) or self.prefilling is not None or self.num_running > 0
+
+    @property
+    def num_running(self) -> int:
+        """How many requests hold a decode slot (provided)."""
+        return sum(request is not None for request in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """How many requests have no decode slot yet: queued or prefilling (provided)."""
+        return len(self.queue) + (self.prefilling is not None)
+
+    def free_slot(self) -> int | None:
+        """The first idle decode slot, or None when all are busy (provided)."""
+        for slot, request in enumerate(self.slots):
+            if request is None:
+                return slot
+        return None
+
+    def finish(self, request: Request) -> None:
+        """A request is done: drop its KV cache, stamp its finish time, keep it in `finished` (provided)."""
+        request.kv_cache = None
+        self.metrics.finish(request.prompt_idx)
+        self.finished.append(request)
+
+    # -- continuous batching (day 2.6)
+
+    def admit(self) -> None:
+        """Move the request whose prefill is done into a free decode slot; one already done finishes at once.
+
+        Its per-layer caches join the batch cache in that slot. With every slot busy it stays in
+        `prefilling`, prefilled, until a slot frees up.
+        """
+        raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): move a prefilled request into a free decode slot")
+
+    def decode_step(self) -> None:
+        """One batched decode step: each running request feeds its `next_token` at its `offset` and gets one token.
+
+        Row b of the batch is slot b; idle rows get a dummy token that the batch cache masks out.
+        Each produced token goes to its request (`decode_done`) and to `metrics` (EOS excluded);
+        requests that are now done leave their slot (`retire`).
+        """
+        raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): one batched decode step over the slots")
+
+    def retire(self, slot: int) -> None:
+        """Free decode slot `slot`: remove its request from every layer's batch cache and finish it."""
+        raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): free a decode slot")
+
+    def release_all(self) -> None:
+        """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
+        raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): release every slot and cache after an error")
+
+    # -- chunked prefill (day 2.7)
+
+    def prefill_chunk(self) -> int:
+        """Run one prefill chunk of the request being prefilled (taking the next queued one if none is); return its tokens.
+
+        Returns 0 when no chunk ran (nothing to prefill, or a prefilled request waits for a slot). The
+        chunk size comes from the policy, given how many requests are decoding; the chunk is timed with
+        `clock`, counted in `stats` and reported to the policy. When the prefill is done, its first
+        output token is recorded in `metrics` (unless it is EOS).
+        """
+        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
+
+    def step(self) -> None:
+        """One iteration: log if due, one prefill chunk, admission into a free slot, one decode step of every running request.
+
+        The decode step is timed with `clock`, counted in `stats` (interleaved when a chunk ran in the
+        same iteration) and reported to the policy. A slot freed by the decode step is handed at once
+        to a request that waits, prefilled, for one.
+        """
+        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
+
+    def log_stats(self) -> None:
+        """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.
+
+        The first line says that chunked prefill is enabled (or that a chunk holds every prompt) and
+        the token budget of one iteration. Later lines give prompt and generation tokens/s since the
+        previous line, running and waiting requests, and KV cache use (tokens held / slot capacity).
+        """
+        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line")
+
+
+def batch_generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_seq_len: int = 512,
+    batch_size: int = 5,
+    prefill_step: int = 128,
+    policy=None,
+    metrics: MetricsRecorder | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[tuple[int, str]]:
+    """Generate greedily for every prompt with continuous batching and chunked prefill; `(prompt_idx, text)` in prompt order.
+
+    A request stops at EOS or when prompt plus output tokens reach `max_seq_len`; `prefill_step`
+    tokens per chunk (a chunk at least as long as every prompt means no chunking). Bad input (an
+    empty prompt, a prompt too long for `max_seq_len`, `batch_size` or `prefill_step` below 1)
+    raises ValueError before any model call. If the model raises, every slot and cache is released
+    before the error propagates. No prompts: an empty list.
+    """
+    raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop")

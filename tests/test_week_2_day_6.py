@@ -1,0 +1,266 @@
+"""Week 2 Day 6: continuous batching (book/src/week2-06-continuous-batching.md).
+
+Oracles: one-request-at-a-time greedy generation, computed without any scheduler: by mlx-lm's own
+Qwen2 (with its own KV cache) for the embedded model, and straight from the fake model's rule for the
+recording fake (tests/scheduler_fakes.py), whose caches hold token ids so that a scheduler mixing up
+slots, caches or offsets is caught. Results must not depend on the batch size or on prompt order.
+
+Day 2.7's parts of batch.py (chunked prefill, the iteration loop, stats) come from the reference here.
+"""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.harness import reference, solution
+from tests.scheduler_fakes import (
+    EOS, FakeModel, FakeTokenizer, ModelFailure, borrow, expected_tokens, prompt_of,
+)
+
+sol = solution(week=2, day=6)
+ref = reference()
+
+DAY_7_PARTS = {
+    "Request": ["try_prefill"],
+    "Scheduler": ["prefill_chunk", "step", "log_stats"],
+    "": ["SchedulerStats"],
+}
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "a",
+    "Once upon a time there was a scheduler",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "What is continuous batching?",
+]
+MAX_SEQ_LEN = 32
+
+
+@pytest.fixture
+def batch(monkeypatch):
+    """The batch module under test, with day 2.7's parts from the reference."""
+    borrow(monkeypatch, sol.batch, ref.batch, DAY_7_PARTS)
+    return sol.batch
+
+
+@pytest.fixture(scope="module")
+def real(embedded_model):
+    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights."""
+    mlx_model, tokenizer = embedded_model
+    return ref.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
+
+
+def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[int]:
+    """One request at a time, with mlx-lm's model and cache: the oracle for the embedded model."""
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    cache = make_prompt_cache(mlx_model)
+    logits = mlx_model(mx.array([tokens]), cache=cache)
+    output = []
+    while True:
+        token = int(mx.argmax(logits[0, -1]).item())
+        if token in tokenizer.eos_token_ids:
+            return output
+        output.append(token)
+        if len(tokens) + len(output) >= max_seq_len:
+            return output
+        logits = mlx_model(mx.array([[token]]), cache=cache)
+
+
+@pytest.fixture(scope="module")
+def oracle_texts(real):
+    _, mlx_model, tokenizer = real
+    return [tokenizer.decode(mlx_lm_greedy(mlx_model, tokenizer, p, MAX_SEQ_LEN)) for p in PROMPTS]
+
+
+def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
+    """Drive a Scheduler to the end (what batch_generate does); `check(scheduler)` after every step."""
+    scheduler = batch.Scheduler(model, tokenizer, **settings)
+    for idx, prompt in enumerate(prompts):
+        scheduler.add_request(prompt, idx)
+    while scheduler.has_work():
+        scheduler.step()
+        if check is not None:
+            check(scheduler)
+    return scheduler
+
+
+def fake_prompts(count: int) -> list[str]:
+    return [prompt_of(3 + (i * 5) % 11, seed=i) for i in range(count)]
+
+
+# ---------------------------------------------------------------- Task 1: a request's output
+
+
+def test_task_1_record_token_appends_and_finishes_at_eos(batch):
+    tokenizer, model = FakeTokenizer(), FakeModel()
+    request = batch.Request(model, tokenizer, "abc", prompt_idx=4)
+    request.record_token(5)
+    request.record_token(7)
+    assert request.output_tokens == [5, 7] and request.next_token == 7
+    assert not request.is_done and request.finish_reason is None
+    request.record_token(EOS)
+    assert request.is_done and request.finish_reason == "eos"
+    assert request.output_tokens == [5, 7], "EOS ends the request and is not part of its output"
+    assert request.text() == tokenizer.decode([5, 7])
+    assert model.calls == [], "recording a token needs no model call"
+
+
+def test_task_1_record_token_finishes_at_max_seq_len(batch):
+    request = batch.Request(FakeModel(), FakeTokenizer(), "abc", max_seq_len=6)
+    for token in (1, 2):
+        request.record_token(token)
+        assert not request.is_done, "3 prompt + 2 output tokens < max_seq_len 6"
+    request.record_token(3)
+    assert request.is_done and request.finish_reason == "length", "prompt + output reached max_seq_len"
+    assert request.output_tokens == [1, 2, 3]
+
+
+def test_task_1_decode_done_moves_offset_past_the_fed_token(batch):
+    request = batch.Request(FakeModel(), FakeTokenizer(), "abcd")
+    request.offset = 4  # as after the prefill: the cache holds the 4 prompt tokens
+    request.record_token(9)  # the first token, from the prefill: not in the cache yet
+    assert request.offset == 4
+    request.decode_done(11)  # a decode step fed 9 at position 4 and produced 11
+    assert request.offset == 5 and request.next_token == 11 and request.output_tokens == [9, 11]
+
+
+def test_task_1_text_is_the_decoded_output(batch, real):
+    _, _, tokenizer = real
+    request = batch.Request(FakeModel(), tokenizer, "Hi")
+    ids = tokenizer.encode(" continuous batching", add_special_tokens=False)
+    for token in ids:
+        request.record_token(token)
+    request.record_token(sorted(tokenizer.eos_token_ids)[0])
+    assert request.text() == " continuous batching"
+
+
+# ---------------------------------------------------------------- Task 2: slots, admission, retirement
+
+
+def slot_invariants(scheduler):
+    """After every step: each slot's request is in every layer's batch cache, and no prefilled request idles."""
+    for layer in scheduler.batch_cache:
+        assert layer.held() == [b for b, r in enumerate(scheduler.slots) if r is not None], (
+            "the batch cache's occupied rows must be exactly the occupied slots")
+        for b, request in enumerate(scheduler.slots):
+            if request is not None:
+                assert layer.rows[b] in request.kv_cache, f"slot {b} holds another request's cache"
+    waiting = scheduler.prefilling
+    if waiting is not None and waiting.is_prefill_done:
+        assert scheduler.free_slot() is None, "a prefilled request waits although a slot is free"
+    for request in scheduler.finished:
+        assert request.is_done and request not in scheduler.slots
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8])
+def test_task_2_fake_outputs_equal_one_at_a_time(batch, batch_size):
+    prompts = fake_prompts(9)
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    scheduler = run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
+                              max_seq_len=24, batch_size=batch_size, prefill_step=64)
+    expected = [expected_tokens(tokenizer.encode(p), 24) for p in prompts]
+    assert {reason for _, reason in expected} == {"eos", "length"}, "the workload should end both ways"
+    got = {r.prompt_idx: (r.output_tokens, r.finish_reason) for r in scheduler.finished}
+    assert got == dict(enumerate(expected))
+    busiest = max(len(c.active) for c in model.decode_calls)
+    assert busiest <= batch_size, "never more requests decoding than slots"
+    if batch_size <= 3:
+        assert busiest == batch_size, "with more requests than slots, every slot gets used"
+    assert all(layer.held() == [] for layer in scheduler.batch_cache), "every slot is free at the end"
+    assert all(r.kv_cache is None for r in scheduler.finished), "finished requests keep no cache"
+
+
+def test_task_2_fake_outputs_do_not_depend_on_prompt_order(batch):
+    prompts = fake_prompts(6)
+    tokenizer = FakeTokenizer()
+    expected = {p: expected_tokens(tokenizer.encode(p), 20)[0] for p in prompts}
+    for order in itertools.islice(itertools.permutations(prompts), 0, 720, 97):
+        scheduler = run_scheduler(batch, FakeModel(), tokenizer, list(order), check=slot_invariants,
+                                  max_seq_len=20, batch_size=3, prefill_step=64)
+        got = {order[r.prompt_idx]: r.output_tokens for r in scheduler.finished}
+        assert got == expected, f"prompt order {order}"
+
+
+def test_task_2_a_freed_slot_is_reused(batch):
+    """With 2 slots and 5 requests, later requests decode in slots that earlier ones left."""
+    model, tokenizer, prompts = FakeModel(), FakeTokenizer(), fake_prompts(5)
+    run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
+                  max_seq_len=16, batch_size=2, prefill_step=64)
+    # A request whose first token is EOS never needs a slot; every other one takes one.
+    needs_slot = sum(expected_tokens(tokenizer.encode(p), 16) != ([], "eos") for p in prompts)
+    assert needs_slot > 2
+    assert model.batch_caches[0][0].adds == needs_slot
+    assert all(len(c.active) <= 2 for c in model.decode_calls)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_task_2_real_model_outputs_equal_one_at_a_time(batch, real, oracle_texts, batch_size):
+    model, _, tokenizer = real
+    scheduler = run_scheduler(batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN,
+                              batch_size=batch_size, prefill_step=512)
+    got = {r.prompt_idx: r.text() for r in scheduler.finished}
+    assert got == dict(enumerate(oracle_texts))
+
+
+# ---------------------------------------------------------------- Task 3: batch_generate, bad input, errors
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 5])
+def test_task_3_batch_generate_equals_one_at_a_time(batch, real, oracle_texts, batch_size):
+    model, _, tokenizer = real
+    results = batch.batch_generate(model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN, batch_size=batch_size)
+    assert results == list(enumerate(oracle_texts)), "(prompt_idx, text) pairs, in prompt order"
+
+
+def test_task_3_batch_generate_any_prompt_order(batch, real, oracle_texts):
+    model, _, tokenizer = real
+    order = [4, 0, 5, 2, 1, 3]
+    results = batch.batch_generate(model, tokenizer, [PROMPTS[i] for i in order], max_seq_len=MAX_SEQ_LEN,
+                                   batch_size=2, prefill_step=4)
+    assert [idx for idx, _ in results] == list(range(len(order)))
+    assert [text for _, text in results] == [oracle_texts[i] for i in order]
+
+
+def test_task_3_bad_input_fails_before_any_model_call(batch):
+    tokenizer = FakeTokenizer()
+    model = FakeModel()
+    assert batch.batch_generate(model, tokenizer, [], max_seq_len=16) == [], "no prompts: no results"
+    bad = [
+        dict(prompts=["abc"], batch_size=0),
+        dict(prompts=["abc"], prefill_step=0),
+        dict(prompts=["abc", ""], batch_size=2),  # an empty prompt
+        dict(prompts=["abc", prompt_of(16, 1)]),  # 16 tokens leave no room within max_seq_len 16
+        dict(prompts=["abc", prompt_of(40, 1)]),  # longer than max_seq_len
+    ]
+    for case in bad:
+        model = FakeModel()
+        prompts = case.pop("prompts")
+        with pytest.raises(ValueError):
+            batch.batch_generate(model, tokenizer, prompts, max_seq_len=16, **case)
+        assert model.calls == [], f"{case}: the error must come before any model call"
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 3, 7, 12])
+def test_task_3_model_error_releases_every_slot_and_cache(batch, fail_on_call):
+    model = FakeModel(fail_on_call=fail_on_call)
+    with pytest.raises(ModelFailure):
+        batch.batch_generate(model, FakeTokenizer(), fake_prompts(6), max_seq_len=24, batch_size=3, prefill_step=4)
+    assert all(layer.held() == [] for layer in model.batch_caches[0]), "no decode slot may stay held"
+
+
+def test_task_3_release_all_after_an_error(batch):
+    model = FakeModel(fail_on_call=6)
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=24, batch_size=2, prefill_step=4)
+    requests = [scheduler.add_request(p) for p in fake_prompts(5)]
+    with pytest.raises(ModelFailure):
+        while scheduler.has_work():
+            scheduler.step()
+    assert scheduler.num_running > 0, "the failure should hit while requests decode"
+    scheduler.release_all()
+    assert not scheduler.has_work() and scheduler.num_running == 0
+    assert all(layer.held() == [] for layer in scheduler.batch_cache)
+    unfinished = [r for r in requests if r not in scheduler.finished]
+    assert unfinished and all(r.kv_cache is None and r.finish_reason == "cancelled" for r in unfinished)
