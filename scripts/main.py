@@ -1,0 +1,159 @@
+"""Generate text with the course's Qwen2: the reference solution by default, or yours.
+
+    pdm run main                                   # reference solution, embedded model, greedy
+    pdm run main --solution student                # your src/tiny_llm
+    pdm run main --model bench-0.5b --max-tokens 32
+    pdm run main --temp 0.7 --top-p 0.9 --top-k 50 # sampling (day 1.7)
+    pdm run main --model bench-0.5b --compare-mlx-lm   # also time mlx-lm on the same model and prompt
+
+The text streams as it is generated; then come prompt tokens/s (prefill) and generation tokens/s
+(each step after the first token). With --compare-mlx-lm, mlx-lm's own generation loop runs on the
+same model and prompt in the same process, and both figures are printed side by side with their ratio.
+"""
+
+import argparse
+import importlib
+import sys
+import time
+
+from scripts import fast_mlx
+
+DEFAULT_PROMPT = "Give me a short introduction to large language models."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdm run main", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
+                        help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
+    parser.add_argument("--model", default="embedded",
+                        help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability")
+    parser.add_argument("--top-k", type=int, default=None, help="keep only the k most likely tokens")
+    parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as it is")
+    parser.add_argument("--compare-mlx-lm", action="store_true",
+                        help="also run mlx-lm's generation loop on the same model and prompt, and compare tokens/s")
+    return parser
+
+
+def pick_generation(package: str):
+    """(build the model from an mlx-lm model, the generate function) for this package.
+
+    Week 1: Qwen2ModelWeek1 and simple_generate (every step recomputes the whole sequence).
+    Switching to the KV-cache path means returning the week-2 model and generate function here.
+    """
+    qwen2 = importlib.import_module(f"{package}.qwen2_week1")
+    generate = importlib.import_module(f"{package}.generate")
+    return qwen2.Qwen2ModelWeek1, generate.simple_generate
+
+
+class TimedModel:
+    """Wraps a model: evaluates each call's logits right away and notes when each call finished."""
+
+    def __init__(self, model):
+        self.model = model
+        self.call_ends: list[float] = []
+
+    def __call__(self, *args, **kwargs):
+        import mlx.core as mx
+
+        logits = self.model(*args, **kwargs)
+        mx.eval(logits)  # MLX is lazy: without this the time would land wherever the result is first read
+        self.call_ends.append(time.perf_counter())
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def make_our_sampler(package: str, args):
+    """None (greedy) at temperature 0 without filters, else the package's own make_sampler (day 1.7)."""
+    if args.temp == 0 and args.top_p is None and args.top_k is None:
+        return None
+    sampler = importlib.import_module(f"{package}.sampler")
+    return sampler.make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+
+
+def run_ours(model, tokenizer, prompt: str, args, package: str) -> dict:
+    model_class, generate = pick_generation(package)
+    ours = TimedModel(model_class(model))
+    sampler = make_our_sampler(package, args)
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+    start = time.perf_counter()
+    generate(ours, tokenizer, prompt, sampler=sampler, max_tokens=args.max_tokens,
+             on_text=lambda piece: print(piece, end="", flush=True))
+    print()
+    ends = ours.call_ends
+    # The first call reads the prompt and yields the first token; each later call yields one more.
+    prompt_tps = prompt_tokens / (ends[0] - start) if ends else 0.0
+    steps = len(ends) - 1
+    generation_tps = steps / (ends[-1] - ends[0]) if steps > 0 else 0.0
+    return {"prompt_tokens": prompt_tokens, "prompt_tps": prompt_tps, "generated": len(ends),
+            "generation_tps": generation_tps}
+
+
+def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(args.temp, top_p=args.top_p or 0.0, top_k=args.top_k or 0)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    last = None
+    for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
+        print(last.text, end="", flush=True)
+    print()
+    return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
+            "generated": last.generation_tokens, "generation_tps": last.generation_tps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    blas = fast_mlx.setup()
+    import mlx.core as mx
+
+    from scripts.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+
+    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
+    path = resolve_model(args.model)
+    model, tokenizer = load_model(args.model)
+    # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
+    # now, so that neither timed run pays for the conversion.
+    mx.eval(model.parameters())
+    print(f"[tiny-llm] {args.solution} solution ({package}) on {path}; device {mx.default_device()}"
+          f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
+    if is_embedded(path):
+        print(MEANINGLESS_NOTE, file=sys.stderr)
+    prompt = build_prompt(tokenizer, args.prompt, not args.no_chat_template)
+
+    try:
+        ours = run_ours(model, tokenizer, prompt, args, package)
+    except NotImplementedError as error:
+        print(f"\nnot implemented yet: {error}. Read the chapter it names, then run that day's tests.",
+              file=sys.stderr)
+        return 1
+    print(f"[{package}] prompt: {ours['prompt_tokens']} tokens, {ours['prompt_tps']:.1f} tokens/s; "
+          f"generation: {ours['generated']} tokens, {ours['generation_tps']:.2f} tokens/s")
+
+    if args.compare_mlx_lm:
+        print("--- mlx-lm (mlx_lm.stream_generate, with its KV cache) on the same model and prompt:")
+        theirs = run_mlx_lm(model, tokenizer, prompt, args)
+        print(f"[mlx-lm] prompt: {theirs['prompt_tokens']} tokens, {theirs['prompt_tps']:.1f} tokens/s; "
+              f"generation: {theirs['generated']} tokens, {theirs['generation_tps']:.2f} tokens/s")
+        ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+        print(f"ours / mlx-lm: prompt {ratio(ours['prompt_tps'], theirs['prompt_tps']):.2f}x, "
+              f"generation {ratio(ours['generation_tps'], theirs['generation_tps']):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
