@@ -1,0 +1,489 @@
+"""Week 2 Day 7: chunked prefill (book/src/week2-07-chunked-prefill.md).
+
+Oracles: a recording fake model (tests/scheduler_fakes.py) for the order, offsets and lengths of the
+model calls; numpy and MLX built-ins (mx.fast.rope, mx.fast.scaled_dot_product_attention) for the
+chunk's mask and positions; one-shot prefill for chunked prefill (same logits, same KV cache);
+one-request-at-a-time greedy generation by mlx-lm's own Qwen2 for the scheduler's outputs; MLX's
+memory counters for materialization and peak memory; an injected clock for times, policies and logs.
+
+Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here.
+"""
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.harness import reference, solution
+from tests.scheduler_fakes import (
+    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, borrow, expected_tokens, next_token_of, prompt_of,
+)
+
+sol = solution(week=2, day=7)
+ref = reference()
+
+DAY_6_PARTS = {
+    "Request": ["record_token", "decode_done", "text"],
+    "Scheduler": ["admit", "decode_step", "retire", "release_all"],
+}
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. Chunked prefill keeps decodes flowing.",
+    "a",
+    "Once upon a time there was a scheduler",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+]
+MAX_SEQ_LEN = 40
+
+
+@pytest.fixture
+def batch(monkeypatch):
+    """The batch module under test, with day 2.6's parts from the reference."""
+    borrow(monkeypatch, sol.batch, ref.batch, DAY_6_PARTS)
+    return sol.batch
+
+
+@pytest.fixture(scope="module")
+def real(embedded_model):
+    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights."""
+    mlx_model, tokenizer = embedded_model
+    return ref.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
+
+
+class LogitsRecorder:
+    """Wraps a model and keeps the logits of every call (the model's other attributes pass through)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.outputs = []
+
+    def __call__(self, inputs, offset, cache):
+        logits = self.model(inputs, offset, cache)
+        self.outputs.append(logits)
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[int]:
+    """One request at a time, with mlx-lm's model and cache: the oracle for the embedded model."""
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    cache = make_prompt_cache(mlx_model)
+    logits = mlx_model(mx.array([tokens]), cache=cache)
+    output = []
+    while True:
+        token = int(mx.argmax(logits[0, -1]).item())
+        if token in tokenizer.eos_token_ids:
+            return output
+        output.append(token)
+        if len(tokens) + len(output) >= max_seq_len:
+            return output
+        logits = mlx_model(mx.array([[token]]), cache=cache)
+
+
+@pytest.fixture(scope="module")
+def oracle_tokens(real):
+    _, mlx_model, tokenizer = real
+    return [mlx_lm_greedy(mlx_model, tokenizer, p, MAX_SEQ_LEN) for p in PROMPTS]
+
+
+def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
+    """Drive a Scheduler to the end, as batch_generate does; `check(scheduler)` after every step."""
+    scheduler = batch.Scheduler(model, tokenizer, **settings)
+    for idx, prompt in enumerate(prompts):
+        scheduler.add_request(prompt, idx)
+    while scheduler.has_work():
+        scheduler.step()
+        if check is not None:
+            check(scheduler)
+    return scheduler
+
+
+def prefill_all(request) -> list[int]:
+    """Call try_prefill until the prefill is done; the tokens each call reported."""
+    sizes = []
+    while not request.is_prefill_done:
+        sizes.append(request.try_prefill())
+    return sizes
+
+
+def eos_free_prompt(length: int, tokens_needed: int, seed: int = 0) -> str:
+    """A fake prompt of `length` tokens whose greedy continuation has no EOS for `tokens_needed` tokens."""
+    tokenizer = FakeTokenizer()
+    for s in range(seed, seed + 500):
+        prompt = prompt_of(length, s)
+        output, _ = expected_tokens(tokenizer.encode(prompt), length + tokens_needed)
+        if len(output) == tokens_needed:
+            return prompt
+    raise AssertionError("no such prompt")
+
+
+# ---------------------------------------------------------------- Task 1: Request.try_prefill
+
+
+def test_task_1_seven_tokens_in_chunks_of_three(batch):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    prompt = "abcdefg"
+    ids = tokenizer.encode(prompt)
+    request = batch.Request(model, tokenizer, prompt, prefill_max_step=3, prompt_idx=2)
+    progress = []
+    for _ in range(3):
+        assert not request.is_prefill_done and request.next_token is None
+        ran = request.try_prefill()
+        progress.append((ran, request.offset, request.is_prefill_done))
+    assert progress == [(3, 3, False), (3, 6, False), (1, 7, True)]
+    calls = [(c.tokens, c.offset) for c in model.prefill_calls]
+    assert calls == [(ids[0:3], 0), (ids[3:6], 3), (ids[6:7], 6)], "chunks of at most 3 at their absolute offsets"
+    first = next_token_of(ids)
+    assert request.next_token == first, "the last chunk picks the first output token (greedy)"
+    assert request.output_tokens == ([] if first == EOS else [first])
+    with pytest.raises(RuntimeError):
+        request.try_prefill()
+    assert len(model.calls) == 3, "a try_prefill after the prefill is done must not call the model"
+
+
+@pytest.mark.parametrize("length, calls", [(4, 1), (5, 1), (6, 2), (1, 1), (11, 3)])
+def test_task_1_prompt_shorter_equal_longer_than_a_chunk(batch, length, calls):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    prompt = prompt_of(length, seed=length)
+    request = batch.Request(model, tokenizer, prompt, prefill_max_step=5)
+    sizes = prefill_all(request)
+    assert len(model.prefill_calls) == calls and sum(sizes) == length and all(1 <= s <= 5 for s in sizes)
+    assert [c.offset for c in model.prefill_calls] == [5 * i for i in range(calls)]
+    assert request.offset == length
+    assert request.next_token == next_token_of(tokenizer.encode(prompt))
+
+
+def test_task_1_bad_input_fails_before_any_model_call(batch):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    request = batch.Request(model, tokenizer, "xy", prefill_max_step=1)
+    assert prefill_all(request) == [1, 1]
+    for kwargs in (dict(prompt="abc", prefill_max_step=0), dict(prompt=""), dict(prompt="abcdef", max_seq_len=6)):
+        model = FakeModel()
+        with pytest.raises(ValueError):
+            batch.Request(model, tokenizer, **kwargs)
+        assert model.calls == []
+
+
+# ---------------------------------------------------------------- Task 2: the chunk's mask and positions
+
+
+def numpy_chunk_mask(offset: int, length: int) -> np.ndarray:
+    mask = np.full((length, offset + length), -np.inf, dtype=np.float32)
+    for i in range(length):
+        mask[i, : offset + i + 1] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("offset, length", [(0, 1), (0, 6), (5, 3), (7, 1), (3, 9), (20, 4)])
+def test_task_2_chunk_causal_mask(batch, offset, length):
+    mask = batch.chunk_causal_mask(offset, length, mx.float32)
+    assert mask.shape == (length, offset + length) and mask.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(mask), numpy_chunk_mask(offset, length))
+    np.testing.assert_array_equal(np.array(batch.chunk_positions(offset, length)), np.arange(offset, offset + length))
+
+
+def test_task_2_contract_example(batch):
+    """With 5 tokens cached and 3 new, row 0 sees 6 keys (and rows 1, 2 see 7, 8)."""
+    mask = np.array(batch.chunk_causal_mask(5, 3, mx.float32))
+    assert [(row == 0).sum() for row in mask] == [6, 7, 8]
+    assert np.array(batch.chunk_causal_mask(9, 1, mx.float32)).tolist() == [[0.0] * 10], "a decode row sees all"
+
+
+def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """Non-traditional RoPE of `... x L x D` at the given absolute positions."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-np.arange(half, dtype=np.float64) * 2 / x.shape[-1])
+    angles = positions[:, None] * freqs[None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 11, 20])
+def test_task_2_chunked_attention_equals_one_shot(batch, chunk):
+    """RoPE at the chunk's positions and attention under its mask, chunk by chunk, give one-shot attention."""
+    total, heads, dim, base = 11, 2, 8, 10000.0
+    q, k, v = (mx.random.normal((1, heads, total, dim), key=mx.random.key(s)) for s in (1, 2, 3))
+    rope = lambda x: mx.fast.rope(x, dim, traditional=False, base=base, scale=1.0, offset=0)  # noqa: E731
+    one_shot = mx.fast.scaled_dot_product_attention(rope(q), rope(k), v, scale=dim**-0.5, mask="causal")
+    keys = []
+    outputs = []
+    for start in range(0, total, chunk):
+        length = min(chunk, total - start)
+        positions = np.array(batch.chunk_positions(start, length)).astype(np.float64)
+        q_chunk = mx.array(numpy_rope(np.array(q[:, :, start : start + length]), positions, base))
+        keys.append(mx.array(numpy_rope(np.array(k[:, :, start : start + length]), positions, base)))
+        mask = batch.chunk_causal_mask(start, length, mx.float32)
+        outputs.append(mx.fast.scaled_dot_product_attention(
+            q_chunk, mx.concatenate(keys, axis=2), v[:, :, : start + length], scale=dim**-0.5, mask=mask))
+    np.testing.assert_allclose(np.array(mx.concatenate(outputs, axis=2)), np.array(one_shot), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, None])
+def test_task_2_chunked_prefill_equals_one_shot(batch, real, chunk):
+    """Same logits at every prompt position and the same KV cache (the next decode step agrees)."""
+    model, _, tokenizer = real
+    prompt = PROMPTS[1]
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    chunk = chunk or len(ids) + 5  # None: one chunk longer than the prompt
+
+    one_shot_cache = model.make_cache()
+    one_shot = model(mx.array([ids]), 0, one_shot_cache)
+
+    recorder = LogitsRecorder(model)
+    request = batch.Request(recorder, tokenizer, prompt, prefill_max_step=chunk)
+    sizes = prefill_all(request)
+    assert sizes == [min(chunk, len(ids) - s) for s in range(0, len(ids), chunk)]
+    chunked = mx.concatenate(recorder.outputs, axis=1)
+    np.testing.assert_allclose(np.array(chunked), np.array(one_shot), rtol=1e-3, atol=1e-3)
+    assert request.next_token == int(mx.argmax(one_shot[0, -1]).item())
+    assert request.offset == len(ids) == one_shot_cache[0].offset
+
+    # The caches agree if the next decode step on each gives the same logits.
+    probe = mx.array([[request.next_token]])
+    after_chunked = model(probe, len(ids), request.kv_cache)
+    after_one_shot = model(probe, len(ids), one_shot_cache)
+    np.testing.assert_allclose(np.array(after_chunked), np.array(after_one_shot), rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------- Task 3: the scheduler interleaves
+
+
+def test_task_3_each_iteration_runs_one_chunk_then_one_decode_step(batch):
+    model, tokenizer = FakeModel(eos=False), FakeTokenizer()
+    short, long = prompt_of(3, 1), prompt_of(10, 2)
+    scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    kinds = []
+    for _ in range(6):
+        before = len(model.calls)
+        scheduler.step()
+        kinds.append([c.kind for c in model.calls[before:]])
+    # Iteration 1: the short prompt in one chunk, then its first decode step. Iterations 2-5: one chunk
+    # of the long prompt (offsets 0, 3, 6, 9) and one decode step of the short request. Then decode only.
+    assert kinds == [["prefill", "decode"]] * 5 + [["decode"]]
+    long_chunks = [(len(c.tokens), c.offset) for c in model.prefill_calls[1:]]
+    assert long_chunks == [(3, 0), (3, 3), (3, 6), (1, 9)]
+    decode_rows = [c.active for c in model.decode_calls]
+    assert decode_rows[:4] == [[0]] * 4, "the short request decodes while the long prompt prefills"
+    assert decode_rows[4:] == [[0, 1], [0, 1]], "the long request takes a slot when its last chunk ran"
+
+
+@pytest.mark.parametrize("prefill_step", [1, 2, 3, 5, 1000])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_task_3_fake_outputs_equal_for_every_chunk_size(batch, prefill_step, batch_size):
+    tokenizer = FakeTokenizer()
+    prompts = [prompt_of(2 + (i * 7) % 13, seed=i) for i in range(7)]
+    scheduler = run_scheduler(batch, FakeModel(), tokenizer, prompts, max_seq_len=24,
+                              batch_size=batch_size, prefill_step=prefill_step)
+    got = {r.prompt_idx: (r.output_tokens, r.finish_reason) for r in scheduler.finished}
+    assert got == {i: expected_tokens(tokenizer.encode(p), 24) for i, p in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("prefill_step", [1, 2, 3, 7, 64])
+def test_task_3_real_model_outputs_equal_one_at_a_time(batch, real, oracle_tokens, prefill_step):
+    model, _, tokenizer = real
+    scheduler = run_scheduler(batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN,
+                              batch_size=3, prefill_step=prefill_step)
+    got = {r.prompt_idx: r.output_tokens for r in scheduler.finished}
+    assert got == dict(enumerate(oracle_tokens))
+
+
+def test_task_3_first_token_eos_finishes_without_a_decode_step(batch):
+    tokenizer = FakeTokenizer()
+    eos_prompt = next(p for p in (prompt_of(n, s) for s in range(500) for n in (4, 9))
+                      if next_token_of(tokenizer.encode(p)) == EOS)
+    other = eos_free_prompt(5, 10)
+    model = FakeModel()
+    scheduler = run_scheduler(batch, model, tokenizer, [other, eos_prompt], max_seq_len=15,
+                              batch_size=2, prefill_step=3)
+    finished = {r.prompt_idx: r for r in scheduler.finished}
+    assert finished[1].finish_reason == "eos" and finished[1].output_tokens == [] and finished[1].text() == ""
+    assert model.batch_caches[0][0].adds == 1, "only the other request ever takes a slot"
+    assert all(c.active == [0] for c in model.decode_calls)
+
+
+@pytest.mark.parametrize("fail_on_call", [3, 5, 7])  # calls: short prefill, decode, long chunk, decode, ...
+def test_task_3_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_call):
+    """A chunk that raises propagates out of step(); release_all then frees every slot and cache."""
+    model, tokenizer = FakeModel(eos=False, fail_on_call=fail_on_call), FakeTokenizer()
+    scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    requests = [scheduler.add_request(prompt_of(3, 1)), scheduler.add_request(prompt_of(12, 2))]
+    with pytest.raises(ModelFailure):
+        for _ in range(10):
+            scheduler.step()
+    assert model.calls[-1].kind == "failed" and len(model.calls[-1].tokens) == 1, "the failure hit a prefill chunk"
+    assert scheduler.prefilling is requests[1], "the failing request is still the one being prefilled"
+    scheduler.release_all()
+    assert all(layer.held() == [] for layer in scheduler.batch_cache) and not scheduler.has_work()
+    assert all(r.kv_cache is None for r in requests)
+
+
+# ---------------------------------------------------------------- Task 4: materialize; peak memory
+
+
+def kv_bytes(model, tokens: int) -> int:
+    args = model.args
+    head_dim = args.hidden_size // args.num_attention_heads
+    return tokens * args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * 4  # float32
+
+
+def test_task_4_materialize_cache_computes_keys_and_values(batch, real):
+    model, _, tokenizer = real
+    ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    cache = model.make_cache()
+    model(mx.array([ids]), 0, cache)  # lazy: nothing computed yet
+    mx.synchronize()
+    before = mx.get_active_memory()
+    batch.materialize_cache(cache)
+    grown = mx.get_active_memory() - before
+    # Allocator accounting is not byte-exact; left lazy, the cache would have grown by ~0 bytes.
+    assert grown >= kv_bytes(model, len(ids)) / 2, f"the cache's arrays must be computed (grew {grown} bytes)"
+
+
+def test_task_4_try_prefill_materializes_between_chunks(batch, real):
+    model, _, tokenizer = real
+    ids = list(range(1000, 1064))
+    request = batch.Request(model, tokenizer, ids, prefill_max_step=32)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    request.try_prefill()  # the first of two chunks: nobody reads its logits
+    grown = mx.get_active_memory() - before
+    assert grown >= kv_bytes(model, 32) / 2, (
+        f"after a chunk that is not the last, its keys and values must be computed (memory grew {grown} bytes)")
+
+
+def test_task_4_chunked_prefill_needs_less_peak_memory(batch, real):
+    model, _, tokenizer = real
+    ids = [1000 + (i * 37) % 5000 for i in range(384)]
+    one_shot = batch.prefill_peak_memory(model, tokenizer, ids, len(ids))
+    chunked = batch.prefill_peak_memory(model, tokenizer, ids, 32)
+    assert 0 < chunked < one_shot / 4, f"chunked {chunked} bytes, one-shot {one_shot} bytes"
+
+
+# ---------------------------------------------------------------- Task 5: the chunk-size policy
+
+
+def test_task_5_adaptive_policy_from_measurements(batch):
+    policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.5, min_chunk=8, max_chunk=512, initial_chunk=32,
+                                                  smoothing=0.5)
+    assert policy.next_chunk_size(0) == 512, "nobody decoding: the largest chunk"
+    assert policy.next_chunk_size(3) == 32, "nothing measured yet: the initial chunk"
+    policy.observe_chunk(64, 1.0)  # 1/64 s per token
+    policy.observe_decode(3, 0.25)
+    assert policy.next_chunk_size(3) == 16, "(0.5 - 0.25) s / (1/64 s per token)"
+    policy.observe_chunk(16, 0.5)  # 1/32 s per token: the average moves halfway, to 3/128
+    assert policy.next_chunk_size(3) == int(0.25 / (3 / 128))
+    policy.observe_chunk(0, 5.0)  # an empty chunk tells nothing
+    assert policy.next_chunk_size(3) == int(0.25 / (3 / 128))
+    policy.observe_decode(3, 1.75)  # decode alone now takes (0.25 + 1.75) / 2 = 1 s: over the target
+    assert policy.next_chunk_size(3) == 8, "never below min_chunk"
+    fast = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.5, min_chunk=8, max_chunk=512)
+    fast.observe_chunk(1000, 0.001)
+    assert fast.next_chunk_size(1) == 512, "never above max_chunk"
+
+
+def test_task_5_adaptive_policy_holds_the_latency_target(batch):
+    """With an injected clock: a chunk costs 10 ms + 1 ms/token, a decode step 20 ms; target 100 ms."""
+    clock = FakeClock()
+    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.010, 0.001), decode_cost=0.020)
+    policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.1, min_chunk=4, max_chunk=1024, initial_chunk=16)
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=2000, batch_size=2, prefill_step=16,
+                                policy=policy, clock=clock)
+    scheduler.add_request(eos_free_prompt(4, 60), max_tokens=60)
+    scheduler.step()  # the short request prefills (nobody decoding: full size) and starts decoding
+    assert len(model.prefill_calls[0].tokens) == 4
+    scheduler.add_request(prompt_of(1200, 3), max_tokens=2)
+    times = []
+    while scheduler.prefilling is not None or scheduler.queue:
+        start = clock()
+        scheduler.step()
+        times.append(clock() - start)
+    sizes = [len(c.tokens) for c in model.prefill_calls[1:]]
+    # Measured on the short prompt: (10 + 4) ms / 4 tokens = 3.5 ms per token, so (100 - 20) / 3.5 = 22.
+    assert sizes[0] == 22, "the first chunk under load is sized from what was measured so far"
+    # The fixed point is 10 ms + 1 ms * n + 20 ms = 100 ms: n = 70. The sizes climb towards it.
+    assert sizes[:6] == sorted(sizes[:6]) and all(62 <= s <= 70 for s in sizes[6:-1]), sizes
+    assert all(t <= 0.1 + 1e-9 for t in times), "no iteration goes over the target"
+
+
+def test_task_5_without_decoders_the_whole_prompt_goes_at_once(batch):
+    clock = FakeClock()
+    model = FakeModel(clock=clock, prefill_cost=(0.01, 0.001))
+    policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.05, min_chunk=4, max_chunk=256)
+    run_scheduler(batch, model, FakeTokenizer(), [prompt_of(200, 1)], max_seq_len=203, batch_size=1,
+                  prefill_step=16, policy=policy, clock=clock)
+    assert [len(c.tokens) for c in model.prefill_calls] == [200]
+
+
+# ---------------------------------------------------------------- Task 6: stats and logs
+
+
+def test_task_6_stats_count_chunks_decode_steps_and_interleaving(batch):
+    clock = FakeClock()
+    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
+    scheduler.add_request(prompt_of(3, 1), max_tokens=8)
+    scheduler.add_request(prompt_of(10, 2), max_tokens=2)
+    while scheduler.has_work():
+        scheduler.step()
+    stats = scheduler.stats
+    assert stats.chunks == 5 and stats.prefill_tokens == 13
+    assert stats.chunk_seconds == pytest.approx(5 * 0.5 + 13 * 0.25)
+    assert stats.avg_chunk_time == pytest.approx(stats.chunk_seconds / 5)
+    assert stats.decode_steps == len(model.decode_calls)
+    assert stats.decode_tokens == sum(len(c.active) for c in model.decode_calls) == 7 + 1
+    assert stats.decode_seconds == pytest.approx(0.125 * stats.decode_steps)
+    # A decode step is interleaved when the same iteration ran a chunk: the call just before it.
+    interleaved = sum(1 for before, c in zip(model.calls, model.calls[1:]) if c.kind == "decode" and before.kind == "prefill")
+    assert stats.interleaved_steps == interleaved == 5
+    assert stats.interleave_ratio == pytest.approx(5 / stats.decode_steps)
+
+
+def test_task_6_stats_before_anything_ran(batch):
+    stats = batch.SchedulerStats()
+    assert stats.avg_chunk_time is None and stats.interleave_ratio is None
+    stats.record_chunk(10, 2.0)
+    stats.record_decode_step(4, 0.5, interleaved=False)
+    assert (stats.avg_chunk_time, stats.interleave_ratio, stats.decode_tokens, stats.interleaved_steps) == (2.0, 1.0, 4, 0)
+
+
+STATS_LINE = re.compile(
+    r"prompt (?P<prompt>[\d.]+) tokens/s, generation (?P<gen>[\d.]+) tokens/s, running (?P<running>\d+), "
+    r"waiting (?P<waiting>\d+), KV cache (?P<kv>[\d.]+)%")
+
+
+def test_task_6_logs_the_set_up_then_periodic_stats(batch):
+    clock = FakeClock()
+    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
+    lines = []
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
+                                log=lines.append, log_interval=1.0)
+    for i in range(3):
+        scheduler.add_request(prompt_of(8, i), max_tokens=6)
+    while scheduler.has_work():
+        scheduler.step()
+    assert "chunked prefill enabled" in lines[0] and "4 prompt tokens" in lines[0], lines[0]
+    assert "token budget" in lines[0]
+    periodic = [STATS_LINE.search(line) for line in lines[1:]]
+    assert len(periodic) >= 3 and all(periodic), lines
+    # The first periodic line covers [0, t]: 4 prompt tokens per chunk at 0.1 s/token and 0.25 s decode steps.
+    first = periodic[0]
+    assert float(first["prompt"]) > 0 and float(first["gen"]) > 0
+    assert int(first["running"]) <= 2 and int(first["waiting"]) <= 3 and 0 < float(first["kv"]) <= 100
+    assert clock() / 1.0 - 1 <= len(periodic) <= clock() / 1.0 + 1, "about one line per log_interval"
+
+
+def test_task_6_log_says_when_chunking_is_off(batch):
+    lines = []
+    scheduler = batch.Scheduler(FakeModel(), FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=32,
+                                log=lines.append)
+    scheduler.add_request("abc")
+    scheduler.step()
+    assert len(lines) == 1 and "disabled" in lines[0]
