@@ -18,6 +18,8 @@ Caches come only from the model: `model.make_cache()` for one request's prefill,
 `model.make_batch_cache(batch_size, max_seq_len)` for the decode slots.
 """
 
+from __future__ import annotations
+
 import logging
 import time
 from collections import deque
@@ -228,7 +230,7 @@ class Scheduler:
         batch_size: int = 5,
         prefill_step: int = 128,
         policy=None,
-        metrics: "MetricsRecorder | None" = None,
+        metrics: MetricsRecorder | None = None,
         clock: Callable[[], float] = time.perf_counter,
         log: Callable[[str], None] | None = None,
         log_interval: float = 5.0,
@@ -267,7 +269,7 @@ class Scheduler:
 
     # -- provided helpers
 
-    def add_request(self, prompt: str | list[int], prompt_idx: int | None = None, max_tokens: int | None = None) -> "Request":
+    def add_request(self, prompt: str | list[int], prompt_idx: int | None = None, max_tokens: int | None = None) -> Request:
         """Queue a prompt (a string encoded as it is, or token ids) and return its Request (provided).
 
         `prompt_idx` defaults to the next unused index; `max_tokens` caps the output below what
@@ -466,7 +468,7 @@ def batch_generate(
     batch_size: int = 5,
     prefill_step: int = 128,
     policy=None,
-    metrics: "MetricsRecorder | None" = None,
+    metrics: MetricsRecorder | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[tuple[int, str]]:
     """Generate greedily for every prompt with continuous batching and chunked prefill; `(prompt_idx, text)` in prompt order.
