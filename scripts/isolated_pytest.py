@@ -4,8 +4,9 @@ Used by the grader (scripts/grade.py) and the per-day check (scripts/check_days.
 test never runs in the caller's process. pytest runs with the plugin scripts/pytest_events.py, which
 appends one JSON line per test event to a file; this module watches that file:
 
-- a test that runs past `timeout` seconds is stopped (its Python stack is saved first), scored as
-  `timeout`, and pytest is started again on the tests not yet run;
+- a test that runs past `timeout` seconds is interrupted in place (an exception raised by SIGALRM) and
+  scored as `timeout`; if that does not stop it (stuck in C code, or it swallows the exception), its
+  stack is saved, pytest is killed, and started again on the tests not yet run;
 - a test during which the interpreter dies (segfault, abort, os._exit, out of memory) is scored as
   `crashed`, with the end of pytest's output, and the remaining tests run in a new process;
 - a test file that cannot be collected gives `collect_errors`; its tests are not in `results`.
@@ -22,6 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from scripts.pytest_events import HARD_GRACE
 
 POLL_SECONDS = 0.05
 EXIT_GRACE_SECONDS = 20.0  # after the last test, how long pytest may take to shut down
@@ -141,7 +144,7 @@ def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_
         if exited:
             break
         now = time.monotonic()
-        if current is not None and now - started_at > timeout + 1.0:
+        if current is not None and now - started_at > timeout + HARD_GRACE:
             time.sleep(0.2)  # let the watchdog thread finish writing the stack
             _kill_group(proc)
             stack = readable_stack(_read(trace_path), cwd)

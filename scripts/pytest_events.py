@@ -8,20 +8,37 @@ and the watcher knows exactly which test was running.
 Environment (read once, then removed from `os.environ` so the code under test does not see it):
     TINY_LLM_EVENTS   the file to append events to
     TINY_LLM_TRACE    a file for the Python stack of a test that runs past its time limit
-    TINY_LLM_TIMEOUT  that time limit in seconds (a stack is dumped there; the watcher kills the process)
+    TINY_LLM_TIMEOUT  that time limit in seconds: at the limit a TimeLimitExceeded is raised in the test
+                      (SIGALRM); if that cannot stop it, the stack is dumped and the watcher kills the process
 
 Events: {"event": "collected", "items": [...]}, {"event": "collect_error", "nodeid", "output"},
 {"event": "start", "nodeid"}, {"event": "finish", "nodeid", "outcome", "output", "duration"},
-{"event": "session_finish", "exitstatus"}. Outcomes: passed, failed, error, skipped, xfailed.
+{"event": "session_finish", "exitstatus"}. Outcomes: passed, failed, error, skipped, xfailed, timeout.
 """
 
 import faulthandler
 import json
 import os
+import signal
 
 MAX_OUTPUT = 6000
 
-_state = {"fd": None, "trace": None, "timeout": 0.0, "reports": {}}
+HARD_GRACE = 3.0  # after the soft limit, seconds until the stack is dumped and the watcher kills pytest
+
+_state = {"fd": None, "trace": None, "timeout": 0.0, "reports": {}, "fired": False}
+
+
+class TimeLimitExceeded(BaseException):
+    """Raised in a test that runs past its time limit (a BaseException: `except Exception` does not swallow it)."""
+
+
+def _on_alarm(signum, frame):
+    _state["fired"] = True
+    raise TimeLimitExceeded(f"still running after {_state['timeout']:g} s: stopped (time limit)")
+
+
+def _soft_limits() -> bool:
+    return _state["timeout"] > 0 and hasattr(signal, "setitimer")
 
 
 def _emit(event: dict) -> None:
@@ -56,9 +73,15 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_logstart(nodeid, location):
     _state["reports"][nodeid] = []
+    _state["fired"] = False
     if _state["trace"] is not None and _state["timeout"] > 0:
-        # Written by a watchdog thread even while the test holds the GIL in a tight loop.
-        faulthandler.dump_traceback_later(_state["timeout"], repeat=False, file=_state["trace"])
+        # Written by a watchdog thread even while the test holds the GIL or is stuck in C code.
+        faulthandler.dump_traceback_later(_state["timeout"] + HARD_GRACE - 1.0, repeat=False, file=_state["trace"])
+    if _soft_limits():
+        # A hang in Python code is interrupted in place, so the process goes on with the next test; a hang
+        # the signal cannot reach (inside C code) is ended by the watcher, which kills the process.
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, _state["timeout"])
     _emit({"event": "start", "nodeid": nodeid})
 
 
@@ -85,10 +108,15 @@ def _outcome(reports) -> tuple[str, str]:
 
 
 def pytest_runtest_logfinish(nodeid, location):
+    if _soft_limits():
+        signal.setitimer(signal.ITIMER_REAL, 0)
     if _state["trace"] is not None and _state["timeout"] > 0:
         faulthandler.cancel_dump_traceback_later()
     reports = _state["reports"].pop(nodeid, [])
     outcome, output = _outcome(reports)
+    if _state["fired"]:
+        outcome = "timeout"
+        output = f"timed out: still running after {_state['timeout']:g} s, so it was stopped.\n{output}"
     duration = sum(getattr(r, "duration", 0.0) for r in reports)
     _emit({"event": "finish", "nodeid": nodeid, "outcome": outcome, "output": _clip(output),
            "duration": round(duration, 3)})
