@@ -36,20 +36,21 @@ class RoPE:
             if stop - start != length:
                 raise ValueError(f"offset {offset} covers {stop - start} positions, the input has {length}")
             offset = start
-        if isinstance(offset, int):
+        if isinstance(offset, (list, tuple, mx.array)):
+            # One start position per sequence (sequences of different lengths decoding together).
+            starts = offset.tolist() if isinstance(offset, mx.array) else [int(o) for o in offset]
+            positions = mx.array(starts).reshape(-1, 1) + mx.arange(length)[None, :]
+            last = max(starts) + length  # plain Python: checking the bound must not force an evaluation
+        else:
+            offset = int(offset)
             positions = mx.arange(offset, offset + length)
             last = offset + length
-        else:
-            # One start position per sequence (sequences of different lengths decoding together).
-            starts = offset if isinstance(offset, mx.array) else mx.array(offset)
-            positions = starts.reshape(-1, 1) + mx.arange(length)[None, :]
-            last = int(mx.max(starts).item()) + length
         if last > self.seq_len:
             raise ValueError(f"position {last - 1} is beyond this RoPE's seq_len {self.seq_len}")
 
         positions = positions.astype(mx.float32)
         angles = positions[..., None] * self.inv_freq  # L x D/2 or N x L x D/2
-        # Line the angles up with x's N x L x H x D/2 halves: add the head axis (and a batch axis if shared).
+        # Line the angles up with x's N x L x H x D/2 halves: add the head axis (a shared L x 1 x D/2 broadcasts over N).
         angles = mx.expand_dims(angles, -2)
         cos, sin = mx.cos(angles), mx.sin(angles)
         if self.traditional:
