@@ -51,6 +51,7 @@ class TinyKvFullCache(TinyKvCache):
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
+        # TODO: concatenate after the held keys/values on axis 2; update offset; pass mask through
         raise NotImplementedError(
             "Week 2 Day 1 Task 1 (book/src/week2-01-kv-cache.md): append the new keys and values"
         )
@@ -73,12 +74,14 @@ class BatchingKvCache(TinyKvCache):
 
     def add_request(self, prefilled: TinyKvCache, id: int) -> None:
         """Put a request's (prefilled) cache for this layer into slot `id`, which must be free."""
+        # TODO: check the slot is in range and free, then keep `prefilled` in it
         raise NotImplementedError(
             "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): put a request's cache into a slot"
         )
 
     def remove_request(self, id: int) -> None:
         """Free slot `id` (the request finished); the other slots are untouched."""
+        # TODO: check the slot holds a request, then empty it
         raise NotImplementedError(
             "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): free a slot"
         )
@@ -96,8 +99,10 @@ class BatchingKvCache(TinyKvCache):
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
+        # TODO: each active slot appends its row; pad every request on the left to the longest; stack rows and masks
         raise NotImplementedError(
-            "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): append each slot's keys, align the rows, build the B x 1 x L x S mask"
+            "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): "
+            "append each slot's keys, align the rows, build the B x 1 x L x S mask"
         )
 
 
@@ -108,6 +113,7 @@ def aligned_causal_mask(length: int, held: int, seq_len: int, dtype: mx.Dtype = 
     keys 0 .. held - L + i, which sit in columns seq_len - held .. seq_len - L + i. The columns before
     seq_len - held are padding. Allowed entries are 0, the others -inf.
     """
+    # TODO: 0 where seq_len - held <= column <= seq_len - length + row, -inf elsewhere
     raise NotImplementedError(
         "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): the causal mask of one right-aligned request"
     )

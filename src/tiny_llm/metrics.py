@@ -46,6 +46,7 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token: first token time minus arrival (None before the first token)."""
+        # TODO: the first token time minus arrival; None before the first token
         raise NotImplementedError(
             "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time to first token"
         )
@@ -53,6 +54,7 @@ class RequestMetrics:
     @property
     def itls(self) -> list[float]:
         """Inter-token latencies: the gap before each token after the first (n - 1 values for n tokens)."""
+        # TODO: differences of consecutive token times
         raise NotImplementedError(
             "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): the inter-token latencies"
         )
@@ -60,6 +62,7 @@ class RequestMetrics:
     @property
     def tpot(self) -> float | None:
         """Time per output token after the first: (e2e - TTFT) / (n - 1); None until finished with n >= 2."""
+        # TODO: (e2e - TTFT) / (n - 1); None unless finished with at least two tokens
         raise NotImplementedError(
             "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time per output token"
         )
@@ -67,6 +70,7 @@ class RequestMetrics:
     @property
     def e2e_latency(self) -> float | None:
         """End-to-end latency: finish minus arrival (None until the request finished)."""
+        # TODO: finish minus arrival; None before finish
         raise NotImplementedError(
             "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): end-to-end latency"
         )
@@ -74,6 +78,7 @@ class RequestMetrics:
 
 def percentile(values: list[float], p: float) -> float | None:
     """The p-th percentile (0 <= p <= 100) with linear interpolation, as numpy.percentile; None if empty."""
+    # TODO: sort a copy; rank = p / 100 * (n - 1); interpolate between floor and ceil
     raise NotImplementedError(
         "Week 2 Day 2 Task 2 (book/src/week2-02-serving-metrics.md): the p-th percentile with linear interpolation"
     )
@@ -101,18 +106,21 @@ class MetricsRecorder:
 
     def arrive(self, request_id: Hashable, prompt_tokens: int) -> None:
         """A request entered the server with a prompt of `prompt_tokens` tokens."""
+        # TODO: a new RequestMetrics at clock(); ValueError for an id seen before
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): record a request's arrival"
         )
 
     def token(self, request_id: Hashable) -> None:
         """The request produced one output token, now."""
+        # TODO: append clock() to the request's token_times
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): record one output token"
         )
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done (EOS, length limit, or cancelled)."""
+        # TODO: set the request's finish to clock()
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): record a request's finish"
         )
@@ -124,12 +132,14 @@ class MetricsRecorder:
         output_tokens_per_s, requests_per_s, ttft, itl, tpot, e2e (each a dict of p50, p90, p99, mean,
         max in seconds), longest_stall_s, longest_stall_request, and note (a sentence when nothing finished).
         """
+        # TODO: finished requests only; every key listed in the docstring, None when unknown
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): percentiles, throughput and the longest stall"
         )
 
     def to_json(self) -> dict:
         """A JSON-ready dict: the summary and every request's timeline (`from_json` reads it back)."""
+        # TODO: {'summary': ..., 'requests': [one dict per request]}
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): the JSON form"
         )
@@ -137,6 +147,7 @@ class MetricsRecorder:
     @classmethod
     def from_json(cls, data: dict, clock: Callable[[], float] = time.perf_counter) -> "MetricsRecorder":
         """Rebuild a recorder from `to_json()` output (after a trip through json.dumps / json.loads)."""
+        # TODO: a recorder holding RequestMetrics rebuilt from data['requests']
         raise NotImplementedError(
             "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): read the JSON form back"
         )
@@ -153,7 +164,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"{'metric':8s} {'p50 ms':>10s} {'p90 ms':>10s} {'p99 ms':>10s} {'mean ms':>10s} {'max ms':>10s}"]
     for name in ("ttft", "itl", "tpot", "e2e"):
         stats = summary[name]
-        lines.append(f"{name:8s} " + " ".join(f"{ms(stats[key]):>10s}" for key in ("p50", "p90", "p99", "mean", "max")))
+        cells = " ".join(f"{ms(stats[key]):>10s}" for key in ("p50", "p90", "p99", "mean", "max"))
+        lines.append(f"{name:8s} {cells}")
     throughput = summary["output_tokens_per_s"]
     lines.append(
         f"{summary['count']} requests, {summary['output_tokens']} output tokens in {summary['duration_s']:.3f} s"

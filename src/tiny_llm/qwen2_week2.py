@@ -70,6 +70,7 @@ class Qwen2MultiHeadAttention:
         values go into `cache`, which returns all of them and the mask to use (`mask` is the default,
         "causal", which a batching cache replaces with its own `B x 1 x L x S` mask).
         """
+        # TODO: project, RoPE at `offset`, heads first, cache.update_and_fetch, grouped attention
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): attention over the new tokens and the cache"
         )
@@ -116,6 +117,7 @@ class Qwen2TransformerBlock:
         mask: mx.array | str | None = "causal",
     ) -> mx.array:
         """`B x L x E` -> `B x L x E`, with `offset`, `cache` and `mask` passed on to the attention."""
+        # TODO: week 1's block, passing offset, cache and mask to the attention
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): the transformer block with a cache"
         )
@@ -167,18 +169,21 @@ class Qwen2ModelWeek2:
         `offset` is an int, or a list with one start position per row (a batch); `cache` has one
         cache per layer (from `make_cache()` or `make_batch_cache(...)`) and is updated in place.
         """
+        # TODO: embedding; layer i with cache[i]; norm; output layer
         raise NotImplementedError(
-            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): run the new tokens through the layers and their caches"
+            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): run the new tokens through the layers and caches"
         )
 
     def make_cache(self) -> list[TinyKvFullCache]:
         """A fresh, empty cache for one request: one `TinyKvFullCache` per layer."""
+        # TODO: a fresh TinyKvFullCache for each of the num_hidden_layers layers
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): one TinyKvFullCache per layer"
         )
 
     def make_batch_cache(self, batch_size: int, max_seq_len: int) -> list[BatchingKvCache]:
         """A cache for a batch of up to `batch_size` requests of at most `max_seq_len` tokens, one per layer."""
+        # TODO: a BatchingKvCache(batch_size, max_seq_len) for each layer
         raise NotImplementedError(
             "Week 2 Day 5 Task 3 (book/src/week2-05-batching-the-model.md): one BatchingKvCache per layer"
         )

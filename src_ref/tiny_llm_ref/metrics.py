@@ -199,7 +199,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"{'metric':8s} {'p50 ms':>10s} {'p90 ms':>10s} {'p99 ms':>10s} {'mean ms':>10s} {'max ms':>10s}"]
     for name in ("ttft", "itl", "tpot", "e2e"):
         stats = summary[name]
-        lines.append(f"{name:8s} " + " ".join(f"{ms(stats[key]):>10s}" for key in ("p50", "p90", "p99", "mean", "max")))
+        cells = " ".join(f"{ms(stats[key]):>10s}" for key in ("p50", "p90", "p99", "mean", "max"))
+        lines.append(f"{name:8s} {cells}")
     throughput = summary["output_tokens_per_s"]
     lines.append(
         f"{summary['count']} requests, {summary['output_tokens']} output tokens in {summary['duration_s']:.3f} s"
