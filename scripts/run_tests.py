@@ -24,8 +24,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ref", action="store_true", help="test the reference solution (same as --solution ref)")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="which package the tests grade (default: student, src/tiny_llm)")
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --")
+    parser.add_argument("pytest_args", nargs="*", help="arguments for pytest, after --")
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Our options, plus everything else passed on to pytest (after `--` or not: pdm may drop the `--`)."""
+    if "--" in argv:
+        split = argv.index("--")
+        ours, theirs = argv[:split], argv[split + 1:]
+    else:
+        ours, theirs = argv, []
+    args, unknown = build_parser().parse_known_args(ours)
+    args.pytest_args = [*args.pytest_args, *unknown, *theirs]
+    return args
 
 
 def test_targets(week: int | None, day: int | None) -> list[str]:
@@ -44,9 +56,9 @@ def test_targets(week: int | None, day: int | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     solution = "ref" if args.ref else args.solution
-    pytest_args = [a for a in args.pytest_args if a != "--"]
+    pytest_args = args.pytest_args
     targets = test_targets(args.week, args.day)
     os.environ["TINY_LLM_SOLUTION"] = solution
     os.chdir(REPO_ROOT)
