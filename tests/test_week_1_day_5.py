@@ -144,3 +144,20 @@ def test_task_3_qwen2_model_quantized(quantized_model):
     ours = sol.qwen2_week1.Qwen2ModelWeek1(quantized_model)
     inputs = mx.array([[9707, 11, 1879, 0, 3838, 374]])
     assert_close(ours(inputs), quantized_model(inputs), LOGITS_ATOL)
+
+
+def test_task_3_qwen2_model_untied_lm_head_and_other_shapes():
+    # Larger Qwen2 checkpoints have a separate output layer (tie_word_embeddings = false). A small
+    # random one, with 6 query heads on 2 key/value heads and odd sizes, built with mlx-lm's own class.
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    args = mlx_qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=48, num_hidden_layers=3, intermediate_size=72, num_attention_heads=6,
+        rms_norm_eps=1e-6, vocab_size=501, num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    mx.random.seed(44)
+    model = mlx_qwen2.Model(args)
+    mx.eval(model.parameters())
+    ours = sol.qwen2_week1.Qwen2ModelWeek1(model)
+    inputs = mx.random.randint(0, 501, (2, 11))
+    assert_close(ours(inputs), model(inputs), LOGITS_ATOL)
