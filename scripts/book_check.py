@@ -224,8 +224,13 @@ def _script_module(definition) -> tuple[str | None, list[str]]:
     return None, []
 
 
+PASS_THROUGH_MODULES = ("pytest",)  # `pdm run python -m pytest ...`: any arguments
+
+
 def parse_with(module: str, args: list[str]) -> str | None:
     """None when `module.build_parser()` accepts `args`; otherwise what is wrong."""
+    if module in PASS_THROUGH_MODULES:
+        return None
     try:
         parser_module = importlib.import_module(module)
     except Exception as error:  # noqa: BLE001 - report any import failure as a problem

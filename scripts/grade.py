@@ -231,19 +231,26 @@ def first_lines(text: str, count: int = 3) -> str:
     # The most telling lines of a pytest failure are usually its last ones ("E   assert ...").
     telling = [line for line in lines if line.startswith("E ") or "not implemented yet" in line
                or line.startswith(("timed out", "the test process died", "Fatal Python error"))]
-    where = [line for line in lines if line.strip().startswith("File ") and "/tests/" not in line
-             and not line.strip().startswith("File \"tests/")]
-    if where and telling:
-        telling.append(where[0])  # where a hang or crash happened: the innermost frame outside the tests
     chosen = (telling or lines)[:count]
+    # Where it happened: the innermost frame in the student's package (a faulthandler "File" line first).
+    where = [line for line in lines if line.strip().startswith("File ") and "tiny_llm" in line][:1]
+    where = where or [line for line in lines if re.search(r"src/tiny_llm\S*:\d+", line)][-1:]
+    if where and where[0] not in chosen:
+        chosen = chosen[: count - 1] + where
     return "\n".join("      " + line.strip()[:160] for line in chosen)
+
+
+def status_word(test: CaseScore) -> str:
+    if test.outcome == "failed" and "not implemented yet" in test.output:
+        return "not implemented yet"
+    return STATUS_WORDS.get(test.outcome, test.outcome)
 
 
 def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
-    kinds = sorted({STATUS_WORDS.get(t.outcome, t.outcome) for t in bad})
+    kinds = sorted({status_word(t) for t in bad})
     return f"{len(bad)} of {len(tests)} not passed: {', '.join(kinds)}"
 
 
@@ -266,9 +273,16 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     details = [t for r in reports for t in r.tests if not t.passed]
     if details:
         lines += ["", "Tests not passed:"]
+        # Cases of one test function that fail the same way are shown once.
+        groups: dict[tuple, list[CaseScore]] = {}
         for test in details:
-            lines.append(f"  {test.nodeid}  [{STATUS_WORDS.get(test.outcome, test.outcome)}]")
-            lines.append(test.output.rstrip() if verbose else first_lines(test.output))
+            summary = test.output.rstrip() if verbose else first_lines(test.output)
+            key = (test.day.test_file, test.function, status_word(test), summary if not verbose else test.nodeid)
+            groups.setdefault(key, []).append(test)
+        for (test_file, function, word, _), tests in groups.items():
+            name = tests[0].nodeid if len(tests) == 1 else f"{test_file}::{function} ({len(tests)} cases)"
+            lines.append(f"  {name}  [{word}]")
+            lines.append(tests[0].output.rstrip() if verbose else first_lines(tests[0].output))
     notes = workspace_notes + [n for r in reports for n in r.notes]
     if notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in notes]
@@ -291,7 +305,7 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float) -
                 "score": round(test.score, 4),
                 "max_score": round(test.max_score, 4),
                 "status": "passed" if test.passed else "failed",
-                "output": (f"{STATUS_WORDS.get(test.outcome, test.outcome)}\n{test.output}".strip()
+                "output": (f"{status_word(test)}\n{test.output}".strip()
                            if not test.passed else "passed"),
                 "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
                 "visibility": "visible",
