@@ -68,6 +68,16 @@ def test_task_1_grouped_attention_shares_kv_heads_in_order():
     assert_close(sol.attention.scaled_dot_product_attention_grouped(q, k, v), expected)
 
 
+def test_task_1_grouped_attention_keeps_half_precision():
+    # Real checkpoints run in float16/bfloat16 on a GPU: a float32 mask must not turn the output float32.
+    q, k, v = (t.astype(mx.float16) for t in random_qkv(2, 4, 2, 3, 5, 8, seed=25))
+    mask = mx.random.normal((3, 5))
+    out = sol.attention.scaled_dot_product_attention_grouped(q, k, v, mask=mask)
+    assert out.dtype == mx.float16
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=8**-0.5, mask=mask.astype(mx.float16))
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32)), atol=1e-2)
+
+
 def numpy_causal_mask(L, S):
     mask = np.full((L, S), -np.inf, dtype=np.float32)
     for i in range(L):

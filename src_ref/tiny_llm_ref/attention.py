@@ -25,7 +25,7 @@ def scaled_dot_product_attention_simple(
     factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     scores = (query @ key.swapaxes(-2, -1)) * factor  # B.. x L x S: how well query i matches key j
     if mask is not None:
-        scores = scores + mask
+        scores = scores + mask.astype(scores.dtype)
     weights = softmax(scores, axis=-1)  # each query's weights over the keys sum to 1
     return weights @ value
 
@@ -107,6 +107,6 @@ def scaled_dot_product_attention_grouped(
     elif mask is not None:
         # The mask is written for B.. x H_q x L x S; give it the same head split as the scores.
         mask = mx.broadcast_to(mask, (*batch, h_q, l, s)).reshape(*batch, h, n_rep, l, s)
-        scores = scores + mask
+        scores = scores + mask.astype(scores.dtype)  # a float32 mask must not promote half-precision scores
     out = softmax(scores, axis=-1) @ value  # B.. x H x n x L x D
     return out.reshape(*batch, h_q, l, d)
