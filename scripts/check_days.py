@@ -17,6 +17,7 @@ Exit status: 0 when every checked day passes, 1 when one does not, 2 on bad argu
 """
 
 import argparse
+import ast
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--day", type=int, nargs="+", help="only these days of --week")
     parser.add_argument("--skeleton-rev", metavar="REV",
                         help="take the untouched skeleton from this git commit (default: the working tree)")
+    parser.add_argument("--by-task", action="store_true",
+                        help="stricter: fill only the functions whose skeleton body names this day "
+                             "(NotImplementedError(\"Week W Day D ...\")), not whole modules; shows when a day "
+                             "needs an earlier day's part of a module they share")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="time limit of one test (default 120)")
     return parser
@@ -84,8 +89,82 @@ def fill_day(dest: Path, skeleton: dict[str, bytes], day: Day) -> list[str]:
     return problems
 
 
-def check_day(dest: Path, skeleton: dict[str, bytes], day: Day, timeout: float) -> tuple[bool, list[str], float]:
+def _todo_defs(tree: ast.Module, prefix: str) -> dict[str, ast.AST]:
+    """Functions and methods (by qualified name) whose body raises NotImplementedError("<prefix>...")."""
+    found = {}
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{scope}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(child):
+                    if isinstance(inner, ast.Raise) and isinstance(inner.exc, ast.Call) and \
+                            getattr(inner.exc.func, "id", None) == "NotImplementedError" and inner.exc.args and \
+                            isinstance(inner.exc.args[0], ast.Constant) and \
+                            str(inner.exc.args[0].value).startswith(prefix):
+                        found[f"{scope}{child.name}"] = child
+                        break
+    visit(tree, "")
+    return found
+
+
+def _all_defs(tree: ast.Module) -> dict[str, ast.AST]:
+    found = {}
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{scope}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found[f"{scope}{child.name}"] = child
+    visit(tree, "")
+    return found
+
+
+def _span(node) -> tuple[int, int]:
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return start - 1, node.end_lineno
+
+
+def fill_day_tasks(skeleton_text: str, reference_text: str, day: Day) -> tuple[str, list[str]]:
+    """The skeleton module with only the day's TODO functions replaced by the reference's definitions.
+
+    A function is the day's when its skeleton body raises NotImplementedError("Week W Day D ...").
+    The reference's top-level imports are added, since a filled body may need one the skeleton lacks.
+    """
+    skeleton_tree, reference_tree = ast.parse(skeleton_text), ast.parse(reference_text)
+    todo = _todo_defs(skeleton_tree, f"Week {day.week} Day {day.day} ")
+    reference_defs = _all_defs(reference_tree)
+    lines, reference_lines = skeleton_text.splitlines(), reference_text.splitlines()
+    missing = [name for name in todo if name not in reference_defs]
+    for name, node in sorted(todo.items(), key=lambda item: -item[1].lineno):
+        if name in reference_defs:
+            start, end = _span(node)
+            ref_start, ref_end = _span(reference_defs[name])
+            lines[start:end] = reference_lines[ref_start:ref_end]
+    imports = [reference_lines[n.lineno - 1:n.end_lineno] for n in reference_tree.body
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+    present = set(skeleton_text.splitlines())
+    added = [line for block in imports for line in block if line not in present]
+    if added:
+        body_start = max([n.end_lineno for n in skeleton_tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                         default=0)
+        lines[body_start:body_start] = added
+    return "\n".join(lines) + "\n", [f"the reference has no {name}" for name in missing]
+
+
+def check_day(dest: Path, skeleton: dict[str, bytes], day: Day, timeout: float,
+              by_task: bool = False) -> tuple[bool, list[str], float]:
     problems = fill_day(dest, skeleton, day)
+    if by_task:
+        # Put back the skeleton, then fill only this day's TODO functions in each of its modules.
+        for module in day.modules:
+            name = f"{module}.py"
+            if name in skeleton and (REPO_ROOT / REFERENCE / name).exists():
+                text, missing = fill_day_tasks(skeleton[name].decode(), (REPO_ROOT / REFERENCE / name).read_text(), day)
+                (dest / SKELETON / name).write_text(text)
+                problems += missing
     run = run_test_file(day.test_file, dest, child_env("student"), timeout=timeout)
     problems += run.problems + [f"collection error: {e}" for e in run.collect_errors]
     failed = [r for r in run.results.values() if not r.ok]
@@ -117,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (REPO_ROOT / day.test_file).exists():
                 print(f"SKIP  {label}: no tests yet ({day.test_file})", flush=True)
                 continue
-            ok, lines, seconds = check_day(dest, skeleton, day, args.timeout)
+            ok, lines, seconds = check_day(dest, skeleton, day, args.timeout, by_task=args.by_task)
             failures += not ok
             print(f"{'PASS' if ok else 'FAIL'}  {label}: {lines[0]} in {seconds:.1f} s", flush=True)
             for line in lines[1:]:

@@ -443,3 +443,54 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
     assert zero <= set(by_task) and ("day 1.1", "task 1") in by_task and ("day 1.4", "task 1") in by_task
     hung = [t for t in results["tests"] if t["tags"][1:] == ["day 1.4", "task 2"]]
     assert all("timed out" in t["output"] for t in hung)
+
+
+def test_check_days_by_task_fills_only_the_days_functions():
+    from scripts.check_days import fill_day_tasks
+    from scripts.course_map import Day
+
+    skeleton = textwrap.dedent('''\
+        import mlx.core as mx
+
+
+        def early(x):
+            """Day 1."""
+            raise NotImplementedError("Week 1 Day 1 Task 1 (book/src/a.md): early")
+
+
+        class Later:
+            """Day 3."""
+
+            def __call__(self, x):
+                """Call."""
+                raise NotImplementedError("Week 1 Day 3 Task 2 (book/src/c.md): later")
+    ''')
+    reference = textwrap.dedent('''\
+        import math
+
+        import mlx.core as mx
+
+
+        def early(x):
+            """Day 1."""
+            return x + 1
+
+
+        class Later:
+            """Day 3."""
+
+            @staticmethod
+            def helper(x):
+                return x
+
+            def __call__(self, x):
+                """Call."""
+                return math.floor(early(x))
+    ''')
+    filled, missing = fill_day_tasks(skeleton, reference, Day(1, 3, "Later", "c.md", ("m",)))
+    assert missing == []
+    namespace: dict = {}
+    exec(compile(filled, "filled", "exec"), namespace)  # the filled module is valid Python
+    assert "return math.floor(early(x))" in filled and "import math" in filled
+    with pytest.raises(NotImplementedError, match="Week 1 Day 1"):
+        namespace["Later"]()(1.5)  # day 1.3's method is filled; day 1.1's function it calls is not
