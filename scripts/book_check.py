@@ -11,7 +11,8 @@ and what is wrong:
 - tasks:     every "## Task N" of a day's chapter has tests named test_task_N_... in that day's test file,
              every such test has its "## Task N", and every task with tests has points in the course map;
 - skeleton:  every "Week W Day D Task N (book/src/X.md)" message in the skeleton names day W.D's chapter
-             and one of its tasks.
+             and one of its tasks, and sits in a module the course map lists for day W.D (otherwise the
+             harness would hand that task's tests the reference's module).
 
 A pdm script that runs `python -m module` is checked by importing `module` and calling its
 `build_parser()` (it is never run); arguments after `--` pass through unchecked.
@@ -178,9 +179,11 @@ def path_problems(root: Path) -> list[str]:
                 if not re.fullmatch(r"[\w.\-]+(/[\w.\-]*)+", candidate):
                     continue
                 first = candidate.split("/")[0]
-                if first not in TOP_LEVEL_DIRS:
+                # `tiny_llm/x.py` is short for src/tiny_llm/x.py (and the same for the reference).
+                location = {"tiny_llm": "src", "tiny_llm_ref": "src_ref"}.get(first, "")
+                if first not in TOP_LEVEL_DIRS and not location:
                     continue
-                if not (root / candidate).exists() and not _ignored(root, candidate):
+                if not (root / location / candidate).exists() and not _ignored(root, candidate):
                     problems.append(f"{rel(root, chapter)}:{number}: names `{candidate}`, which does not exist")
     return problems
 
@@ -349,6 +352,11 @@ def skeleton_problems(root: Path) -> list[str]:
                 if day is None:
                     problems.append(f"{where}: names week {week} day {day_number}, which is not in the course")
                     continue
+                if module.stem not in day.modules:
+                    # The harness serves modules outside Day.modules from the reference: this task's tests
+                    # would grade the reference, not the student.
+                    problems.append(f"{where}: a week {week} day {day_number} task in {module.name}, but "
+                                    f"scripts/course_map.py does not list {module.stem!r} in that day's modules")
                 if chapter != f"book/src/{day.chapter}":
                     problems.append(f"{where}: names {chapter}, but week {week} day {day_number}'s chapter is "
                                     f"book/src/{day.chapter}")

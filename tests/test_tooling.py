@@ -494,3 +494,19 @@ def test_check_days_by_task_fills_only_the_days_functions():
     assert "return math.floor(early(x))" in filled and "import math" in filled
     with pytest.raises(NotImplementedError, match="Week 1 Day 1"):
         namespace["Later"]()(1.5)  # day 1.3's method is filled; day 1.1's function it calls is not
+
+
+def test_book_check_catches_skeleton_messages_that_drift_from_the_course_map(tmp_path):
+    root = make_book(tmp_path / "course")
+    skeleton = root / "src" / "tiny_llm"
+    (skeleton / "gamma.py").write_text(
+        'def square(x):\n    raise NotImplementedError("Week 2 Day 1 Task 1 (book/src/gamma.md): square")\n')
+    assert book_check.skeleton_problems(root) == []
+    (skeleton / "alpha.py").write_text(
+        'def add(a, b):\n    raise NotImplementedError("Week 2 Day 1 Task 1 (book/src/gamma.md): add")\n')
+    (skeleton / "beta.py").write_text(
+        'def twice(x):\n    raise NotImplementedError("Week 1 Day 2 Task 7 (book/src/alpha.md): twice")\n')
+    problems = book_check.skeleton_problems(root)
+    assert any("src/tiny_llm/alpha.py:2" in p and "'alpha'" in p for p in problems), problems  # not 2.1's module
+    assert any("src/tiny_llm/beta.py:2" in p and "book/src/beta.md" in p for p in problems), problems  # wrong chapter
+    assert any("Task 7" in p for p in problems), problems  # no such task
