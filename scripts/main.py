@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
     # now, so that neither timed run pays for the conversion.
     mx.eval(model.parameters())
+    if args.compare_mlx_lm:
+        mx.eval(model(mx.array([[0]])))  # one warm-up token, so the first timed run pays no start-up costs
     print(f"[tiny-llm] {args.solution} solution ({package}) on {path}; device {mx.default_device()}"
           f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
     if is_embedded(path):
