@@ -71,6 +71,14 @@ def readable_stack(text: str, cwd: Path, lines: int = 25) -> str:
     return "\n".join(kept[-lines:] if len(kept) > lines else kept)
 
 
+def _crash_part(log: str) -> str:
+    """The part of pytest's output about the crash, not earlier tests' failures."""
+    for marker in ("Fatal Python error", "KeyboardInterrupt", "Killed", "MemoryError"):
+        if marker in log:
+            return log[log.rindex(marker):]
+    return "\n".join(log.splitlines()[-12:])
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -189,7 +197,7 @@ def run_test_file(test_file: str, cwd: Path, env: dict, timeout: float = 60.0,
                 run.results[died_in] = CaseResult(
                     died_in, "crashed",
                     "the test process died during this test (a crash, an abort or an exit of the interpreter)."
-                    f"\nEnd of pytest's output:\n{readable_stack(_tail(Path(tmp) / f'log{index}.txt'), cwd)}")
+                    f"\nEnd of pytest's output:\n{readable_stack(_crash_part(_tail(Path(tmp) / f'log{index}.txt')), cwd)}")
             remaining = [nodeid for nodeid in order if nodeid not in run.results]
             if not remaining:
                 break
