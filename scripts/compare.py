@@ -28,6 +28,7 @@ DEFAULT_PROMPTS = [
     "Write a haiku about a cache that never misses.",
     "Explain chunked prefill in one sentence.",
 ]
+WORKLOADS = ("model", "kv-cache", "batch", "chunked-prefill")  # the values of Day.compare, besides ""
 LOGIT_TOLERANCE = 1e-3  # float32 on the CPU: a correct implementation differs by ~1e-5
 CONTEXT_TOKENS = 4  # shared tokens shown before the first difference
 
@@ -165,6 +166,9 @@ def compare(args) -> int:
               f"against independent oracles:\n    pdm run test --week {day.week} --day {day.day}")
         return 0
 
+    if day.compare not in WORKLOADS:
+        raise SystemExit(f"scripts/course_map.py: week {day.week} day {day.day} has compare={day.compare!r}; "
+                         f"known workloads: {', '.join(WORKLOADS)}")
     from scripts import fast_mlx
 
     fast_mlx.setup()

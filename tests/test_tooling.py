@@ -510,3 +510,46 @@ def test_book_check_catches_skeleton_messages_that_drift_from_the_course_map(tmp
     assert any("src/tiny_llm/alpha.py:2" in p and "'alpha'" in p for p in problems), problems  # not 2.1's module
     assert any("src/tiny_llm/beta.py:2" in p and "book/src/beta.md" in p for p in problems), problems  # wrong chapter
     assert any("Task 7" in p for p in problems), problems  # no such task
+
+
+# ---------------------------------------------------------------- compare
+
+def test_every_days_compare_workload_is_known():
+    from scripts.compare import WORKLOADS
+    from scripts.course_map import DAYS
+
+    assert all(day.compare in WORKLOADS + ("",) for day in DAYS)
+
+
+def test_first_difference():
+    from scripts.compare import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
+    from scripts.check_days import fill_day, make_workspace, skeleton_files
+    from scripts.course_map import DAYS
+
+    day = next((d for d in DAYS if d.compare == "model" and (REPO_ROOT / d.test_file).exists()), None)
+    if day is None:
+        pytest.skip("no model-level day yet")
+    make_workspace(tmp_path)
+    fill_day(tmp_path, skeleton_files(None), day)
+    command = ["--week", str(day.week), "--day", str(day.day), "--max-tokens", "3", "--repeat", "1",
+               "--prompt", "Hello"]
+    done = run_tool(tmp_path, "scripts.compare", *command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "matches the reference" in done.stdout and "largest logit difference" in done.stdout
+    # The untouched skeleton: compare names the missing piece and the chapter.
+    shutil.rmtree(tmp_path / "src" / "tiny_llm")
+    shutil.copytree(REPO_ROOT / "src" / "tiny_llm", tmp_path / "src" / "tiny_llm")
+    done = run_tool(tmp_path, "scripts.compare", *command)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not implemented yet" in done.stdout and "book/src/" in done.stdout
+    # A day without a model-level run points to its tests.
+    plain = next(d for d in DAYS if not d.compare)
+    done = run_tool(tmp_path, "scripts.compare", "--week", str(plain.week), "--day", str(plain.day))
+    assert done.returncode == 0 and f"pdm run test --week {plain.week} --day {plain.day}" in done.stdout
