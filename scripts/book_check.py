@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 
 TOP_LEVEL_DIRS = ("src", "src_ref", "tests", "scripts", "benches", "book", "models", ".ci")
-INCLUDE = re.compile(r"\{\{#(include|rustdoc_include)\s+([^}\s]+)\s*\}\}")
+INCLUDE = re.compile(r"(?<!\\)\{\{#(include|rustdoc_include)\s+([^}\s]+)\s*\}\}")  # \{{#...}} is escaped
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 TASK_HEADING = re.compile(r"^#{1,6}\s+Task\s+(\d+)\b")
