@@ -35,6 +35,7 @@ class TinyKvFullCache(TinyKvCache):
     """One request's keys and values for one layer, all of them, growing by concatenation."""
 
     def __init__(self):
+        """An empty cache (provided)."""
         self.key_values: tuple[mx.array, mx.array] | None = None
         self.offset = 0  # how many token positions the cache holds
 
@@ -68,6 +69,7 @@ class BatchingKvCache(TinyKvCache):
     """
 
     def __init__(self, max_active_requests: int, max_seq_len: int):
+        """`max_active_requests` slots, all idle; a request may hold at most `max_seq_len` positions."""
         self.max_active_requests = max_active_requests
         self.max_seq_len = max_seq_len
         self.kv_caches: list[TinyKvCache | None] = [None] * max_active_requests
