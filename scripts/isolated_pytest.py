@@ -120,16 +120,25 @@ class _EventReader:
 def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_timeout: float,
                  work: Path, run: RunResult, index: int) -> tuple[list[str] | None, str | None]:
     """Run pytest once; record finished tests in `run`. Returns (collected ids or None, the id it died in)."""
-    events_path, trace_path, log_path = (work / f"events{index}.jsonl", work / f"trace{index}.txt",
-                                         work / f"log{index}.txt")
+    events_path, trace_path, log_path, skip_path = (work / f"events{index}.jsonl", work / f"trace{index}.txt",
+                                                    work / f"log{index}.txt", work / f"skip{index}.json")
+    skip_path.write_text(json.dumps(list(run.results)))  # tests that already have a result are not run again
     env = {**env, "TINY_LLM_EVENTS": str(events_path), "TINY_LLM_TRACE": str(trace_path),
-           "TINY_LLM_TIMEOUT": str(timeout)}
+           "TINY_LLM_TIMEOUT": str(timeout), "TINY_LLM_SKIP": str(skip_path)}
     command = [sys.executable, "-m", "pytest", "-p", "scripts.pytest_events", "-p", "no:cacheprovider",
                "-q", "--color=no", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     run.processes += 1
+    try:
+        return _watch(proc, run, events_path, trace_path, log_path, cwd, timeout, startup_timeout)
+    finally:
+        if proc.poll() is None:  # the watcher itself was interrupted (Ctrl-C): leave no stray pytest behind
+            _kill_group(proc)
+
+
+def _watch(proc, run, events_path, trace_path, log_path, cwd, timeout, startup_timeout):
     reader = _EventReader(events_path)
     collected, current, started_at, finished_at = None, None, time.monotonic(), None
     launched = time.monotonic()
@@ -183,11 +192,10 @@ def run_test_file(test_file: str, cwd: Path, env: dict, timeout: float = 60.0,
     run = RunResult(test_file)
     began = time.monotonic()
     order: list[str] | None = None
-    targets = [test_file]
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
         for index in range(10_000):
             done_before = len(run.results)
-            collected, died_in = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout,
+            collected, died_in = _one_process([*pytest_args, test_file], cwd, env, timeout, startup_timeout,
                                               Path(tmp), run, index)
             if order is None:
                 if collected is None:
@@ -208,7 +216,6 @@ def run_test_file(test_file: str, cwd: Path, env: dict, timeout: float = 60.0,
                         nodeid, "not_run", "pytest stopped before running this test:\n"
                         + _tail(Path(tmp) / f"log{index}.txt"))
                 break
-            targets = remaining
     if order is not None:
         run.results = {nodeid: run.results[nodeid] for nodeid in order if nodeid in run.results}
     run.seconds = round(time.monotonic() - began, 2)

@@ -8,6 +8,7 @@ and the watcher knows exactly which test was running.
 Environment (read once, then removed from `os.environ` so the code under test does not see it):
     TINY_LLM_EVENTS   the file to append events to
     TINY_LLM_TRACE    a file for the Python stack of a test that runs past its time limit
+    TINY_LLM_SKIP     (optional) a JSON list of test ids not to run again (they have a result already)
     TINY_LLM_TIMEOUT  that time limit in seconds: at the limit a TimeLimitExceeded is raised in the test
                       (SIGALRM); if that cannot stop it, the stack is dumped and the watcher kills the process
 
@@ -60,6 +61,20 @@ def pytest_configure(config):
     if trace:
         _state["trace"] = open(trace, "w")
     _state["timeout"] = float(os.environ.pop("TINY_LLM_TIMEOUT", "0") or 0)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # After a hang or a crash the watcher starts pytest again on the same file, skipping the tests that
+    # already have a result (listed in a file, not on the command line, so any test id works).
+    skip_file = os.environ.pop("TINY_LLM_SKIP", None)
+    if not skip_file:
+        return
+    with open(skip_file) as f:
+        done = set(json.load(f))
+    kept = [item for item in items if item.nodeid not in done]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = kept
 
 
 def pytest_collectreport(report):
