@@ -45,7 +45,7 @@ DAYS: list[Day] = [
     Day(2, 2, "Serving metrics", "week2-02-serving-metrics.md", ("metrics",), {1: 5, 2: 5, 3: 5}),
     Day(2, 5, "Batching the model", "week2-05-batching-the-model.md", ("kv_cache", "qwen2_week2"),
         {1: 5, 2: 5, 3: 10}, compare="batch"),
-    Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 10, 2: 10, 3: 5},
+    Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 5, 2: 10, 3: 10},
         compare="batch"),
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
         {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}, compare="chunked-prefill"),
