@@ -323,6 +323,11 @@ def task_problems(root: Path) -> list[str]:
         if not chapter.exists() or not test_file.exists():
             continue
         in_chapter, in_tests = chapter_tasks(chapter), tasks_in_tests(test_file)
+        for node in ast.parse(test_file.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test") \
+                    and not TASK_TEST.match(node.name):
+                problems.append(f"{day.test_file}:{node.lineno}: {node.name} is not named test_task_N_..., so it "
+                                f"belongs to no task and earns no points")
         for task, line in sorted(in_chapter.items()):
             if task not in in_tests:
                 problems.append(f"{chapter_name}:{line}: Task {task} has no tests named test_task_{task}_... "

@@ -152,16 +152,17 @@ def make_workspace(repo: Path, src: Path, dest: Path) -> list[str]:
 # ---------------------------------------------------------------- scoring
 
 def task_functions(test_file: Path) -> list[str]:
-    """Test function names in a test file, in order, read with `ast` (the file is never imported here)."""
+    """The `test_task_N_...` functions of a test file, in order, read with `ast` (never imported here).
+
+    They are known even when the file cannot be collected, so their points still appear, at zero.
+    """
     try:
         tree = ast.parse(test_file.read_text(), filename=str(test_file))
     except SyntaxError:
         return []  # pytest reports the error when it collects the file
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
-            names.append((node.lineno, node.name))
-    return [name for _, name in sorted(names)]
+    scopes = [tree] + [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name.startswith("Test")]
+    return [node.name for scope in scopes for node in scope.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and TASK_TEST.match(node.name)]
 
 
 def function_of(nodeid: str) -> str:
