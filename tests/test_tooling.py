@@ -425,7 +425,7 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
     rope.write_text('raise RuntimeError("broken on purpose")\n' + rope.read_text())
     report = tmp_path / "results.json"
     done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", "1",
-                           "--day", "2", "4", "--timeout", "2", "--json", str(report)],
+                           "--day", "2", "4", "--timeout", "3", "--json", str(report)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(report.read_text())
