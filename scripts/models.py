@@ -259,11 +259,16 @@ def load_model(name: str | None = None):
     return model, tokenizer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdm run models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--make-embedded", action="store_true", help="rebuild the committed embedded model")
     parser.add_argument("--make-bench", action="store_true", help="build the 0.5B-shape model in the cache")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.make_embedded:
         make_random_qwen2(EMBEDDED_MODEL_DIR, TINY_CONFIG, seed=0)
     if args.make_bench:
