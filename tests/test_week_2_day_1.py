@@ -21,6 +21,25 @@ ATOL = RTOL = 1e-3  # float32 logits of size ~20; different summation orders dif
 PROMPT = "The quick brown fox jumps over the lazy dog. A KV cache keeps what attention already computed."
 
 
+@pytest.fixture(scope="module")
+def model32(embedded_model):
+    """(mlx-lm model, tokenizer) of the embedded model in float32 on every device.
+
+    The shared fixture is float32 on the CPU but keeps the checkpoint's bfloat16 on a Mac's GPU, where
+    bfloat16 rounding alone would exceed these tolerances (and could flip a greedy token).
+    """
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    model, tokenizer = embedded_model
+    if all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters())):
+        return model, tokenizer
+    copy = mlx_qwen2.Model(model.args)
+    copy.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    mx.eval(copy.parameters())
+    return copy, tokenizer
+
+
 def assert_close(actual, expected, what):
     np.testing.assert_allclose(np.array(actual), np.array(expected), rtol=RTOL, atol=ATOL, err_msg=what)
 
@@ -72,26 +91,26 @@ def test_task_1_full_caches_are_independent():
 # ---------------------------------------------------------------- Task 2: the model with a cache
 
 @pytest.fixture(scope="module")
-def our_model(embedded_model):
-    return sol.qwen2_week2.Qwen2ModelWeek2(embedded_model[0])
+def our_model(model32):
+    return sol.qwen2_week2.Qwen2ModelWeek2(model32[0])
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(embedded_model):
-    ids = embedded_model[1].encode(PROMPT, add_special_tokens=False)
+def prompt_ids(model32):
+    ids = model32[1].encode(PROMPT, add_special_tokens=False)
     assert len(ids) >= 16
     return ids
 
 
 @pytest.fixture(scope="module")
-def mlx_lm_logits(embedded_model, prompt_ids):
+def mlx_lm_logits(model32, prompt_ids):
     """mlx-lm's logits for the whole prompt, no cache: position i predicts token i + 1."""
-    return embedded_model[0](mx.array([prompt_ids]))
+    return model32[0](mx.array([prompt_ids]))
 
 
-def test_task_2_make_cache(our_model, embedded_model):
+def test_task_2_make_cache(our_model, model32):
     cache = our_model.make_cache()
-    assert len(cache) == our_model.num_hidden_layers == embedded_model[0].args.num_hidden_layers
+    assert len(cache) == our_model.num_hidden_layers == model32[0].args.num_hidden_layers
     assert all(isinstance(c, sol.kv_cache.TinyKvFullCache) for c in cache)
     assert all(c.offset == 0 for c in cache)
     assert cache[0] is not cache[1], "one cache object per layer"
@@ -152,9 +171,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ref_model(embedded_model):
+def ref_model(model32):
     # Task 3 tests the loop, so it runs on the reference model (the model is Task 2).
-    return ref.qwen2_week2.Qwen2ModelWeek2(embedded_model[0])
+    return ref.qwen2_week2.Qwen2ModelWeek2(model32[0])
 
 
 def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
@@ -201,8 +220,8 @@ class Spy:
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "chat", "chinese"])
-def test_task_3_greedy_matches_mlx_lm(embedded_model, ref_model, prompt):
-    model, tokenizer = embedded_model
+def test_task_3_greedy_matches_mlx_lm(model32, ref_model, prompt):
+    model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
     recorder = Recorder()
     text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=recorder,
@@ -214,8 +233,8 @@ def test_task_3_greedy_matches_mlx_lm(embedded_model, ref_model, prompt):
     assert default == text, "sampler=None means greedy"
 
 
-def test_task_3_same_text_as_week_1_loop(embedded_model, ref_model):
-    mlx_model, tokenizer = embedded_model
+def test_task_3_same_text_as_week_1_loop(model32, ref_model):
+    mlx_model, tokenizer = model32
     week1 = ref.qwen2_week1.Qwen2ModelWeek1(mlx_model)
     prompt = PROMPTS[0]
     without_cache = ref.generate.simple_generate(week1, tokenizer, prompt, max_tokens=MAX_TOKENS)
@@ -223,8 +242,8 @@ def test_task_3_same_text_as_week_1_loop(embedded_model, ref_model):
     assert with_cache == without_cache
 
 
-def test_task_3_feeds_one_token_per_step(embedded_model, ref_model):
-    _, tokenizer = embedded_model
+def test_task_3_feeds_one_token_per_step(model32, ref_model):
+    _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     spy = Spy(ref_model)
@@ -235,8 +254,8 @@ def test_task_3_feeds_one_token_per_step(embedded_model, ref_model):
         f"after the prompt, each step feeds one token at the next offset; calls were {spy.calls}")
 
 
-def test_task_3_stops_at_eos_and_max_tokens(embedded_model, ref_model):
-    _, tokenizer = embedded_model
+def test_task_3_stops_at_eos_and_max_tokens(model32, ref_model):
+    _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     eos = next(iter(tokenizer.eos_token_ids))
@@ -254,8 +273,8 @@ def test_task_3_stops_at_eos_and_max_tokens(embedded_model, ref_model):
     assert len(recorder.tokens) == 3
 
 
-def test_task_3_streams_text(embedded_model, ref_model):
-    _, tokenizer = embedded_model
+def test_task_3_streams_text(model32, ref_model):
+    _, tokenizer = model32
     pieces = []
     text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS,
                                                       on_text=pieces.append)
