@@ -110,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'first token (prefill) s':24s} {plain_first:12.3f} {cached_first:12.3f}")
     print(f"{'decode tokens/s':24s} {without_tps:12.2f} {with_tps:12.2f} {with_tps / without_tps:7.2f}x")
     print(f"{'decode ms/token':24s} {1000 / without_tps:12.1f} {1000 / with_tps:12.1f}")
-    print(f"same tokens: {'yes' if same else 'NO: the cached model diverges from the cacheless one'}")
+    dtype = model.embedding.weight.dtype
+    if same:
+        print("same tokens: yes")
+    elif dtype == mx.float32:
+        print("same tokens: NO: in float32 the cached model must give the cacheless one's tokens (a bug)")
+    else:
+        print(f"same tokens: no, in {dtype}: the two paths round differently, which can flip a near-tie")
 
     result = {
         "benchmark": "kv_cache",
@@ -127,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         "with_cache": {"first_token_s": cached_first, "decode_tokens_per_s": with_tps},
         "decode_speedup": with_tps / without_tps,
         "same_tokens": same,
+        "dtype": str(dtype),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.out}")
-    return 0 if same else 1
+    return 0 if same or dtype != mx.float32 else 1
 
 
 if __name__ == "__main__":
