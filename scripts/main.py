@@ -2,6 +2,7 @@
 
     pdm run main                                   # reference solution, embedded model, greedy
     pdm run main --solution student                # your src/tiny_llm
+    pdm run main --solution student --week 1       # your week-1 model, without the KV cache
     pdm run main --model bench-0.5b --max-tokens 32
     pdm run main --temp 0.7 --top-p 0.9 --top-k 50 # sampling (day 1.7)
     pdm run main --model bench-0.5b --compare-mlx-lm   # also time mlx-lm on the same model and prompt
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
     parser.add_argument("--model", default="embedded",
                         help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
+    parser.add_argument("--week", type=int, choices=[1, 2], default=2,
+                        help="2: the KV-cache model and loop of day 2.1 (default); 1: week 1's cacheless loop")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
@@ -39,15 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def pick_generation(package: str):
+def pick_generation(package: str, week: int):
     """(build the model from an mlx-lm model, the generate function) for this package.
 
     Week 1: Qwen2ModelWeek1 and simple_generate (every step recomputes the whole sequence).
-    Switching to the KV-cache path means returning the week-2 model and generate function here.
+    Week 2: Qwen2ModelWeek2 and simple_generate_with_kv_cache (each step feeds only the new token).
     """
-    qwen2 = importlib.import_module(f"{package}.qwen2_week1")
     generate = importlib.import_module(f"{package}.generate")
-    return qwen2.Qwen2ModelWeek1, generate.simple_generate
+    if week == 1:
+        return importlib.import_module(f"{package}.qwen2_week1").Qwen2ModelWeek1, generate.simple_generate
+    model = importlib.import_module(f"{package}.qwen2_week2").Qwen2ModelWeek2
+    return model, generate.simple_generate_with_kv_cache
 
 
 class TimedModel:
@@ -85,7 +90,7 @@ def make_our_sampler(package: str, args):
 
 
 def run_ours(model, tokenizer, prompt: str, args, package: str) -> dict:
-    model_class, generate = pick_generation(package)
+    model_class, generate = pick_generation(package, args.week)
     ours = TimedModel(model_class(model))
     sampler = make_our_sampler(package, args)
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
@@ -142,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     except NotImplementedError as error:
         print(f"\nnot implemented yet: {error}. Read the chapter it names, then run that day's tests.",
               file=sys.stderr)
+        if args.week == 2:
+            print("(still in week 1? `--week 1` runs your week-1 model without the KV cache)", file=sys.stderr)
         return 1
     print(f"[{package}] prompt: {ours['prompt_tokens']} tokens, {ours['prompt_tps']:.1f} tokens/s; "
           f"generation: {ours['generated']} tokens, {ours['generation_tps']:.2f} tokens/s")
