@@ -36,7 +36,7 @@ from scripts.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, res
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 UNCHUNKED = "unchunked"
-DEFAULT_STEP = 128  # chosen from the sweep on our machine: see book/src/week2-07-chunked-prefill.md
+DEFAULT_STEP = 256  # chosen from the sweep (c) on our machine: see book/src/week2-07-chunked-prefill.md
 SWEEP = [32, 64, 128, 256, 512, 1024, 2048]
 
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=5, help="decode slots (default 5)")
     parser.add_argument("--shorts", type=int, default=4, help="short requests in (a) (default 4)")
     parser.add_argument("--short-tokens", type=int, default=32, help="short prompt length (default 32)")
-    parser.add_argument("--short-output", type=int, default=24, help="tokens each short request generates (default 24)")
+    parser.add_argument("--short-output", type=int, default=16, help="tokens each short request generates (default 16)")
     parser.add_argument("--long-tokens", type=int, default=1024, help="the long prompt of (a) and (c) (default 1024)")
     parser.add_argument("--long-output", type=int, default=4, help="tokens a long request generates (default 4)")
     parser.add_argument("--mixed-requests", type=int, default=5, help="requests in (b), 20%% of them long (default 5)")
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="prefill_step values of (c), comma-separated")
     parser.add_argument("--skip", default="", help="parts to skip, e.g. 'b' or 'b,c'")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where results go (default {RESULTS_DIR})")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plots of a saved results file")
     return parser
 
 
@@ -67,7 +68,7 @@ def apply_quick(args) -> None:
     """--quick: the same shape of experiment, small enough for about a minute on 2 cores."""
     args.long_tokens = min(args.long_tokens, 512)
     args.mixed_long_tokens = min(args.mixed_long_tokens, 768)
-    args.short_output = min(args.short_output, 16)
+    args.short_output = min(args.short_output, 12)
     args.sweep = "32,128,512"
 
 
@@ -156,8 +157,8 @@ def plot(results: dict, out_dir: Path, machine: str) -> list[str]:
         ax.set_ylabel("gap to the previous token (s)")
         ax.set_title(f"(a) short requests' inter-token latency while a {a['long_tokens']}-token prompt prefills")
         ax.legend()
-        ax.text(0.99, 0.97, machine, transform=ax.transAxes, ha="right", va="top", fontsize=7)
-        fig.tight_layout()
+        fig.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
         path = out_dir / "chunked_prefill_itl.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -165,7 +166,7 @@ def plot(results: dict, out_dir: Path, machine: str) -> list[str]:
     sweep = results.get("c")
     if sweep:
         rows = sweep["rows"]
-        labels = [str(r["prefill_step"]) for r in rows]
+        labels = [str(r["prefill_step"]).replace("=unch.", "\n(= unch.)") for r in rows]
         fig, ax = plt.subplots(figsize=(8, 4))
         x = range(len(rows))
         ax.plot(x, [r["short_itl_p99_s"] for r in rows], "o-", label="short requests' ITL p99 (s)")
@@ -181,8 +182,8 @@ def plot(results: dict, out_dir: Path, machine: str) -> list[str]:
         lines2 = ax2.get_legend_handles_labels()
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
         ax.set_title("(c) the chunk-size sweep: decode latency against time to first token")
-        ax.text(0.99, 0.02, machine, transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
-        fig.tight_layout()
+        fig.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
         path = out_dir / "chunked_prefill_sweep.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -191,12 +192,18 @@ def plot(results: dict, out_dir: Path, machine: str) -> list[str]:
 
 
 def machine_line() -> str:
-    return (f"{platform.system()} {platform.machine()}, {mx.default_device()}, "
-            f"{__import__('os').cpu_count()} cores, BLAS: {fast_mlx.blas_in_use()}")
+    blas = fast_mlx.blas_in_use().split(" (")[0]  # the library's name, not its path
+    return (f"{platform.system()} {platform.machine()}, MLX {mx.__version__} on {mx.default_device()}, "
+            f"{__import__('os').cpu_count()} cores, BLAS: {blas}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        results = json.loads(args.replot.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        print("wrote", ", ".join(plot(results, args.out, results["machine"])))
+        return 0
     if args.quick:
         apply_quick(args)
     skip = set(filter(None, args.skip.split(",")))
