@@ -92,6 +92,7 @@ class Request:
         KV cache (MLX is lazy). The last chunk also picks the first output token (greedy), records it
         with `record_token`, and sets `is_prefill_done`. Raises RuntimeError once the prefill is done.
         """
+        # TODO: chunk = prompt_tokens[offset : offset + prefill_max_step]; model(1 x L, offset, kv_cache); ...
         raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset")
 
     def record_token(self, token: int) -> None:
@@ -101,24 +102,29 @@ class Request:
         and is not part of the output. Any other token is appended to `output_tokens`, and the request
         ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
         """
+        # TODO: set next_token; EOS: done ("eos"), not kept; else append, and done ("length") at max_seq_len
         raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): record an output token; finish at EOS or max_seq_len")
 
     def decode_done(self, token: int) -> None:
         """A decode step ran `next_token` at position `offset` (now in the cache) and produced `token`."""
+        # TODO: the fed token is in the cache now: offset + 1; then record_token(token)
         raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the fed token is cached now; record the new one")
 
     def text(self) -> str:
         """The generated text so far (EOS excluded)."""
+        # TODO: decode output_tokens with the tokenizer
         raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the generated text")
 
 
 def materialize_cache(kv_cache: list) -> None:
     """Evaluate every array a request's KV cache holds (one cache object per layer), so no lazy work is left."""
+    # TODO: mx.eval over the arrays each layer's cache object holds (vars(...) reaches them)
     raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks")
 
 
 def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step: int) -> int:
     """The peak memory, in bytes above what was allocated before, of prefilling `prompt` in chunks of `prefill_step` tokens."""
+    # TODO: active memory before, reset the peak, prefill chunk by chunk, peak minus before
     raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill")
 
 
@@ -127,6 +133,7 @@ def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step:
 
 def chunk_positions(offset: int, chunk_len: int) -> mx.array:
     """The absolute positions of a chunk of `chunk_len` tokens after `offset` cached ones: what RoPE rotates by."""
+    # TODO: offset, offset + 1, ..., offset + chunk_len - 1
     raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk")
 
 
@@ -137,6 +144,7 @@ def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32)
     cached ones, and the chunk's own up to itself. It is `causal_mask(L, S)` with L = chunk_len and
     S = offset + chunk_len.
     """
+    # TODO: key position <= query position (offset + i): 0, else -inf
     raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens")
 
 
@@ -157,20 +165,24 @@ class SchedulerStats:
 
     def record_chunk(self, tokens: int, seconds: float) -> None:
         """Count one prefill chunk of `tokens` prompt tokens that took `seconds`."""
+        # TODO: one more chunk, its tokens and seconds
         raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a prefill chunk")
 
     def record_decode_step(self, batch: int, seconds: float, interleaved: bool) -> None:
         """Count one decode step of `batch` requests that took `seconds`; `interleaved`: a chunk ran in the same iteration."""
+        # TODO: one more step, batch tokens, seconds; interleaved counts
         raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a decode step")
 
     @property
     def avg_chunk_time(self) -> float | None:
         """Mean seconds per prefill chunk (None before the first chunk)."""
+        # TODO: chunk_seconds / chunks, None before any chunk
         raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): mean seconds per chunk")
 
     @property
     def interleave_ratio(self) -> float | None:
         """Prefill chunks per decode step (None before the first decode step)."""
+        # TODO: chunks / decode_steps, None before any decode step
         raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step")
 
     def to_dict(self) -> dict:
@@ -286,6 +298,7 @@ class Scheduler:
         Its per-layer caches join the batch cache in that slot. With every slot busy it stays in
         `prefilling`, prefilled, until a slot frees up.
         """
+        # TODO: prefilling done? already done -> finish; else a free slot: add_request on every layer, slots[slot] = it
         raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): move a prefilled request into a free decode slot")
 
     def decode_step(self) -> None:
@@ -295,14 +308,17 @@ class Scheduler:
         Each produced token goes to its request (`decode_done`) and to `metrics` (EOS excluded);
         requests that are now done leave their slot (`retire`).
         """
+        # TODO: B x 1 tokens and B offsets (dummies for idle slots); model(...); greedy; decode_done, metrics.token, retire
         raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): one batched decode step over the slots")
 
     def retire(self, slot: int) -> None:
         """Free decode slot `slot`: remove its request from every layer's batch cache and finish it."""
+        # TODO: remove_request(slot) on every layer, empty the slot, finish(request)
         raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): free a decode slot")
 
     def release_all(self) -> None:
         """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
+        # TODO: remove every held slot from the batch cache; cancel running, prefilling, queued (kv_cache = None)
         raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): release every slot and cache after an error")
 
     # -- chunked prefill (day 2.7)
@@ -315,6 +331,7 @@ class Scheduler:
         `clock`, counted in `stats` and reported to the policy. When the prefill is done, its first
         output token is recorded in `metrics` (unless it is EOS).
         """
+        # TODO: take from the queue if nobody prefills; chunk size from the policy; time try_prefill; stats, policy
         raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
 
     def step(self) -> None:
@@ -324,6 +341,7 @@ class Scheduler:
         same iteration) and reported to the policy. A slot freed by the decode step is handed at once
         to a request that waits, prefilled, for one.
         """
+        # TODO: log_stats, prefill_chunk, admit, then (timed) decode_step with stats and policy, and admit again
         raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
 
     def log_stats(self) -> None:
@@ -333,6 +351,7 @@ class Scheduler:
         the token budget of one iteration. Later lines give prompt and generation tokens/s since the
         previous line, running and waiting requests, and KV cache use (tokens held / slot capacity).
         """
+        # TODO: first call: the set-up line; then every log_interval: rates since the last line, counts, KV use
         raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line")
 
 
@@ -355,4 +374,5 @@ def batch_generate(
     raises ValueError before any model call. If the model raises, every slot and cache is released
     before the error propagates. No prompts: an empty list.
     """
+    # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
     raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop")
