@@ -1,7 +1,7 @@
 """The head-of-line lab (day 2.7): chunked against unchunked prefill, and a chunk-size sweep.
 
-    pdm run bench-chunked-prefill                    # the Qwen2-0.5B-shape model (a few minutes on 2 cores)
-    pdm run bench-chunked-prefill --quick            # smaller prompts, fewer sweep points (~1 minute)
+    pdm run bench-chunked-prefill                    # the Qwen2-0.5B-shape model (under 5 minutes on 2 cores)
+    pdm run bench-chunked-prefill --quick            # smaller prompts, fewer sweep points (~1.5 minutes)
     pdm run bench-chunked-prefill --model embedded   # the tiny embedded model (seconds; the effect is small)
     pdm run bench-chunked-prefill --model Qwen/Qwen2-0.5B-Instruct-MLX   # any model, real ones included
     pdm run bench-chunked-prefill --solution student # your src/tiny_llm/batch.py
@@ -70,6 +70,8 @@ def apply_quick(args) -> None:
     args.mixed_long_tokens = min(args.mixed_long_tokens, 768)
     args.short_output = min(args.short_output, 12)
     args.sweep = "32,128,512"
+    if args.prefill_step == DEFAULT_STEP:
+        args.prefill_step = 128  # the same quarter of the (shorter) long prompt as the default
 
 
 def head_of_line_workload(args) -> list[Arrival]:
