@@ -2,7 +2,7 @@
 
     pdm run bench-chunked-prefill                    # the Qwen2-0.5B-shape model (under 5 minutes on 2 cores)
     pdm run bench-chunked-prefill --quick            # smaller prompts, fewer sweep points (~1.5 minutes)
-    pdm run bench-chunked-prefill --model embedded   # the tiny embedded model (seconds; the effect is small)
+    pdm run bench-chunked-prefill --model embedded   # the tiny embedded model (about 30 seconds)
     pdm run bench-chunked-prefill --model Qwen/Qwen2-0.5B-Instruct-MLX   # any model, real ones included
     pdm run bench-chunked-prefill --solution student # your src/tiny_llm/batch.py
 
