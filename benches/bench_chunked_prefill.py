@@ -5,6 +5,7 @@
     pdm run bench-chunked-prefill --model embedded   # the tiny embedded model (about 30 seconds)
     pdm run bench-chunked-prefill --model Qwen/Qwen2-0.5B-Instruct-MLX   # any model, real ones included
     pdm run bench-chunked-prefill --solution student # your src/tiny_llm/batch.py
+    pdm run bench-chunked-prefill --adaptive 1.0     # also (a) under AdaptiveChunkPolicy, target ITL 1 s
 
 Workloads (prompts are random token ids; every request decodes greedily to its token budget):
   (a) head of line: a few short requests stream; once each has a few tokens, one long prompt arrives.
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-requests", type=int, default=5, help="requests in (b), 20%% of them long (default 5)")
     parser.add_argument("--mixed-long-tokens", type=int, default=3000, help="long prompts of (b) (default 3000)")
     parser.add_argument("--sweep", default=",".join(map(str, SWEEP)), help="prefill_step values of (c), comma-separated")
+    parser.add_argument("--adaptive", type=float, metavar="SECONDS",
+                        help="also run (a) with AdaptiveChunkPolicy and this decode-latency target")
     parser.add_argument("--skip", default="", help="parts to skip, e.g. 'b' or 'b,c'")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where results go (default {RESULTS_DIR})")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plots of a saved results file")
@@ -99,12 +102,12 @@ def effective_step(step, longest_prompt: int) -> int | str:
     return UNCHUNKED if step == UNCHUNKED or step >= longest_prompt else step
 
 
-def run_config(batch_module, model, tokenizer, arrivals, step, args, label) -> dict:
+def run_config(batch_module, model, tokenizer, arrivals, step, args, label, policy=None) -> dict:
     longest = max(len(a.prompt) for a in arrivals)
     max_seq_len = max(len(a.prompt) + a.max_tokens for a in arrivals) + 1
     prefill_step = max_seq_len if step == UNCHUNKED else step
     result = run_workload(batch_module, model, tokenizer, arrivals, label=label, batch_size=args.batch_size,
-                          max_seq_len=max_seq_len, prefill_step=prefill_step)
+                          max_seq_len=max_seq_len, prefill_step=prefill_step, policy=policy)
     row = summarize(result)
     row["prefill_step"] = step if step != UNCHUNKED and step < longest else UNCHUNKED
     row["wall_s"] = result.wall_s
@@ -243,8 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     unchunked_a = rows_by_step[UNCHUNKED]
     results["a"] = {"long_tokens": args.long_tokens, "chunked": chunked_a, "unchunked": unchunked_a,
                     "verdict": verdict(chunked_a, unchunked_a)}
+    shown = [unchunked_a, chunked_a]
+    if args.adaptive:
+        policy_module = importlib.import_module(f"{package}.chunk_policy")
+        policy = policy_module.AdaptiveChunkPolicy(target_itl=args.adaptive)
+        print(f"  (a) {policy.describe()} ...", flush=True)
+        adaptive = run_config(batch_module, model, tokenizer, workload_a, args.prefill_step, args, "a-adaptive",
+                              policy=policy)
+        adaptive["prefill_step"] = f"adapt {args.adaptive:g}s"
+        results["a"]["adaptive"] = adaptive
+        shown.append(adaptive)
     print_table(f"(a) head of line: {args.shorts} short requests stream, a {args.long_tokens}-token prompt arrives",
-                [unchunked_a, chunked_a])
+                shown)
     v = results["a"]["verdict"]
     print(f"ITL p99 chunked / unchunked = {v['itl_p99_ratio']:.2f} (goal <= 0.33); "
           f"throughput chunked / unchunked = {v['throughput_ratio']:.2f} (goal >= 0.85): "

@@ -3,6 +3,7 @@
     pdm run batch-main                               # reference scheduler, embedded model
     pdm run batch-main --solution student            # your src/tiny_llm/batch.py (on the reference model)
     pdm run batch-main --prefill-step 16 --batch-size 2
+    pdm run batch-main --adaptive 0.02               # chunk sizes from measured times, 20 ms target
     pdm run batch-main --model Qwen/Qwen2-0.5B-Instruct-MLX --max-tokens 64
     pdm run batch-main --no-live                     # a log line per iteration instead of the live panel
 
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--batch-size", type=int, default=3, help="decode slots (default 3)")
     parser.add_argument("--prefill-step", type=int, default=32, help="prompt tokens per prefill chunk (default 32)")
+    parser.add_argument("--adaptive", type=float, metavar="SECONDS",
+                        help="size chunks with AdaptiveChunkPolicy for this decode-latency target (default: fixed)")
     parser.add_argument("--max-seq-len", type=int, default=512, help="prompt + output tokens per request (default 512)")
     parser.add_argument("--max-tokens", type=int, default=24, help="most tokens per request (default 24)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: 8 built-in prompts)")
@@ -115,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     log_lines: list[str] = []
+    policy = None
+    if args.adaptive:
+        policy = importlib.import_module(f"{package}.chunk_policy").AdaptiveChunkPolicy(target_itl=args.adaptive)
     scheduler = batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
-                                prefill_step=args.prefill_step, log=log_lines.append if live else None,
-                                log_interval=2.0)
+                                prefill_step=args.prefill_step, policy=policy,
+                                log=log_lines.append if live else None, log_interval=2.0)
     prompts = args.prompt or PROMPTS
     for prompt in prompts:
         if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
