@@ -28,3 +28,24 @@ def embedded_model():
     from scripts.models import load_model
 
     return load_model("embedded")
+
+
+@pytest.fixture(scope="session")
+def model32(embedded_model):
+    """(mlx-lm model, tokenizer) of the embedded model in float32 on every device.
+
+    `embedded_model` is float32 on the CPU but keeps the checkpoint's bfloat16 on a Mac's GPU, where
+    bfloat16 rounding alone would exceed the logit tolerances of the model-level tests (and could flip
+    a greedy token): those tests compare in float32 everywhere.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    model, tokenizer = embedded_model
+    if all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters())):
+        return model, tokenizer
+    copy = mlx_qwen2.Model(model.args)
+    copy.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    mx.eval(copy.parameters())
+    return copy, tokenizer

@@ -21,25 +21,6 @@ ATOL = RTOL = 1e-3  # float32 logits of size ~20; different summation orders dif
 PROMPT = "The quick brown fox jumps over the lazy dog. A KV cache keeps what attention already computed."
 
 
-@pytest.fixture(scope="module")
-def model32(embedded_model):
-    """(mlx-lm model, tokenizer) of the embedded model in float32 on every device.
-
-    The shared fixture is float32 on the CPU but keeps the checkpoint's bfloat16 on a Mac's GPU, where
-    bfloat16 rounding alone would exceed these tolerances (and could flip a greedy token).
-    """
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import qwen2 as mlx_qwen2
-
-    model, tokenizer = embedded_model
-    if all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters())):
-        return model, tokenizer
-    copy = mlx_qwen2.Model(model.args)
-    copy.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    mx.eval(copy.parameters())
-    return copy, tokenizer
-
-
 def assert_close(actual, expected, what):
     np.testing.assert_allclose(np.array(actual), np.array(expected), rtol=RTOL, atol=ATOL, err_msg=what)
 
