@@ -10,7 +10,6 @@ full model (logits reach about 20; the reference is within 3e-5 on these prompts
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
 from tests.harness import solution
