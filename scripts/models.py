@@ -256,6 +256,8 @@ def load_model(name: str | None = None):
     model, tokenizer = load(str(path))
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+    # Materialize the weights (and the cast) now, so no timed run pays for loading them.
+    mx.eval(model.parameters())
     return model, tokenizer
 
 
