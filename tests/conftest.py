@@ -19,7 +19,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
         # The skeleton's message names the day, the task and the chapter: show it, not a traceback.
-        report.longrepr = f"{item.nodeid}\n    not implemented yet: {call.excinfo.value}"
+        # Its first line is also what the short summary shows after the test's name.
+        report.longrepr = f"not implemented yet: {call.excinfo.value}"
 
 
 @pytest.fixture(scope="session")
