@@ -47,9 +47,9 @@ def batch(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def real(embedded_model):
-    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights."""
-    mlx_model, tokenizer = embedded_model
+def real(model32):
+    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights, float32 everywhere."""
+    mlx_model, tokenizer = model32
     return ref.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
 
 
