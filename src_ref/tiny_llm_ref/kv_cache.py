@@ -9,12 +9,15 @@ Shapes: keys and values are `B x H x L x D` (H = key/value heads). One cache obj
 
 from __future__ import annotations  # annotations stay text, so the skeleton's signatures read as the reference's
 
+from abc import ABC, abstractmethod
+
 import mlx.core as mx
 
 
-class TinyKvCache:
+class TinyKvCache(ABC):
     """The interface every KV cache offers to the model's attention layers."""
 
+    @abstractmethod
     def update_and_fetch(
         self,
         key: mx.array,
@@ -28,7 +31,6 @@ class TinyKvCache:
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
-        raise NotImplementedError("TinyKvCache is an interface: use TinyKvFullCache or BatchingKvCache")
 
 
 class TinyKvFullCache(TinyKvCache):
