@@ -13,7 +13,7 @@ uses fused kernels (mx.fast.*), so the ratio ours / mlx-lm shows what those are 
 Results: benches/results/batching.json.
 """
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 fast_mlx.setup()
 
@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches.scheduler_driver import Arrival, random_prompt, run_workload  # noqa: E402
-from scripts.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
+from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
 

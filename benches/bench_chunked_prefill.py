@@ -18,7 +18,7 @@ the whole run) and peak memory above the weights. Results: benches/results/chunk
 plots chunked_prefill_itl.png (ITL over time, chunked against unchunked) and chunked_prefill_sweep.png.
 """
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 fast_mlx.setup()
 
@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches.scheduler_driver import Arrival, itl_timeline, random_prompt, run_workload, summarize  # noqa: E402
-from scripts.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
+from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 UNCHUNKED = "unchunked"

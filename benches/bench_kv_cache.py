@@ -12,7 +12,7 @@ Decode tokens/s counts the tokens after the first (the first one comes out of th
 Results go to benches/results/kv_cache.json.
 """
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 fast_mlx.setup()
 
@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from scripts.models import MEANINGLESS_NOTE, BENCH, is_embedded, load_model, resolve_model  # noqa: E402
+from course.models import MEANINGLESS_NOTE, BENCH, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_cache.json"
 

@@ -20,7 +20,7 @@ import logging
 import sys
 import time
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 PROMPTS = [
     "What is continuous batching?",
@@ -103,7 +103,7 @@ def one_line(scheduler, iteration: int, elapsed: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fast_mlx.setup()
-    from scripts.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
     from tiny_llm_ref.metrics import format_summary
 
     path = resolve_model(args.model)

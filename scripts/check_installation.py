@@ -30,7 +30,7 @@ def model_speed(name: str, prompt_tokens: int, decode_tokens: int) -> tuple[floa
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from scripts.models import load_model
+    from course.models import load_model
 
     model, tokenizer = load_model(name)
     prompt = list(range(1000, 1000 + prompt_tokens))
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.no_fast_blas:
         os.environ["TINY_LLM_NO_FAST_BLAS"] = "1"
-    from scripts import fast_mlx
+    from course import fast_mlx
 
     fast_mlx.setup()
     import mlx.core as mx
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: matmuls are slow; without an optimized BLAS the course's models run ~30x slower.\n"
               "         Run `pdm install` again (it brings Intel MKL on x86_64 Linux) "
               "or install OpenBLAS (`apt-get install libopenblas0-pthread`).")
-    from scripts.models import EMBEDDED_MODEL_DIR
+    from course.models import EMBEDDED_MODEL_DIR
 
     if args.model:
         prompt_tps, decode_tps = model_speed(args.model, args.prompt_tokens, args.decode_tokens)

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-from scripts.course_map import Day, find_day
+from course.course_map import Day, find_day
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -167,14 +167,14 @@ def compare(args) -> int:
         return 0
 
     if day.compare not in WORKLOADS:
-        raise SystemExit(f"scripts/course_map.py: week {day.week} day {day.day} has compare={day.compare!r}; "
+        raise SystemExit(f"course/course_map.py: week {day.week} day {day.day} has compare={day.compare!r}; "
                          f"known workloads: {', '.join(WORKLOADS)}")
-    from scripts import fast_mlx
+    from course import fast_mlx
 
     fast_mlx.setup()
     import mlx.core as mx
 
-    from scripts.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
     os.environ["TINY_LLM_SOLUTION"] = "student"
     from tests.harness import reference, solution

@@ -7,12 +7,12 @@
     pdm run grade --src path/to/submission # grade a submission without touching the repo
     pdm run grade --solution ref           # grade the reference (every task at full points)
 
-Each day's test file runs in its own pytest process (scripts/isolated_pytest.py), each test under a
+Each day's test file runs in its own pytest process (course/isolated_pytest.py), each test under a
 time limit (--timeout). A test that hangs, crashes the interpreter, or meets a module that fails at
 import scores zero; every other test is still run and scored, and the report is always complete.
 This process never imports the code it grades.
 
-Points are declared once, in scripts/course_map.py (`Day.points`: task -> points). A task's points are
+Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
 split evenly across its test functions (`test_task_N_...`), and a parametrized test's share evenly
 across its cases, so partial work earns partial points.
 
@@ -34,8 +34,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.course_map import DAYS, Day
-from scripts.isolated_pytest import CaseResult, RunResult, child_env, run_test_file
+from course.course_map import DAYS, Day
+from course.isolated_pytest import CaseResult, RunResult, child_env, run_test_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -130,7 +130,7 @@ def make_workspace(repo: Path, src: Path, dest: Path) -> list[str]:
     """
     modules_dir = submission_dir(src)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in ("scripts", "tests", "src_ref"):
+    for name in ("scripts", "course", "maint", "tests", "src_ref"):
         shutil.copytree(repo / name, dest / name, ignore=ignore)
     for name in ("pyproject.toml",):
         shutil.copy2(repo / name, dest / name)
@@ -191,7 +191,7 @@ def score_day(day: Day, functions: list[str], run: RunResult) -> DayReport:
         points = day.points.get(task, 0) if task is not None else 0
         if task is not None and task not in day.points:
             report.notes.append(f"{day.test_file} has tests for Task {task}, which has no points in "
-                                f"scripts/course_map.py: scored 0")
+                                f"course/course_map.py: scored 0")
         share = points / len(task_functions_)
         for function in task_functions_:
             results = cases[function]

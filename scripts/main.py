@@ -17,7 +17,7 @@ import importlib
 import sys
 import time
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 DEFAULT_PROMPT = "Give me a short introduction to large language models."
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     blas = fast_mlx.setup()
     import mlx.core as mx
 
-    from scripts.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
     path = resolve_model(args.model)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from scripts.course_map import DAYS, find_day
+from course.course_map import DAYS, find_day
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = test_targets(args.week, args.day)
     os.environ["TINY_LLM_SOLUTION"] = solution
     os.chdir(REPO_ROOT)
-    from scripts import fast_mlx
+    from course import fast_mlx
 
     fast_mlx.setup()
     import pytest

@@ -1,6 +1,6 @@
 """Shared test set-up: fast BLAS before MLX, float32 on the CPU, readable "not implemented" failures."""
 
-from scripts import fast_mlx
+from course import fast_mlx
 
 fast_mlx.setup(quiet=True)
 
@@ -26,7 +26,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def embedded_model():
     """(mlx-lm model, tokenizer) of the embedded tiny Qwen2, float32 on the CPU; loaded once."""
-    from scripts.models import load_model
+    from course.models import load_model
 
     return load_model("embedded")
 

@@ -6,7 +6,7 @@
 Against the reference (TINY_LLM_SOLUTION=ref), `solution(...)` is simply `tiny_llm_ref`.
 
 Against the student's package (the default), `solution(week, day)` loads the student's files for
-that day's modules (scripts/course_map.py) and serves every other module from the reference. So a
+that day's modules (course/course_map.py) and serves every other module from the reference. So a
 student who starts at day 2.7 is graded on day 2.7's code alone: their `batch.py` runs on the
 reference model and KV cache, whatever state their earlier days are in. The student's files are
 loaded under a per-day package name (`tiny_llm_week2_day7`), so days never share modules.
@@ -19,7 +19,7 @@ import sys
 import types
 from pathlib import Path
 
-from scripts.course_map import find_day
+from course.course_map import find_day
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STUDENT_DIR = REPO_ROOT / "src" / "tiny_llm"

@@ -1,6 +1,6 @@
 """The book cannot drift from the code: checked in pure Python, without mdbook.
 
-Each test runs one check of scripts/book_check.py on this repo and lists every problem it finds as
+Each test runs one check of maint/book_check.py on this repo and lists every problem it finds as
 "<file>:<line>: <what is wrong>". The checks themselves are tested on small synthetic books, where
 each kind of drift is introduced on purpose, in tests/test_tooling.py.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import book_check
+from maint import book_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

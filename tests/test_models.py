@@ -2,7 +2,7 @@
 
 import json
 
-from scripts.models import EMBEDDED_MODEL_DIR, FIRST_SPECIAL_ID, SPECIAL_TOKENS
+from course.models import EMBEDDED_MODEL_DIR, FIRST_SPECIAL_ID, SPECIAL_TOKENS
 
 SAMPLES = [
     "Hello, world! How are you today?",

@@ -2,13 +2,13 @@
 
 import tomllib
 
-from scripts.roadmap import README, REPO_ROOT, readme_with_table
+from maint.roadmap import README, REPO_ROOT, readme_with_table
 
 
 def test_roadmap_table_is_up_to_date():
     text = README.read_text()
     assert text == readme_with_table(text), (
-        "README.md's roadmap is stale: run `pdm run python -m scripts.roadmap --write`")
+        "README.md's roadmap is stale: run `pdm run python -m maint.roadmap --write`")
 
 
 def test_setup_commands_are_defined_scripts():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import book_check
+from maint import book_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -201,9 +201,9 @@ def write_modules(directory: Path, modules: dict[str, str]) -> None:
 
 def make_course(root: Path, student: dict[str, str]) -> Path:
     """A repo with the real tooling, the real harness and conftest, and the synthetic days."""
-    shutil.copytree(REPO_ROOT / "scripts", root / "scripts",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    with open(root / "scripts" / "course_map.py", "a") as f:
+    for folder in ("scripts", "course", "maint"):
+        shutil.copytree(REPO_ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(root / "course" / "course_map.py", "a") as f:
         f.write(SYNTHETIC_DAYS)
     (root / "tests").mkdir()
     for name in ("__init__.py", "harness.py", "conftest.py"):
@@ -296,12 +296,12 @@ def test_check_days_passes_each_day_alone_and_catches_a_broken_reference(tmp_pat
         "beta.py": 'def twice(x):\n    raise NotImplementedError("Week 1 Day 2 Task 1")\n',
         "gamma.py": 'def square(x):\n    raise NotImplementedError("Week 2 Day 1 Task 1")\n',
     })
-    done = run_tool(root, "scripts.check_days")
+    done = run_tool(root, "maint.check_days")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("PASS") == 3
     # Break the reference of day 2.1: check-days fails and names the day and the test.
     (root / "src_ref" / "tiny_llm_ref" / "gamma.py").write_text("def square(x):\n    return x + x\n")
-    done = run_tool(root, "scripts.check_days")
+    done = run_tool(root, "maint.check_days")
     assert done.returncode == 1
     assert "week 2 day 1" in done.stdout and "test_task_1_square" in done.stdout
     assert done.stdout.count("PASS") == 2
@@ -446,8 +446,8 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
 
 
 def test_check_days_by_task_fills_only_the_days_functions():
-    from scripts.check_days import fill_day_tasks
-    from scripts.course_map import Day
+    from maint.check_days import fill_day_tasks
+    from course.course_map import Day
 
     skeleton = textwrap.dedent('''\
         import mlx.core as mx
@@ -516,7 +516,7 @@ def test_book_check_catches_skeleton_messages_that_drift_from_the_course_map(tmp
 
 def test_every_days_compare_workload_is_known():
     from scripts.compare import WORKLOADS
-    from scripts.course_map import DAYS
+    from course.course_map import DAYS
 
     assert all(day.compare in WORKLOADS + ("",) for day in DAYS)
 
@@ -530,8 +530,8 @@ def test_first_difference():
 
 
 def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
-    from scripts.check_days import fill_day, make_workspace, skeleton_files
-    from scripts.course_map import DAYS
+    from maint.check_days import fill_day, make_workspace, skeleton_files
+    from course.course_map import DAYS
 
     day = next((d for d in DAYS if d.compare == "model" and (REPO_ROOT / d.test_file).exists()), None)
     if day is None:

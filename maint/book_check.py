@@ -29,7 +29,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-TOP_LEVEL_DIRS = ("src", "src_ref", "tests", "scripts", "benches", "book", "models", ".ci")
+TOP_LEVEL_DIRS = ("src", "src_ref", "tests", "scripts", "course", "maint", "benches", "book", "models", ".ci")
 INCLUDE = re.compile(r"(?<!\\)\{\{#(include|rustdoc_include)\s+([^}\s]+)\s*\}\}")  # \{{#...}} is escaped
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -43,7 +43,7 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 
 def load_course_map(root: Path):
     """The course map of the repo at `root` (loaded from its file, so a synthetic repo has its own)."""
-    path = root / "scripts" / "course_map.py"
+    path = root / "course" / "course_map.py"
     spec = importlib.util.spec_from_file_location(f"_course_map_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
@@ -103,7 +103,7 @@ def summary_problems(root: Path) -> list[str]:
     for day in load_course_map(root).DAYS:
         if (src / day.chapter).resolve() not in listed:
             problems.append(f"book/src/SUMMARY.md: week {day.week} day {day.day}'s chapter {day.chapter} "
-                            f"(scripts/course_map.py) is not listed")
+                            f"(course/course_map.py) is not listed")
     return problems
 
 
@@ -337,10 +337,10 @@ def task_problems(root: Path) -> list[str]:
                 problems.append(f"{chapter_name}: has no '## Task {task}' heading, but {day.test_file} has "
                                 f"{', '.join(names)}")
             if task not in day.points:
-                problems.append(f"scripts/course_map.py: {label} Task {task} has tests in {day.test_file} but no "
+                problems.append(f"course/course_map.py: {label} Task {task} has tests in {day.test_file} but no "
                                 f"points")
         for task in sorted(set(day.points) - set(in_tests)):
-            problems.append(f"scripts/course_map.py: {label} Task {task} has points but {day.test_file} has no "
+            problems.append(f"course/course_map.py: {label} Task {task} has points but {day.test_file} has no "
                             f"test_task_{task}_... tests (chapter {chapter_name})")
     return problems
 
@@ -361,7 +361,7 @@ def skeleton_problems(root: Path) -> list[str]:
                     # The harness serves modules outside Day.modules from the reference: this task's tests
                     # would grade the reference, not the student.
                     problems.append(f"{where}: a week {week} day {day_number} task in {module.name}, but "
-                                    f"scripts/course_map.py does not list {module.stem!r} in that day's modules")
+                                    f"course/course_map.py does not list {module.stem!r} in that day's modules")
                 if chapter != f"book/src/{day.chapter}":
                     problems.append(f"{where}: names {chapter}, but week {week} day {day_number}'s chapter is "
                                     f"book/src/{day.chapter}")

@@ -59,7 +59,7 @@ def setup(quiet: bool = False) -> str | None:
     if not sys.platform.startswith("linux") or os.environ.get("TINY_LLM_NO_FAST_BLAS"):
         return None
     if "mlx.core" in sys.modules:
-        _state["warning"] = "mlx.core was imported before scripts.fast_mlx.setup(); BLAS left as is."
+        _state["warning"] = "mlx.core was imported before course.fast_mlx.setup(); BLAS left as is."
     else:
         try:
             _state["blas"] = _try_mkl() or _try_system_openblas()

@@ -1,7 +1,7 @@
-"""The README's roadmap table, made from scripts/course_map.py and the files on disk.
+"""The README's roadmap table, made from course/course_map.py and the files on disk.
 
-    pdm run python -m scripts.roadmap           # print the table
-    pdm run python -m scripts.roadmap --write   # refresh it in README.md
+    pdm run python -m maint.roadmap           # print the table
+    pdm run python -m maint.roadmap --write   # refresh it in README.md
 
 tests/test_readme.py fails when README.md's table is out of date.
 """
@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from scripts.course_map import DAYS, Day
+from course.course_map import DAYS, Day
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
@@ -48,7 +48,7 @@ def readme_with_table(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scripts.roadmap", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m maint.roadmap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="refresh the table in README.md")
     return parser

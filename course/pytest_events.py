@@ -1,6 +1,6 @@
 """A small pytest plugin that reports each test as it starts and finishes, one JSON line per event.
 
-The grader and the per-day check (scripts/isolated_pytest.py) load it with `-p scripts.pytest_events`
+The grader and the per-day check (course/isolated_pytest.py) load it with `-p course.pytest_events`
 and watch the file from another process. Each line is written with one `os.write` as soon as the
 event happens, so when a test hangs or kills the interpreter, every earlier result is already on disk
 and the watcher knows exactly which test was running.

@@ -1,7 +1,7 @@
 """Run one test file in a separate pytest process, each test under a time limit, surviving hangs and crashes.
 
-Used by the grader (scripts/grade.py) and the per-day check (scripts/check_days.py). The code under
-test never runs in the caller's process. pytest runs with the plugin scripts/pytest_events.py, which
+Used by the grader (scripts/grade.py) and the per-day check (maint/check_days.py). The code under
+test never runs in the caller's process. pytest runs with the plugin course/pytest_events.py, which
 appends one JSON line per test event to a file; this module watches that file:
 
 - a test that runs past `timeout` seconds is interrupted in place (an exception raised by SIGALRM) and
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.pytest_events import HARD_GRACE
+from course.pytest_events import HARD_GRACE
 
 POLL_SECONDS = 0.05
 EXIT_GRACE_SECONDS = 20.0  # after the last test, how long pytest may take to shut down
@@ -125,7 +125,7 @@ def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_
     skip_path.write_text(json.dumps(list(run.results)))  # tests that already have a result are not run again
     env = {**env, "TINY_LLM_EVENTS": str(events_path), "TINY_LLM_TRACE": str(trace_path),
            "TINY_LLM_TIMEOUT": str(timeout), "TINY_LLM_SKIP": str(skip_path)}
-    command = [sys.executable, "-m", "pytest", "-p", "scripts.pytest_events", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider",
                "-q", "--color=no", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -4,7 +4,7 @@ A student who clones the course and runs a day's tests must see failures that sa
 yet" and name the chapter, never an import error, a collection error or a crash in a fixture. CI runs
 this on the committed skeleton:
 
-    pdm run python -m scripts.check_skeleton
+    pdm run python -m maint.check_skeleton
 """
 
 import argparse
@@ -15,13 +15,13 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from scripts.course_map import DAYS
+from course.course_map import DAYS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog="python -m scripts.check_skeleton", description=__doc__,
+    return argparse.ArgumentParser(prog="python -m maint.check_skeleton", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 

@@ -4,7 +4,7 @@
     pdm run check-days --week 2 --day 7 # one day
     pdm run check-days --skeleton-rev HEAD   # take the skeleton from a commit instead of the working tree
 
-For each day of scripts/course_map.py, in a temporary copy of the repo: src/tiny_llm is reset to the
+For each day of course/course_map.py, in a temporary copy of the repo: src/tiny_llm is reset to the
 untouched skeleton, the day's modules (`Day.modules`) are copied in from src_ref/tiny_llm_ref (the
 reference uses relative imports, so its files drop in unchanged), and the day's test file runs
 against the student package, in its own pytest process with a time limit per test. Every test must
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.course_map import DAYS, Day
-from scripts.isolated_pytest import child_env, run_test_file
+from course.course_map import DAYS, Day
+from course.isolated_pytest import child_env, run_test_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = Path("src") / "tiny_llm"
@@ -63,7 +63,7 @@ def skeleton_files(rev: str | None) -> dict[str, bytes]:
 
 def make_workspace(dest: Path) -> None:
     """A copy of what the tests need; the model directory is linked, not copied."""
-    for name in ("scripts", "tests", "src_ref"):
+    for name in ("scripts", "course", "maint", "tests", "src_ref"):
         shutil.copytree(REPO_ROOT / name, dest / name, ignore=IGNORE)
     shutil.copy2(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
     if (REPO_ROOT / "models").exists():
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--day needs --week")
     days = [d for d in DAYS if (args.week is None or d.week == args.week) and (not args.day or d.day in args.day)]
     if not days:
-        build_parser().error("no such day in scripts/course_map.py")
+        build_parser().error("no such day in course/course_map.py")
     skeleton = skeleton_files(args.skeleton_rev)
     started, failures = time.monotonic(), 0
     with tempfile.TemporaryDirectory(prefix="tiny-llm-check-days-") as tmp:

