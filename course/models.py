@@ -19,13 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_MODEL_DIR = REPO_ROOT / "models" / "qwen2-tiny-random"
 CACHE_DIR = Path(os.environ.get("TINY_LLM_CACHE", Path.home() / ".cache" / "tiny-llm-course"))
 BENCH_MODEL_DIR = CACHE_DIR / "qwen2-0.5b-shape-random"
+SMOLLM2_DIR = CACHE_DIR / "smollm2-135m-instruct"
 EMBEDDED = "embedded"
 BENCH = "bench-0.5b"
+SMOLLM2 = "smollm2-135m"
 
 MEANINGLESS_NOTE = (
     "note: the embedded model has random weights, so its text is meaningless; the code path is real. "
-    "For real text use a Qwen2 checkpoint, e.g. --model Qwen/Qwen2-0.5B-Instruct-MLX "
-    "(download once with `huggingface-cli download Qwen/Qwen2-0.5B-Instruct-MLX`)."
+    "For real text fetch a small trained model once (`pdm run models fetch smollm2-135m`, 100 MB), "
+    "or use a Qwen2 checkpoint from the Hugging Face hub, e.g. --model Qwen/Qwen2-0.5B-Instruct-MLX."
 )
 
 QWEN2_PATTERN = (
@@ -222,6 +224,8 @@ def resolve_model(name: str | None) -> Path:
             except OSError:  # another process finished first: keep its copy
                 shutil.rmtree(staging)
         return BENCH_MODEL_DIR
+    if name == SMOLLM2:
+        return resolve_smollm2()
     path = Path(name).expanduser()
     if path.exists():
         return path
@@ -236,6 +240,33 @@ def resolve_model(name: str | None) -> Path:
             f"    huggingface-cli download {name}\n"
             f"or pass a local checkpoint directory with --model /path/to/model."
         ) from None
+
+
+def resolve_smollm2() -> Path:
+    """SmolLM2's converted directory in the cache; a one-line way out when it has not been fetched."""
+    if not (SMOLLM2_DIR / "model.safetensors").exists():
+        raise SystemExit(f"model {SMOLLM2!r} is not fetched yet: run `pdm run models fetch {SMOLLM2}` once "
+                         f"(a 93 MB download), or use --model embedded.")
+    return SMOLLM2_DIR
+
+
+def default_model() -> str:
+    """The model commands use without --model: SmolLM2 once fetched (real text), else the embedded model."""
+    return SMOLLM2 if (SMOLLM2_DIR / "model.safetensors").exists() else EMBEDDED
+
+
+def describe_model(path: Path) -> str:
+    """Which model a directory holds, in a few words for the user."""
+    path = Path(path).resolve()
+    if path == SMOLLM2_DIR.resolve():
+        from course.smollm2 import DESCRIPTION
+
+        return f"{SMOLLM2}: {DESCRIPTION}"
+    if path == EMBEDDED_MODEL_DIR.resolve():
+        return f"{EMBEDDED}: a tiny Qwen2 with random weights"
+    if path == BENCH_MODEL_DIR.resolve():
+        return f"{BENCH}: Qwen2-0.5B's shape with random weights"
+    return str(path)
 
 
 def is_embedded(path: Path) -> bool:

@@ -8,7 +8,7 @@ from .embedding import Embedding
 from .layer_norm import RMSNorm
 from .mlp import Qwen2MLP
 from .positional_encoding import RoPE
-from .weights import dequantize_linear
+from .weights import bias_of, dequantize_linear
 
 
 class Qwen2MultiHeadAttention:
@@ -85,7 +85,7 @@ class Qwen2ModelWeek1:
     def __init__(self, mlx_model):
         """Copy every weight out of `mlx_model` (an mlx-lm Qwen2 `Model`) into our own layers."""
         # TODO: read mlx_model.args and mlx_model.model.{embed_tokens, layers, norm};
-        # TODO: use dequantize_linear() for every weight matrix
+        # TODO: use dequantize_linear() for every weight matrix, bias_of() for the q/k/v biases
         raise NotImplementedError("Week 1 Day 5 Task 3 (book/src/week1-05-qwen2-model.md): load the model")
 
     def __call__(self, inputs: mx.array) -> mx.array:

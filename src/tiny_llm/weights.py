@@ -21,3 +21,16 @@ def dequantize_linear(mlx_layer) -> mx.array:
         bits=mlx_layer.bits,
         mode=getattr(mlx_layer, "mode", "affine"),
     )
+
+
+def bias_of(mlx_layer) -> mx.array:
+    """The bias of an mlx-lm linear layer, or zeros when it has none.
+
+    Qwen2's q, k and v projections have biases; Llama-family checkpoints (SmolLM2) have none, which is
+    the same as a bias of zeros, so one attention serves both.
+    """
+    if "bias" in mlx_layer:
+        return mlx_layer["bias"]
+    scales = getattr(mlx_layer, "scales", None)
+    dtype = mlx_layer.weight.dtype if scales is None else scales.dtype  # a packed weight is uint32
+    return mx.zeros((mlx_layer.weight.shape[0],), dtype=dtype)

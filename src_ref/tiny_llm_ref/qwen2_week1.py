@@ -8,7 +8,7 @@ from .embedding import Embedding
 from .layer_norm import RMSNorm
 from .mlp import Qwen2MLP
 from .positional_encoding import RoPE
-from .weights import dequantize_linear
+from .weights import bias_of, dequantize_linear
 
 
 class Qwen2MultiHeadAttention:
@@ -126,9 +126,9 @@ class Qwen2ModelWeek1:
                     wk=dequantize_linear(attn.k_proj),
                     wv=dequantize_linear(attn.v_proj),
                     wo=dequantize_linear(attn.o_proj),
-                    bq=attn.q_proj.bias,
-                    bk=attn.k_proj.bias,
-                    bv=attn.v_proj.bias,
+                    bq=bias_of(attn.q_proj),
+                    bk=bias_of(attn.k_proj),
+                    bv=bias_of(attn.v_proj),
                     w_gate=dequantize_linear(mlp.gate_proj),
                     w_up=dequantize_linear(mlp.up_proj),
                     w_down=dequantize_linear(mlp.down_proj),
