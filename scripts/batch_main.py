@@ -1,6 +1,6 @@
 """Continuous batching with chunked prefill on a set of prompts, with a live view of the scheduler.
 
-    pdm run batch-main                               # reference scheduler, embedded model
+    pdm run batch-main                               # reference scheduler, SmolLM2 if fetched, else embedded
     pdm run batch-main --solution student            # your src/tiny_llm/batch.py (on the reference model)
     pdm run batch-main --prefill-step 16 --batch-size 2
     pdm run batch-main --adaptive 0.02               # chunk sizes from measured times, 20 ms target
@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--solution", choices=["ref", "student"], default="ref",
                         help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm/batch.py")
-    parser.add_argument("--model", default="embedded",
-                        help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
+    parser.add_argument("--model", default=None,
+                        help="default: smollm2-135m once fetched (`pdm run models fetch smollm2-135m`), else embedded; "
+                             "or bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--batch-size", type=int, default=3, help="decode slots (default 3)")
     parser.add_argument("--prefill-step", type=int, default=32, help="prompt tokens per prefill chunk (default 32)")
     parser.add_argument("--adaptive", type=float, metavar="SECONDS",
@@ -103,10 +104,12 @@ def one_line(scheduler, iteration: int, elapsed: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fast_mlx.setup()
-    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
     from tiny_llm_ref.metrics import format_summary
 
+    args.model = args.model or default_model()
     path = resolve_model(args.model)
+    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"

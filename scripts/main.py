@@ -1,6 +1,6 @@
 """Generate text with the course's Qwen2: the reference solution by default, or yours.
 
-    pdm run main                                   # reference solution, embedded model, greedy
+    pdm run main                                   # reference solution, greedy, on SmolLM2 if fetched, else embedded
     pdm run main --solution student                # your src/tiny_llm
     pdm run main --solution student --week 1       # your week-1 model, without the KV cache
     pdm run main --model bench-0.5b --max-tokens 32
@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--solution", choices=["ref", "student"], default="ref",
                         help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
-    parser.add_argument("--model", default="embedded",
-                        help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
+    parser.add_argument("--model", default=None,
+                        help="default: smollm2-135m once fetched (`pdm run models fetch smollm2-135m`), else embedded; "
+                             "or bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--week", type=int, choices=[1, 2], default=2,
                         help="2: the KV-cache model and loop of day 2.1 (default); 1: week 1's cacheless loop")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
@@ -126,17 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     blas = fast_mlx.setup()
     import mlx.core as mx
 
-    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
 
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
+    args.model = args.model or default_model()
     path = resolve_model(args.model)
+    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     model, tokenizer = load_model(args.model)
     # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
     # now, so that neither timed run pays for the conversion.
     mx.eval(model.parameters())
     if args.compare_mlx_lm:
         mx.eval(model(mx.array([[0]])))  # one warm-up token, so the first timed run pays no start-up costs
-    print(f"[tiny-llm] {args.solution} solution ({package}) on {path}; device {mx.default_device()}"
+    print(f"[tiny-llm] {args.solution} solution ({package}); device {mx.default_device()}"
           f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
