@@ -212,27 +212,6 @@ def test_idle_slots_cost_nothing(counted):
     assert fake.decode_calls and all(len(c.tokens) == len(c.active) <= 2 for c in fake.decode_calls)
 
 
-def test_batching_cache_takes_a_batch_of_held_slots_only():
-    """A batch of the held slots only (in slot order) gives those rows exactly what the full batch gives."""
-    heads, dim = 2, 4
-    full, compact = ref.kv_cache.BatchingKvCache(5, 32), ref.kv_cache.BatchingKvCache(5, 32)
-    for cache in (full, compact):
-        for slot, held in ((1, 3), (3, 6)):
-            request = ref.kv_cache.TinyKvFullCache()
-            key = mx.random.normal((1, heads, held, dim), key=mx.random.key(slot))
-            request.update_and_fetch(key, key * 2)
-            cache.add_request(request, slot)
-    new = mx.random.normal((5, heads, 1, dim), key=mx.random.key(9))
-    keys_f, values_f, s_f, mask_f = full.update_and_fetch(new, new)
-    keys_c, values_c, s_c, mask_c = compact.update_and_fetch(new[mx.array([1, 3])], new[mx.array([1, 3])])
-    assert s_f == s_c
-    for compact_row, slot in enumerate((1, 3)):
-        assert mx.array_equal(keys_c[compact_row], keys_f[slot]) and mx.array_equal(values_c[compact_row], values_f[slot])
-        assert mx.array_equal(mask_c[compact_row], mask_f[slot])
-    with pytest.raises(ValueError, match="one per held slot"):
-        compact.update_and_fetch(new[:3], new[:3])
-
-
 def test_top_k_beyond_the_vocabulary_keeps_every_token():
     logprobs = mx.log(mx.softmax(mx.random.normal((3, 50), key=mx.random.key(1)), axis=-1))
     mx.random.seed(7)
