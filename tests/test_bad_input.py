@@ -109,9 +109,7 @@ ROWS = [
     ("prompt empty", ValueError, "empty", lambda m, t: ref.batch.Request(m, t, "")),
     ("prompt not UTF-8", ValueError, "UTF-8", lambda m, t: ref.batch.Request(m, t, "ab\udcff")),
     # batch sizes: bounded by memory; integers only
-    ("batch_size beyond memory", ValueError, "memory",
-     lambda m, t: ref.batch.batch_generate(m, t, ["a", "b"], batch_size=10**9)),
-    ("prompts a str", TypeError, "prompts", lambda m, t: ref.batch.batch_generate(m, t, "Hello")),
+    ("prompts a str", TypeError, "prompts", lambda m, t: ref.batch.batch_generate(m, t, "Hello", max_seq_len=4)),
     ("prompts None", TypeError, "prompts", lambda m, t: ref.batch.batch_generate(m, t, None)),
     ("batch_size 2.0", TypeError, "batch_size", lambda m, t: ref.batch.batch_generate(m, t, ["a"], batch_size=2.0)),
     ("batch_size True", TypeError, "batch_size", lambda m, t: ref.batch.batch_generate(m, t, ["a"], batch_size=True)),
@@ -122,7 +120,7 @@ ROWS = [
     ("max_seq_len None", TypeError, "max_seq_len", lambda m, t: ref.batch.batch_generate(m, t, ["a"], max_seq_len=None)),
     ("max_seq_len 1", ValueError, "max_seq_len", lambda m, t: ref.batch.batch_generate(m, t, ["a"], max_seq_len=1)),
     ("max_seq_len beyond context", ValueError, "max_position_embeddings",
-     lambda m, t: ref.batch.batch_generate(m, t, ["a"], max_seq_len=CONTEXT + 1)),
+     lambda m, t: ref.batch.Scheduler(m, t, max_seq_len=CONTEXT + 1)),
     ("Request max_seq_len beyond context", ValueError, "max_position_embeddings",
      lambda m, t: ref.batch.Request(m, t, "a", max_seq_len=CONTEXT + 1)),
     ("prompt fills max_seq_len", ValueError, "no room",
@@ -189,7 +187,10 @@ def test_bad_input_raises_before_any_model_call(counted, row):
 
 
 def test_batch_size_bound_by_the_machines_memory(counted, monkeypatch):
-    """100,000 slots of 512 tokens need 26 GB of KV cache in float32: refused on an 8 GB machine, saying so."""
+    """100,000 slots of 512 tokens need 26 GB of KV cache in float32: refused on an 8 GB machine, saying so.
+
+    (Before: a segfault. With idle slots costing nothing it would now run, so the machine is made small.)
+    """
     model, tokenizer = counted
     monkeypatch.setattr(ref.validation, "memory_bytes", lambda: 8 * 10**9)
     with pytest.raises(ValueError, match=r"batch_size=100000 .* 26\.2 GB .* 8\.0 GB of memory"):
@@ -446,7 +447,7 @@ CLI_ROWS = [
     ("batch_main", ["--step-delay", "-1"], "--step-delay"),
     ("batch_main", ["--adaptive", "0"], "target_itl"),
     ("batch_main", ["--batch-size", "0"], "batch_size"),
-    ("batch_main", ["--batch-size", "1000000000"], "memory"),
+    ("batch_main", ["--batch-size", "100000"], "memory"),  # on a machine of 8 GB
     ("batch_main", ["--prefill-step", "0"], "prefill_step"),
     ("batch_main", ["--max-seq-len", str(CONTEXT + 1)], "max_position_embeddings"),
     ("batch_main", ["--max-tokens", "0"], "max_tokens"),
@@ -471,6 +472,7 @@ def test_command_user_errors_in_process(capsys, monkeypatch, embedded_model, scr
     import course.models
 
     monkeypatch.setattr(course.models, "load_model", lambda name=None: embedded_model)  # loaded once per session
+    monkeypatch.setattr(ref.validation, "memory_bytes", lambda: 8 * 10**9)
     command = importlib.import_module(f"scripts.{script}")
     try:
         status = command.main([*args, "--no-live"] if script == "batch_main" else args)
