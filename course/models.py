@@ -208,6 +208,79 @@ def make_random_qwen2(dest: Path, shape: dict, seed: int) -> Path:
 
 # ---------------------------------------------------------------- finding and loading models
 
+class ModelDirError(ValueError):
+    """A model name or checkpoint directory that cannot be loaded; the message is one line for the user."""
+
+
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "intermediate_size", "rms_norm_eps")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_name(name: str) -> None:
+    """An empty name, or a local path (starting with /, . or ~, or with several /) that does not exist."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelDirError(f"--model is empty ({name!r}): name embedded, bench-0.5b, a checkpoint directory or "
+                            f"a Hugging Face id")
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", "")
+    if looks_local and not Path(name).expanduser().exists():
+        raise ModelDirError(f"model directory {name} does not exist")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file, from its header alone (None: it looks whole)."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, too short for a safetensors header"
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            return f"truncated: its header needs {header_len} bytes, the file has {size - 8} after the length"
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "its header is not valid JSON (not a safetensors file?)"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and "data_offsets" in t]
+    need = 8 + header_len + max(ends, default=0)
+    if size < need:
+        return f"truncated: {size} bytes, its header describes {need}"
+    return None
+
+
+def check_model_dir(path: Path) -> None:
+    """Raise ModelDirError, naming the file and the problem, unless `path` looks like a loadable checkpoint.
+
+    Checks what fails deep inside the loader otherwise: config.json (present, JSON, the keys a model
+    needs), the safetensors weights (present, whole: sizes from their headers), a tokenizer file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelDirError(f"{config_file} is missing: {path} is not a checkpoint directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelDirError(f"{config_file} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    missing = [key for key in CONFIG_KEYS if key not in config]
+    if missing:
+        raise ModelDirError(f"{config_file} lacks {', '.join(missing)}")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelDirError(f"{path} has no *.safetensors weights")
+    for file in weights:
+        problem = _safetensors_problem(file)
+        if problem:
+            raise ModelDirError(f"{file} is corrupt: {problem}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelDirError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)})")
+
+
 def resolve_model(name: str | None) -> Path:
     """A model name (`embedded`, `bench-0.5b`, a local path or a Hugging Face id) -> a local directory."""
     if name in (None, EMBEDDED):
@@ -226,6 +299,7 @@ def resolve_model(name: str | None) -> Path:
         return BENCH_MODEL_DIR
     if name == SMOLLM2:
         return resolve_smollm2()
+    check_model_name(name)
     path = Path(name).expanduser()
     if path.exists():
         return path
@@ -282,6 +356,7 @@ def load_model(name: str | None = None):
     from mlx_lm import load
 
     path = resolve_model(name)
+    check_model_dir(path)
     model, tokenizer = load(str(path))
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)

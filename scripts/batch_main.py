@@ -21,6 +21,7 @@ import sys
 import time
 
 from course import fast_mlx
+from course.user_errors import OneLineParser, user_error
 
 PROMPTS = [
     "What is continuous batching?",
@@ -37,8 +38,8 @@ PROMPTS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run batch-main", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="pdm run batch-main", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--solution", choices=["ref", "student"], default="ref",
                         help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm/batch.py")
     parser.add_argument("--model", default=None,
@@ -101,38 +102,57 @@ def one_line(scheduler, iteration: int, elapsed: float) -> str:
             f"slots [{slots}]  finished {len(scheduler.finished)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    fast_mlx.setup()
-    from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
-    from tiny_llm_ref.metrics import format_summary
+def set_up(args, package: str, live: bool, log_lines: list[str]):
+    """Load the model, make the scheduler and queue every prompt: (scheduler, model directory).
 
+    Bad input raises ValueError or TypeError, before any model call.
+    """
+    from course.models import default_model, describe_model, load_model, resolve_model
+    from tiny_llm_ref.validation import check_number, check_text
+
+    if args.step_delay is not None:
+        check_number("--step-delay", args.step_delay, 0.0)
+    for prompt in args.prompt or []:
+        if prompt:  # stray bytes on the command line arrive as lone surrogates: not valid UTF-8
+            check_text("--prompt", prompt)
     args.model = args.model or default_model()
     path = resolve_model(args.model)
     print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
-    if is_embedded(path):
-        print(MEANINGLESS_NOTE, file=sys.stderr)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
     batch = importlib.import_module(f"{package}.batch")
     mlx_model, tokenizer = load_model(args.model)
     model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
-
-    live = not args.no_live and sys.stdout.isatty()
-    delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    log_lines: list[str] = []
     policy = None
-    if args.adaptive:
+    if args.adaptive is not None:  # not a truthiness test: --adaptive 0 is an error, not "fixed"
         policy = importlib.import_module(f"{package}.chunk_policy").AdaptiveChunkPolicy(target_itl=args.adaptive)
     scheduler = batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                                 prefill_step=args.prefill_step, policy=policy,
                                 log=log_lines.append if live else None, log_interval=2.0)
-    prompts = args.prompt or PROMPTS
-    for prompt in prompts:
+    for prompt in args.prompt or PROMPTS:
         if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
         scheduler.add_request(prompt, max_tokens=args.max_tokens)
+    return scheduler, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    fast_mlx.setup()
+    from course.models import MEANINGLESS_NOTE, is_embedded
+    from tiny_llm_ref.metrics import format_summary
+
+    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
+    live = not args.no_live and sys.stdout.isatty()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    log_lines: list[str] = []
+    try:
+        scheduler, path = set_up(args, package, live, log_lines)
+    except (ValueError, TypeError) as error:
+        return user_error(parser.prog, str(error))
+    if is_embedded(path):
+        print(MEANINGLESS_NOTE, file=sys.stderr)
+    delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)
 
     start = time.perf_counter()
     iteration = 0

@@ -18,13 +18,14 @@ import sys
 import time
 
 from course import fast_mlx
+from course.user_errors import OneLineParser, user_error
 
 DEFAULT_PROMPT = "Give me a short introduction to large language models."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run main", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="pdm run main", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--solution", choices=["ref", "student"], default="ref",
                         help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
     parser.add_argument("--model", default=None,
@@ -112,7 +113,9 @@ def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    sampler = make_sampler(args.temp, top_p=args.top_p or 0.0, top_k=args.top_k or 0)
+    # mlx-lm's top-k needs k below the vocabulary size; ours keeps every token for a k at least that.
+    top_k = min(args.top_k, model.args.vocab_size - 1) if args.top_k else 0
+    sampler = make_sampler(args.temp, top_p=args.top_p or 0.0, top_k=top_k)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     last = None
     for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
@@ -122,18 +125,36 @@ def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
             "generated": last.generation_tokens, "generation_tps": last.generation_tps}
 
 
+def check_args(args) -> None:
+    """Raise ValueError or TypeError for flags out of range, before anything is loaded."""
+    from tiny_llm_ref.validation import check_int, check_sampling, check_text
+
+    check_int("--max-tokens", args.max_tokens, 1)
+    check_sampling(args.temp, args.top_p, args.top_k)
+    if args.prompt:  # stray bytes on the command line arrive as lone surrogates: not valid UTF-8
+        check_text("--prompt", args.prompt)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     blas = fast_mlx.setup()
     import mlx.core as mx
 
     from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
+    from tiny_llm_ref.validation import check_text
 
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    args.model = args.model or default_model()
-    path = resolve_model(args.model)
-    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
-    model, tokenizer = load_model(args.model)
+    try:
+        check_args(args)
+        args.model = args.model or default_model()
+        path = resolve_model(args.model)
+        print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
+        model, tokenizer = load_model(args.model)
+        prompt = build_prompt(tokenizer, args.prompt, not args.no_chat_template)
+        check_text("prompt", prompt)  # empty without a chat template
+    except (ValueError, TypeError) as error:
+        return user_error(parser.prog, str(error))
     # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
     # now, so that neither timed run pays for the conversion.
     mx.eval(model.parameters())
@@ -143,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
-    prompt = build_prompt(tokenizer, args.prompt, not args.no_chat_template)
 
     try:
         ours = run_ours(model, tokenizer, prompt, args, package)

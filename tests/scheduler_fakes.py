@@ -168,23 +168,26 @@ class FakeModel:
         return [next_token_of(history[: offset + i + 1], self.eos) for i in range(len(chunk))]
 
     def _decode(self, rows, offsets, cache) -> list[int]:
-        batch = len(cache[0].rows)
-        assert len(rows) == batch and all(len(r) == 1 for r in rows), f"a decode step is {batch} x 1 (one row per slot)"
-        assert isinstance(offsets, list) and len(offsets) == batch, "a decode step has one offset per row"
-        active = [b for b in range(batch) if cache[0].rows[b] is not None]
+        slots = len(cache[0].rows)
+        active = [b for b in range(slots) if cache[0].rows[b] is not None]
+        # One row per slot (idle rows included), or one row per held slot in slot order (idle slots left out).
+        row_slots = list(range(slots)) if len(rows) == slots else active
+        assert len(rows) == len(row_slots) and all(len(r) == 1 for r in rows), (
+            f"a decode step is {slots} x 1 (one row per slot) or {len(active)} x 1 (one row per held slot)")
+        assert isinstance(offsets, list) and len(offsets) == len(rows), "a decode step has one offset per row"
         self.calls.append(Call("decode", [r[0] for r in rows], list(offsets), active))
         predictions = []
-        for b in range(batch):
+        for row, b in enumerate(row_slots):
             if cache[0].rows[b] is None:
                 assert all(layer.rows[b] is None for layer in cache), f"slot {b} is held in some layers only"
                 predictions.append(0)  # an idle row: garbage nobody should read
                 continue
             for layer in cache:
-                row = layer.rows[b]
-                assert row is not None, f"slot {b} is held in some layers only"
-                assert len(row.tokens) == offsets[b], (
-                    f"row {b}: decode at offset {offsets[b]}, but its cache holds {len(row.tokens)} tokens")
-                row.tokens.append(rows[b][0])
+                held = layer.rows[b]
+                assert held is not None, f"slot {b} is held in some layers only"
+                assert len(held.tokens) == offsets[row], (
+                    f"slot {b}: decode at offset {offsets[row]}, but its cache holds {len(held.tokens)} tokens")
+                held.tokens.append(rows[row][0])
             predictions.append(next_token_of(cache[0].rows[b].tokens, self.eos))
         if self.clock is not None:
             self.clock.advance(self.decode_cost)

@@ -93,6 +93,24 @@ def test_task_1_slot_bookkeeping_errors():
         cache.remove_request(1)  # already free
 
 
+def test_task_1_a_batch_of_held_slots_only():
+    """Rows for the held slots only (in slot order): each gets what its slot gets in the full batch."""
+    full, compact = (sol.kv_cache.BatchingKvCache(max_active_requests=5, max_seq_len=32) for _ in range(2))
+    for cache in (full, compact):
+        for slot, length in ((3, 6), (1, 3)):
+            cache.add_request(prefilled(length, seed=slot)[0], slot)
+    new_keys, new_values = normal((5, 2, 1, 8), 8), normal((5, 2, 1, 8), 9)
+    keys_f, values_f, seq_len_f, mask_f = full.update_and_fetch(new_keys, new_values)
+    rows = mx.array([1, 3])  # the held slots, in slot order
+    keys_c, values_c, seq_len_c, mask_c = compact.update_and_fetch(new_keys[rows], new_values[rows])
+    assert seq_len_c == seq_len_f and keys_c.shape[0] == 2
+    for row, slot in enumerate([1, 3]):
+        for got, want in ((keys_c, keys_f), (values_c, values_f), (mask_c, mask_f)):
+            np.testing.assert_array_equal(np.array(got[row]), np.array(want[slot]), err_msg=f"row {row} = slot {slot}")
+    with pytest.raises(ValueError):
+        compact.update_and_fetch(new_keys[:3], new_values[:3])  # 3 rows: neither 5 slots nor 2 held
+
+
 @pytest.mark.parametrize("length", [1, 3])
 def test_task_1_mask_values(length):
     held_before = [7, None, 2, 4, None]

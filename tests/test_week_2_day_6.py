@@ -129,7 +129,7 @@ def test_task_1_decode_done_moves_offset_past_the_fed_token(batch):
 
 def test_task_1_text_is_the_decoded_output(batch, real):
     _, _, tokenizer = real
-    request = batch.Request(FakeModel(), tokenizer, "Hi")
+    request = batch.Request(FakeModel(), tokenizer, [1, 2])  # ids the fake model knows (its vocabulary is 40)
     ids = tokenizer.encode(" continuous batching", add_special_tokens=False)
     for token in ids:
         request.record_token(token)

@@ -30,6 +30,8 @@ import mlx.core as mx
 
 from .chunk_policy import FixedChunkPolicy
 from .metrics import MetricsRecorder
+from .validation import (check_batch_size, check_chunk_size, check_int, check_max_seq_len, check_number,
+                         check_prompt, check_prompts, clear_failure, refuse_after_failure)
 
 logger = logging.getLogger("tiny_llm.batch")
 
@@ -58,14 +60,16 @@ class Request:
 
         `prompt` is a string, encoded as it is (the caller applies any chat template), or token ids.
         `try_prefill` runs chunks of at most `prefill_max_step` tokens. With `max_seq_len`, the request
-        ends once prompt plus output tokens reach it. Raises ValueError, before any model call, for a
-        chunk size below 1, an empty prompt, or a prompt that leaves no room for one output token.
+        ends once prompt plus output tokens reach it. Raises ValueError or TypeError, before any model
+        call, for a chunk size below 1 (or not an integer), an empty prompt, a token id outside the
+        vocabulary, a `max_seq_len` beyond the model's context, or a prompt that leaves no room for one
+        output token.
         """
-        if prefill_max_step < 1:
-            raise ValueError(f"prefill_max_step must be at least 1, got {prefill_max_step}")
-        tokens = list(prompt) if isinstance(prompt, (list, tuple)) else tokenizer.encode(prompt, add_special_tokens=False)
-        if not tokens:
-            raise ValueError(f"prompt {prompt_idx} is empty: there is nothing to prefill")
+        check_int("prefill_max_step", prefill_max_step, 1)
+        check_int("prompt_idx", prompt_idx, 0)
+        if max_seq_len is not None:
+            check_max_seq_len(model, max_seq_len)
+        tokens = check_prompt(model, tokenizer, prompt, f"prompt {prompt_idx}")
         if max_seq_len is not None and len(tokens) >= max_seq_len:
             raise ValueError(f"prompt {prompt_idx} has {len(tokens)} tokens, which leaves no room to generate "
                              f"within max_seq_len={max_seq_len}")
@@ -216,14 +220,14 @@ class Scheduler:
 
         `policy` picks each chunk's size (default: `FixedChunkPolicy(prefill_step)`); `clock` times
         chunks, decode steps and log lines; `log` receives log lines (default: the "tiny_llm.batch"
-        logger). Raises ValueError for `batch_size < 1`, `prefill_step < 1` or `max_seq_len < 2`.
+        logger). Raises ValueError or TypeError, before any model call, for sizes that are not integers,
+        `batch_size < 1`, `prefill_step < 1`, `max_seq_len < 2` or beyond the model's context, or more
+        slots than the machine's memory can hold full.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if prefill_step < 1:
-            raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
-        if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and an output token), got {max_seq_len}")
+        check_max_seq_len(model, max_seq_len)
+        check_batch_size(model, batch_size, max_seq_len)
+        check_int("prefill_step", prefill_step, 1)
+        check_number("log_interval", log_interval, 0.0)
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
@@ -243,6 +247,7 @@ class Scheduler:
         self.next_prompt_idx = 0
         self.last_log_time: float | None = None  # when log_stats last wrote a line (None: never)
         self.last_log_tokens = (0, 0)  # (prompt, generated) token counts at that line
+        self.failure: BaseException | None = None  # what the last step raised, until release_all()
 
     # -- provided helpers
 
@@ -250,13 +255,16 @@ class Scheduler:
         """Queue a prompt (a string encoded as it is, or token ids) and return its Request (provided).
 
         `prompt_idx` defaults to the next unused index; `max_tokens` caps the output below what
-        `max_seq_len` allows. Bad input raises ValueError here, before any model call.
+        `max_seq_len` allows. Bad input (an index already used, too) raises ValueError or TypeError
+        here, before any model call, and leaves the scheduler as it was.
         """
-        idx = self.next_prompt_idx if prompt_idx is None else prompt_idx
+        idx = self.next_prompt_idx if prompt_idx is None else check_int("prompt_idx", prompt_idx, 0)
+        if idx in self.metrics.requests:
+            raise ValueError(f"prompt_idx {idx} is already in use: every request needs its own index")
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, 1)
         request = Request(self.model, self.tokenizer, prompt, self.prefill_step, idx, self.max_seq_len)
         if max_tokens is not None:
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
             request.max_seq_len = min(self.max_seq_len, len(request.prompt_tokens) + max_tokens)
         self.next_prompt_idx = max(self.next_prompt_idx, idx + 1)
         self.queue.append(request)
@@ -304,11 +312,12 @@ class Scheduler:
     def decode_step(self) -> None:
         """One batched decode step: each running request feeds its `next_token` at its `offset` and gets one token.
 
-        Row b of the batch is slot b; idle rows get a dummy token that the batch cache masks out.
-        Each produced token goes to its request (`decode_done`) and to `metrics` (EOS excluded);
-        requests that are now done leave their slot (`retire`).
+        The batch has one row per busy slot, in slot order: idle slots are left out, so they cost
+        nothing (the batch cache lines its held slots up the same way). Each produced token goes to its
+        request (`decode_done`) and to `metrics` (EOS excluded); requests that are now done leave their
+        slot (`retire`).
         """
-        # TODO: B x 1 tokens and B offsets (dummies for idle slots); model(...); greedy; decode_done, metrics.token, retire
+        # TODO: the busy slots; their tokens (n x 1) and offsets; model(...); greedy; decode_done, metrics.token, retire
         raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): one batched decode step over the slots")
 
     def retire(self, slot: int) -> None:
@@ -316,6 +325,7 @@ class Scheduler:
         # TODO: remove_request(slot) on every layer, empty the slot, finish(request)
         raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): free a decode slot")
 
+    @clear_failure
     def release_all(self) -> None:
         """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
         # TODO: remove every held slot from the batch cache; cancel running, prefilling, queued (kv_cache = None)
@@ -331,15 +341,18 @@ class Scheduler:
         `clock`, counted in `stats` and reported to the policy. When the prefill is done, its first
         output token is recorded in `metrics` (unless it is EOS).
         """
-        # TODO: take from the queue if nobody prefills; chunk size from the policy; time try_prefill; stats, policy
+        # TODO: take from the queue if nobody prefills; chunk size from the policy (check_chunk_size it);
+        # time try_prefill; stats, policy
         raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
 
+    @refuse_after_failure
     def step(self) -> None:
         """One iteration: log if due, one prefill chunk, admission into a free slot, one decode step of every running request.
 
         The decode step is timed with `clock`, counted in `stats` (interleaved when a chunk ran in the
         same iteration) and reported to the policy. A slot freed by the decode step is handed at once
-        to a request that waits, prefilled, for one.
+        to a request that waits, prefilled, for one. After a step that raised, `step` refuses to run
+        (RuntimeError) until `release_all()`.
         """
         # TODO: log_stats, prefill_chunk, admit, then (timed) decode_step with stats and policy, and admit again
         raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
@@ -371,8 +384,10 @@ def batch_generate(
     A request stops at EOS or when prompt plus output tokens reach `max_seq_len`; `prefill_step`
     tokens per chunk (a chunk at least as long as every prompt means no chunking). Bad input (an
     empty prompt, a prompt too long for `max_seq_len`, `batch_size` or `prefill_step` below 1)
-    raises ValueError before any model call. If the model raises, every slot and cache is released
-    before the error propagates. No prompts: an empty list.
+    raises ValueError before any model call, and so do a `prompts` that is not a list and sizes that are
+    not integers (TypeError). If the model raises, every slot and cache is released before the error
+    propagates. No prompts: an empty list.
     """
+    prompts = check_prompts(prompts)
     # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
     raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop")

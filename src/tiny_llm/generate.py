@@ -4,6 +4,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .validation import check_generate
+
 
 def simple_generate(
     model,
@@ -19,7 +21,10 @@ def simple_generate(
     `1 x vocab` to a token id `1`; None means greedy (the most likely token). Generation stops at any
     id in `tokenizer.eos_token_ids` (not emitted) or after `max_tokens` tokens. Each new piece of text
     is passed to `on_text` as soon as the streaming detokenizer can spell it. Returns the generated text.
+    Raises ValueError or TypeError, before any model call, for an empty or invalid prompt or
+    `max_tokens` below 1.
     """
+    check_generate(prompt, max_tokens, sampler, on_text)
     # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; detokenize and call on_text
     raise NotImplementedError("Week 1 Day 6 Task 1 (book/src/week1-06-generate-response.md): greedy generation loop")
 
@@ -37,7 +42,8 @@ def simple_generate_with_kv_cache(
     `model` is a `Qwen2ModelWeek2`: the prompt is prefilled once into a fresh `model.make_cache()`,
     then each step runs one token at `offset` = the number of tokens already in the cache. Same
     contract as `simple_generate`: the same `sampler`, `max_tokens`, EOS and `on_text` behaviour,
-    and, for greedy decoding, the same tokens. Returns the generated text.
+    and, for greedy decoding, the same tokens, and the same checks of its arguments. Returns the text.
     """
+    check_generate(prompt, max_tokens, sampler, on_text)
     # TODO: make_cache(); prefill the prompt at offset 0; then feed one token per step at the next offset
     raise NotImplementedError("Week 2 Day 1 Task 3 (book/src/week2-01-kv-cache.md): generation with the KV cache")

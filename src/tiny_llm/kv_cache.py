@@ -63,11 +63,12 @@ class TinyKvFullCache(TinyKvCache):
 class BatchingKvCache(TinyKvCache):
     """Up to `max_active_requests` requests for one layer, one per slot, each with its own length.
 
-    Row b of the batch the model runs is slot b. A slot holds a request's own per-layer cache (a
-    `TinyKvFullCache` filled by its prefill) or nothing (an idle slot). `update_and_fetch` appends
-    each active row's new keys to its request, then lines the requests up on the right: every row's
-    newest key lands in the last column, shorter requests are padded with zeros on the left, and the
-    mask hides padding and idle slots.
+    A slot holds a request's own per-layer cache (a `TinyKvFullCache` filled by its prefill) or
+    nothing (an idle slot). The batch the model runs has either one row per slot (row b is slot b) or
+    one row per held slot, in slot order: a decode step that leaves idle slots out computes nothing for
+    them. `update_and_fetch` appends each held row's new keys to its request, then lines the requests
+    up on the right: every row's newest key lands in the last column, shorter requests are padded with
+    zeros on the left, and the mask hides padding and idle slots.
     """
 
     def __init__(self, max_active_requests: int, max_seq_len: int):
@@ -103,7 +104,8 @@ class BatchingKvCache(TinyKvCache):
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
-        # TODO: each active slot appends its row; pad every request on the left to the longest; stack rows and masks
+        # TODO: which slot each row is (all slots, or the held ones only); each held slot appends its row;
+        # pad every request on the left to the longest; stack rows and masks
         raise NotImplementedError(
             "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): "
             "append each slot's keys, align the rows, build the B x 1 x L x S mask"

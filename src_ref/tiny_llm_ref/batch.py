@@ -30,6 +30,8 @@ import mlx.core as mx
 
 from .chunk_policy import FixedChunkPolicy
 from .metrics import MetricsRecorder
+from .validation import (check_batch_size, check_chunk_size, check_int, check_max_seq_len, check_number,
+                         check_prompt, check_prompts, clear_failure, refuse_after_failure)
 
 logger = logging.getLogger("tiny_llm.batch")
 
@@ -58,14 +60,16 @@ class Request:
 
         `prompt` is a string, encoded as it is (the caller applies any chat template), or token ids.
         `try_prefill` runs chunks of at most `prefill_max_step` tokens. With `max_seq_len`, the request
-        ends once prompt plus output tokens reach it. Raises ValueError, before any model call, for a
-        chunk size below 1, an empty prompt, or a prompt that leaves no room for one output token.
+        ends once prompt plus output tokens reach it. Raises ValueError or TypeError, before any model
+        call, for a chunk size below 1 (or not an integer), an empty prompt, a token id outside the
+        vocabulary, a `max_seq_len` beyond the model's context, or a prompt that leaves no room for one
+        output token.
         """
-        if prefill_max_step < 1:
-            raise ValueError(f"prefill_max_step must be at least 1, got {prefill_max_step}")
-        tokens = list(prompt) if isinstance(prompt, (list, tuple)) else tokenizer.encode(prompt, add_special_tokens=False)
-        if not tokens:
-            raise ValueError(f"prompt {prompt_idx} is empty: there is nothing to prefill")
+        check_int("prefill_max_step", prefill_max_step, 1)
+        check_int("prompt_idx", prompt_idx, 0)
+        if max_seq_len is not None:
+            check_max_seq_len(model, max_seq_len)
+        tokens = check_prompt(model, tokenizer, prompt, f"prompt {prompt_idx}")
         if max_seq_len is not None and len(tokens) >= max_seq_len:
             raise ValueError(f"prompt {prompt_idx} has {len(tokens)} tokens, which leaves no room to generate "
                              f"within max_seq_len={max_seq_len}")
@@ -239,14 +243,14 @@ class Scheduler:
 
         `policy` picks each chunk's size (default: `FixedChunkPolicy(prefill_step)`); `clock` times
         chunks, decode steps and log lines; `log` receives log lines (default: the "tiny_llm.batch"
-        logger). Raises ValueError for `batch_size < 1`, `prefill_step < 1` or `max_seq_len < 2`.
+        logger). Raises ValueError or TypeError, before any model call, for sizes that are not integers,
+        `batch_size < 1`, `prefill_step < 1`, `max_seq_len < 2` or beyond the model's context, or more
+        slots than the machine's memory can hold full.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if prefill_step < 1:
-            raise ValueError(f"prefill_step must be at least 1, got {prefill_step}")
-        if max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be at least 2 (a prompt token and an output token), got {max_seq_len}")
+        check_max_seq_len(model, max_seq_len)
+        check_batch_size(model, batch_size, max_seq_len)
+        check_int("prefill_step", prefill_step, 1)
+        check_number("log_interval", log_interval, 0.0)
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
@@ -266,6 +270,7 @@ class Scheduler:
         self.next_prompt_idx = 0
         self.last_log_time: float | None = None  # when log_stats last wrote a line (None: never)
         self.last_log_tokens = (0, 0)  # (prompt, generated) token counts at that line
+        self.failure: BaseException | None = None  # what the last step raised, until release_all()
 
     # -- provided helpers
 
@@ -273,13 +278,16 @@ class Scheduler:
         """Queue a prompt (a string encoded as it is, or token ids) and return its Request (provided).
 
         `prompt_idx` defaults to the next unused index; `max_tokens` caps the output below what
-        `max_seq_len` allows. Bad input raises ValueError here, before any model call.
+        `max_seq_len` allows. Bad input (an index already used, too) raises ValueError or TypeError
+        here, before any model call, and leaves the scheduler as it was.
         """
-        idx = self.next_prompt_idx if prompt_idx is None else prompt_idx
+        idx = self.next_prompt_idx if prompt_idx is None else check_int("prompt_idx", prompt_idx, 0)
+        if idx in self.metrics.requests:
+            raise ValueError(f"prompt_idx {idx} is already in use: every request needs its own index")
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, 1)
         request = Request(self.model, self.tokenizer, prompt, self.prefill_step, idx, self.max_seq_len)
         if max_tokens is not None:
-            if max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
             request.max_seq_len = min(self.max_seq_len, len(request.prompt_tokens) + max_tokens)
         self.next_prompt_idx = max(self.next_prompt_idx, idx + 1)
         self.queue.append(request)
@@ -340,18 +348,18 @@ class Scheduler:
     def decode_step(self) -> None:
         """One batched decode step: each running request feeds its `next_token` at its `offset` and gets one token.
 
-        Row b of the batch is slot b; idle rows get a dummy token that the batch cache masks out.
-        Each produced token goes to its request (`decode_done`) and to `metrics` (EOS excluded);
-        requests that are now done leave their slot (`retire`).
+        The batch has one row per busy slot, in slot order: idle slots are left out, so they cost
+        nothing (the batch cache lines its held slots up the same way). Each produced token goes to its
+        request (`decode_done`) and to `metrics` (EOS excluded); requests that are now done leave their
+        slot (`retire`).
         """
-        tokens = [request.next_token if request else 0 for request in self.slots]
-        offsets = [request.offset if request else 0 for request in self.slots]
+        busy = [slot for slot, request in enumerate(self.slots) if request is not None]
+        tokens = [self.slots[slot].next_token for slot in busy]
+        offsets = [self.slots[slot].offset for slot in busy]
         logits = self.model(mx.array(tokens)[:, None], offsets, self.batch_cache)
-        new_tokens = greedy(logits)
-        for slot, request in enumerate(self.slots):
-            if request is None:
-                continue
-            request.decode_done(new_tokens[slot])
+        for slot, token in zip(busy, greedy(logits), strict=True):
+            request = self.slots[slot]
+            request.decode_done(token)
             if request.finish_reason != "eos":
                 self.metrics.token(request.prompt_idx)
             if request.is_done:
@@ -365,6 +373,7 @@ class Scheduler:
         self.slots[slot] = None
         self.finish(request)
 
+    @clear_failure
     def release_all(self) -> None:
         """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
         cancelled = [r for r in self.slots if r is not None] + list(self.queue)
@@ -398,7 +407,8 @@ class Scheduler:
         request = self.prefilling
         if request.is_prefill_done:
             return 0
-        request.prefill_max_step = self.policy.next_chunk_size(self.num_running)
+        # A policy is outside code: an answer below 1 token would never finish the prefill.
+        request.prefill_max_step = check_chunk_size(self.policy, self.policy.next_chunk_size(self.num_running))
         start = self.clock()
         tokens = request.try_prefill()
         seconds = self.clock() - start
@@ -408,12 +418,14 @@ class Scheduler:
             self.metrics.token(request.prompt_idx)  # the first token: time to first token ends here
         return tokens
 
+    @refuse_after_failure
     def step(self) -> None:
         """One iteration: log if due, one prefill chunk, admission into a free slot, one decode step of every running request.
 
         The decode step is timed with `clock`, counted in `stats` (interleaved when a chunk ran in the
         same iteration) and reported to the policy. A slot freed by the decode step is handed at once
-        to a request that waits, prefilled, for one.
+        to a request that waits, prefilled, for one. After a step that raised, `step` refuses to run
+        (RuntimeError) until `release_all()`.
         """
         self.log_stats()
         chunk_tokens = self.prefill_chunk()
@@ -476,9 +488,11 @@ def batch_generate(
     A request stops at EOS or when prompt plus output tokens reach `max_seq_len`; `prefill_step`
     tokens per chunk (a chunk at least as long as every prompt means no chunking). Bad input (an
     empty prompt, a prompt too long for `max_seq_len`, `batch_size` or `prefill_step` below 1)
-    raises ValueError before any model call. If the model raises, every slot and cache is released
-    before the error propagates. No prompts: an empty list.
+    raises ValueError before any model call, and so do a `prompts` that is not a list and sizes that are
+    not integers (TypeError). If the model raises, every slot and cache is released before the error
+    propagates. No prompts: an empty list.
     """
+    prompts = check_prompts(prompts)
     scheduler = Scheduler(model, tokenizer, max_seq_len, batch_size, prefill_step, policy=policy, metrics=metrics, log=log)
     for prompt_idx, prompt in enumerate(prompts):
         scheduler.add_request(prompt, prompt_idx)  # validates every prompt before the model runs

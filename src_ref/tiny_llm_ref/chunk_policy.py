@@ -15,15 +15,15 @@ A scheduler asks `next_chunk_size(num_decoding)` before each chunk, and reports 
 with `observe_chunk(tokens, seconds)` and `observe_decode(batch, seconds)`.
 """
 
+from .validation import check_int, check_number
+
 
 class FixedChunkPolicy:
     """Chunks of `chunk_size` tokens, always (provided: the default policy)."""
 
     def __init__(self, chunk_size: int = 128):
-        """`chunk_size` >= 1 prompt tokens per chunk."""
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-        self.chunk_size = chunk_size
+        """`chunk_size` >= 1 prompt tokens per chunk (an integer)."""
+        self.chunk_size = check_int("FixedChunkPolicy chunk_size", chunk_size, 1)
 
     def next_chunk_size(self, num_decoding: int) -> int:
         """The size of the next chunk: `chunk_size`, whatever the load."""
@@ -59,10 +59,13 @@ class AdaptiveChunkPolicy:
         smoothing: float = 0.5,
     ):
         """A target of `target_itl` seconds per iteration while requests decode; sizes within `min_chunk .. max_chunk`."""
-        if not 1 <= min_chunk <= initial_chunk <= max_chunk:
-            raise ValueError(f"need 1 <= min_chunk <= initial_chunk <= max_chunk, got {min_chunk}, {initial_chunk}, {max_chunk}")
-        if target_itl <= 0 or not 0 < smoothing <= 1:
-            raise ValueError("target_itl must be > 0 and smoothing in (0, 1]")
+        for name, size in (("min_chunk", min_chunk), ("initial_chunk", initial_chunk), ("max_chunk", max_chunk)):
+            check_int(f"AdaptiveChunkPolicy {name}", size, 1)
+        if not min_chunk <= initial_chunk <= max_chunk:
+            raise ValueError(f"AdaptiveChunkPolicy needs min_chunk <= initial_chunk <= max_chunk, "
+                             f"got {min_chunk}, {initial_chunk}, {max_chunk}")
+        check_number("AdaptiveChunkPolicy target_itl", target_itl, 0.0, low_open=True)
+        check_number("AdaptiveChunkPolicy smoothing", smoothing, 0.0, 1.0, low_open=True)
         self.target_itl = target_itl
         self.min_chunk = min_chunk
         self.max_chunk = max_chunk

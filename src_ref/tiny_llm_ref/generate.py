@@ -4,6 +4,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .validation import check_generate
+
 
 def simple_generate(
     model,
@@ -19,7 +21,10 @@ def simple_generate(
     `1 x vocab` to a token id `1`; None means greedy (the most likely token). Generation stops at any
     id in `tokenizer.eos_token_ids` (not emitted) or after `max_tokens` tokens. Each new piece of text
     is passed to `on_text` as soon as the streaming detokenizer can spell it. Returns the generated text.
+    Raises ValueError or TypeError, before any model call, for an empty or invalid prompt or
+    `max_tokens` below 1.
     """
+    check_generate(prompt, max_tokens, sampler, on_text)
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     detokenizer = tokenizer.detokenizer  # a fresh streaming detokenizer
     for _ in range(max_tokens):
@@ -60,8 +65,9 @@ def simple_generate_with_kv_cache(
     `model` is a `Qwen2ModelWeek2`: the prompt is prefilled once into a fresh `model.make_cache()`,
     then each step runs one token at `offset` = the number of tokens already in the cache. Same
     contract as `simple_generate`: the same `sampler`, `max_tokens`, EOS and `on_text` behaviour,
-    and, for greedy decoding, the same tokens. Returns the generated text.
+    and, for greedy decoding, the same tokens, and the same checks of its arguments. Returns the text.
     """
+    check_generate(prompt, max_tokens, sampler, on_text)
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     cache = model.make_cache()
     detokenizer = tokenizer.detokenizer

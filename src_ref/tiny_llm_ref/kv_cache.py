@@ -71,11 +71,12 @@ class TinyKvFullCache(TinyKvCache):
 class BatchingKvCache(TinyKvCache):
     """Up to `max_active_requests` requests for one layer, one per slot, each with its own length.
 
-    Row b of the batch the model runs is slot b. A slot holds a request's own per-layer cache (a
-    `TinyKvFullCache` filled by its prefill) or nothing (an idle slot). `update_and_fetch` appends
-    each active row's new keys to its request, then lines the requests up on the right: every row's
-    newest key lands in the last column, shorter requests are padded with zeros on the left, and the
-    mask hides padding and idle slots.
+    A slot holds a request's own per-layer cache (a `TinyKvFullCache` filled by its prefill) or
+    nothing (an idle slot). The batch the model runs has either one row per slot (row b is slot b) or
+    one row per held slot, in slot order: a decode step that leaves idle slots out computes nothing for
+    them. `update_and_fetch` appends each held row's new keys to its request, then lines the requests
+    up on the right: every row's newest key lands in the last column, shorter requests are padded with
+    zeros on the left, and the mask hides padding and idle slots.
     """
 
     def __init__(self, max_active_requests: int, max_seq_len: int):
@@ -112,16 +113,21 @@ class BatchingKvCache(TinyKvCache):
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
         batch, heads, length, dim = key.shape
-        if batch != self.max_active_requests:
-            raise ValueError(f"expected a batch of {self.max_active_requests} rows (one per slot), got {batch}")
+        held = [slot for slot, cache in enumerate(self.kv_caches) if cache is not None]
+        # Row r of the batch is slot r, or, in a batch of the held slots only, the r-th held slot.
+        row_slots = range(self.max_active_requests) if batch == self.max_active_requests else held
+        if batch != len(row_slots):
+            raise ValueError(f"expected a batch of {self.max_active_requests} rows (one per slot) or "
+                             f"{len(held)} (one per held slot), got {batch}")
         length = mask_length or length
-        # 1. Each active slot appends its own row to its own request's cache.
+        # 1. Each held slot appends its own row to its own request's cache.
         fetched: list[tuple[mx.array, mx.array] | None] = []
-        for slot, cache in enumerate(self.kv_caches):
+        for row, slot in enumerate(row_slots):
+            cache = self.kv_caches[slot]
             if cache is None:
                 fetched.append(None)
                 continue
-            keys, values, _, _ = cache.update_and_fetch(key[slot : slot + 1], value[slot : slot + 1])
+            keys, values, _, _ = cache.update_and_fetch(key[row : row + 1], value[row : row + 1])
             if keys.shape[2] > self.max_seq_len:
                 raise ValueError(f"slot {slot} holds {keys.shape[2]} tokens, more than max_seq_len={self.max_seq_len}")
             fetched.append((keys, values))

@@ -4,6 +4,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .validation import check_sampling
+
 
 def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = None) -> Callable[[mx.array], mx.array]:
     """A function `sample(logprobs)` that maps log-probabilities `B x V` to token ids `B`.
@@ -12,14 +14,17 @@ def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = No
     flattens), then only the `top_k` most likely tokens are kept (when given), then only the smallest
     set of most likely tokens whose probability adds up to at least `top_p` (when given), and one token
     is drawn from what is left, renormalized. Draws use MLX's global random state (`mx.random.seed`).
+    A `top_k` at least the vocabulary size keeps every token. Raises ValueError or TypeError for a
+    temp that is negative or not finite, a top_p outside (0, 1], a top_k below 1.
     """
+    check_sampling(temp, top_p, top_k)
 
     def sample(logprobs: mx.array) -> mx.array:
         """Pick one token id per row of `logprobs` (`B x V`)."""
         if temp == 0:
             return mx.argmax(logprobs, axis=-1)
         logits = logprobs / temp
-        if top_k is not None and top_k > 0:
+        if top_k is not None and top_k < logprobs.shape[-1]:
             # Indices of everything outside the k largest: argpartition puts the k largest first.
             dropped = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., top_k:]
             logits = mx.put_along_axis(logits, dropped, mx.array(-mx.inf, dtype=logits.dtype), axis=-1)
