@@ -107,7 +107,7 @@ def set_up(args, package: str, live: bool, log_lines: list[str]):
 
     Bad input raises ValueError or TypeError, before any model call.
     """
-    from course.models import default_model, describe_model, load_model, resolve_model
+    from course.models import default_model, load_model, resolve_model
     from tiny_llm_ref.validation import check_number, check_text
 
     if args.step_delay is not None:
@@ -115,9 +115,8 @@ def set_up(args, package: str, live: bool, log_lines: list[str]):
     for prompt in args.prompt or []:
         if prompt:  # stray bytes on the command line arrive as lone surrogates: not valid UTF-8
             check_text("--prompt", prompt)
-    args.model = args.model or default_model()
+    args.model = default_model() if args.model is None else args.model
     path = resolve_model(args.model)
-    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     batch = importlib.import_module(f"{package}.batch")
     mlx_model, tokenizer = load_model(args.model)
     model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     fast_mlx.setup()
-    from course.models import MEANINGLESS_NOTE, is_embedded
+    from course.models import MEANINGLESS_NOTE, describe_model, is_embedded
     from tiny_llm_ref.metrics import format_summary
 
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
@@ -150,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler, path = set_up(args, package, live, log_lines)
     except (ValueError, TypeError) as error:
         return user_error(parser.prog, str(error))
+    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
     delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)

@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
     try:
         check_args(args)
-        args.model = args.model or default_model()
+        args.model = default_model() if args.model is None else args.model
         path = resolve_model(args.model)
-        print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
         model, tokenizer = load_model(args.model)
         prompt = build_prompt(tokenizer, args.prompt, not args.no_chat_template)
         check_text("prompt", prompt)  # empty without a chat template
     except (ValueError, TypeError) as error:
         return user_error(parser.prog, str(error))
+    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
     # now, so that neither timed run pays for the conversion.
     mx.eval(model.parameters())
