@@ -92,5 +92,9 @@ def flash_attention(
             acc = acc * rescale + weights @ v[..., k_start:k_end, :].astype(mx.float32)
             running_max = new_max
         out_tiles.append(acc / running_sum)
+        # MLX is lazy: left alone, it would schedule every tile of every query tile as one graph and
+        # could hold most of their score blocks at once. Computing each query tile here frees its
+        # blocks before the next tile's are made, which is what bounds the memory.
+        mx.eval(out_tiles[-1])
     out = mx.concatenate(out_tiles, axis=-2).astype(query.dtype)
     return out.reshape(*batch, h_q, l, d)
