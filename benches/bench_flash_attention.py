@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 6144, 8192],
                         help="prompt lengths (default: 2048 4096 6144 8192)")
     parser.add_argument("--tile", type=int, default=128, help="tile_q = tile_kv of the tiled attention (default 128)")
-    parser.add_argument("--max-plain-gib", type=float, default=4.0,
-                        help="skip the plain and mx.fast runs whose L x L scores exceed this (default 4)")
+    parser.add_argument("--max-plain-gib", type=float, default=1.0,
+                        help="skip the plain and mx.fast runs whose L x L scores exceed this (default 1)")
     parser.add_argument("--solution", choices=("ref", "student"), default="ref",
                         help="whose flash_attention to time: the reference (default) or src/tiny_llm")
     parser.add_argument("--out", type=Path, default=RESULTS / "flash_attention.json", help="JSON output")

@@ -21,7 +21,8 @@ def quantize(w: mx.array, group_size: int = 64, bits: int = 4) -> tuple[mx.array
 
     Bit for bit what `mx.quantize(w, group_size, bits)` returns; scales and biases keep `w`'s dtype.
     """
-    # TODO: per group of group_size: scale and bias (pin the larger-magnitude end), q = round((w - bias) / scale) clipped, 32 // bits values per uint32
+    # TODO: per group: scale and bias (pin the larger-magnitude end), q = round((w - bias) / scale)
+    # clipped to 0 .. 2**bits - 1, then 32 // bits values per uint32, the first in the lowest bits
     raise NotImplementedError(
         "Week 2 Day 3 Task 1 (book/src/week2-03-quantized-weights.md): group-wise affine quantization, packed"
     )
@@ -35,7 +36,7 @@ def dequantize(
     Every value is `scale * q + bias` of its group, in the dtype of `scales`; bit for bit what
     `mx.dequantize` returns.
     """
-    # TODO: unpack the words with shifts and a mask, then scale * q + bias per group, in the dtype of scales
+    # TODO: unpack the words with shifts and a mask, then scale * q + bias per group (dtype of scales)
     raise NotImplementedError(
         "Week 2 Day 3 Task 2 (book/src/week2-03-quantized-weights.md): unpack and dequantize"
     )
