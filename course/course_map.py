@@ -43,6 +43,8 @@ DAYS: list[Day] = [
     Day(2, 1, "KV cache", "week2-01-kv-cache.md", ("kv_cache", "qwen2_week2", "generate"),
         {1: 5, 2: 5, 3: 10}, compare="kv-cache"),
     Day(2, 2, "Serving metrics", "week2-02-serving-metrics.md", ("metrics",), {1: 5, 2: 5, 3: 5}),
+    Day(2, 3, "Quantized weights", "week2-03-quantized-weights.md", ("quantize",), {1: 5, 2: 5, 3: 10}),
+    Day(2, 4, "Flash attention", "week2-04-flash-attention.md", ("flash_attention",), {1: 5, 2: 15}),
     Day(2, 5, "Batching the model", "week2-05-batching-the-model.md", ("kv_cache", "qwen2_week2"),
         {1: 5, 2: 5, 3: 10}, compare="batch"),
     Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 5, 2: 10, 3: 10},

@@ -16,8 +16,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 BEGIN, END = "<!-- roadmap:begin -->", "<!-- roadmap:end -->"
 LATER = [
-    ("2.3", "Quantized weights"),
-    ("2.4", "Flash attention"),
     ("3.x", "Serving: mixed prefill/decode batches under a token budget, paged KV cache, prefix caching, "
             "preemption, an OpenAI-compatible server"),
 ]

@@ -8,20 +8,41 @@ after `offset` tokens whose keys and values are already in `cache` (one cache pe
 - Decode: one token (`L=1`) at `offset` = the tokens held so far.
 - A batch (day 2.5): `offset` is a list, one start position per row, and the cache is
   `make_batch_cache(...)`, which also supplies the `B x 1 x L x S` mask.
+
+Two switches of `Qwen2ModelWeek2`: `keep_quantized=True` keeps a quantized checkpoint's weights packed
+and runs every projection through day 2.3's `quantized_linear`; `flash_attention=True` runs the
+attention of every call with more than one new token (prefill, prefill chunks) through day 2.4's
+tiled `flash_attention`.
 """
 
 from __future__ import annotations  # annotations stay text, so the skeleton's signatures read as the reference's
 
 import mlx.core as mx
 
+from . import basics, flash_attention, quantize
 from .attention import scaled_dot_product_attention_grouped
-from .basics import linear
 from .embedding import Embedding
 from .kv_cache import BatchingKvCache, TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .mlp import Qwen2MLP
 from .positional_encoding import RoPE
 from .weights import bias_of, dequantize_linear
+
+
+def linear(x: mx.array, w: mx.array | quantize.QuantizedWeight, bias: mx.array | None = None) -> mx.array:
+    """x @ w.T + bias for a float weight; day 2.3's quantized_linear for a weight kept quantized (provided)."""
+    if isinstance(w, quantize.QuantizedWeight):
+        return quantize.quantized_linear(x, w, bias)
+    return basics.linear(x, w, bias)
+
+
+class Qwen2MLPWeek2(Qwen2MLP):
+    """Day 1.4's MLP with its projections through `linear` above, so its weights may stay quantized (provided)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """`... x dim` -> `... x dim`."""
+        gated = basics.silu(linear(x, self.w_gate)) * linear(x, self.w_up)
+        return linear(gated, self.w_down)
 
 
 class Qwen2MultiHeadAttention:
@@ -56,6 +77,7 @@ class Qwen2MultiHeadAttention:
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv = bq, bk, bv
         self.rope = RoPE(self.head_dim, max_seq_len, theta, traditional=False)
+        self.use_flash_attention = False  # Qwen2ModelWeek2(..., flash_attention=True) turns it on
 
     def __call__(
         self,
@@ -71,6 +93,7 @@ class Qwen2MultiHeadAttention:
         "causal", which a batching cache replaces with its own `B x 1 x L x S` mask).
         """
         # TODO: project, RoPE at `offset`, heads first, cache.update_and_fetch, grouped attention
+        # (flash_attention.flash_attention instead when self.use_flash_attention and L > 1: day 2.4)
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): attention over the new tokens and the cache"
         )
@@ -107,7 +130,7 @@ class Qwen2TransformerBlock:
             hidden_size, num_attention_heads, num_kv_heads, wq, wk, wv, wo, bq, bk, bv, max_seq_len, theta
         )
         self.post_attention_layernorm = RMSNorm(hidden_size, w_post_attention_layernorm, eps=rms_norm_eps)
-        self.mlp = Qwen2MLP(hidden_size, intermediate_size, w_gate, w_up, w_down)
+        self.mlp = Qwen2MLPWeek2(hidden_size, intermediate_size, w_gate, w_up, w_down)
 
     def __call__(
         self,
@@ -124,16 +147,31 @@ class Qwen2TransformerBlock:
 
 
 class Qwen2ModelWeek2:
-    """Qwen2 with a KV cache, from an mlx-lm model object (`mlx_lm.load`); quantized weights dequantized."""
+    """Qwen2 with a KV cache, from an mlx-lm model object (`mlx_lm.load`); quantized weights dequantized
+    on load unless `keep_quantized`."""
 
-    def __init__(self, mlx_model):
-        """Copy every weight out of `mlx_model` into our own layers (provided: as in week 1)."""
+    def __init__(self, mlx_model, keep_quantized: bool = False, flash_attention: bool = False):
+        """Copy every weight out of `mlx_model` into our own layers (provided: as in week 1).
+
+        keep_quantized: a quantized layer's weight stays packed (a `quantize.QuantizedWeight`) instead
+        of being dequantized on load (day 2.3). flash_attention: prefill attention is tiled (day 2.4).
+        """
         args = mlx_model.args
         self.args = args
         self.num_hidden_layers = args.num_hidden_layers
         self.vocab_size = args.vocab_size
         inner = mlx_model.model
-        self.embedding = Embedding(args.vocab_size, args.hidden_size, dequantize_linear(inner.embed_tokens))
+
+        def weight(mlx_layer):
+            if keep_quantized and hasattr(mlx_layer, "scales"):
+                return quantize.QuantizedWeight.from_mlx_layer(mlx_layer)
+            return dequantize_linear(mlx_layer)
+
+        embed = weight(inner.embed_tokens)
+        if isinstance(embed, quantize.QuantizedWeight):
+            self.embedding = quantize.QuantizedEmbedding(embed)
+        else:
+            self.embedding = Embedding(args.vocab_size, args.hidden_size, embed)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -144,24 +182,25 @@ class Qwen2ModelWeek2:
                     hidden_size=args.hidden_size,
                     intermediate_size=args.intermediate_size,
                     rms_norm_eps=args.rms_norm_eps,
-                    wq=dequantize_linear(attn.q_proj),
-                    wk=dequantize_linear(attn.k_proj),
-                    wv=dequantize_linear(attn.v_proj),
-                    wo=dequantize_linear(attn.o_proj),
+                    wq=weight(attn.q_proj),
+                    wk=weight(attn.k_proj),
+                    wv=weight(attn.v_proj),
+                    wo=weight(attn.o_proj),
                     bq=bias_of(attn.q_proj),
                     bk=bias_of(attn.k_proj),
                     bv=bias_of(attn.v_proj),
-                    w_gate=dequantize_linear(mlp.gate_proj),
-                    w_up=dequantize_linear(mlp.up_proj),
-                    w_down=dequantize_linear(mlp.down_proj),
+                    w_gate=weight(mlp.gate_proj),
+                    w_up=weight(mlp.up_proj),
+                    w_down=weight(mlp.down_proj),
                     w_input_layernorm=layer.input_layernorm.weight,
                     w_post_attention_layernorm=layer.post_attention_layernorm.weight,
                     max_seq_len=args.max_position_embeddings,
                     theta=args.rope_theta,
                 )
             )
+            self.layers[-1].self_attn.use_flash_attention = flash_attention
         self.norm = RMSNorm(args.hidden_size, inner.norm.weight, eps=args.rms_norm_eps)
-        self.w_lm_head = None if args.tie_word_embeddings else dequantize_linear(mlx_model.lm_head)
+        self.w_lm_head = None if args.tie_word_embeddings else weight(mlx_model.lm_head)
 
     def __call__(self, inputs: mx.array, offset: int | list[int], cache: list[TinyKvCache]) -> mx.array:
         """New token ids `B x L` after `offset` cached ones -> logits `B x L x vocab_size`.
