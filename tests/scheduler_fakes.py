@@ -7,8 +7,6 @@ the cache, so a scheduler that mixes up slots, caches or offsets gets different 
 offset fails an assertion at once). `expected_tokens` computes what one-request-at-a-time greedy
 generation gives, straight from the same rule, with no scheduler at all.
 
-`borrow(...)` pairs a student's batch.py with the reference's parts of the other day (days 2.6 and
-2.7 share batch.py), so each day is graded on its own code.
 """
 
 from dataclasses import dataclass
@@ -195,19 +193,3 @@ def prompt_of(length: int, seed: int) -> str:
     """A fake-tokenizer prompt of exactly `length` tokens."""
     return "".join(chr(ord("a") + (seed * 7 + i * 3) % 26) for i in range(length))
 
-
-def borrow(monkeypatch, student_batch, reference_batch, parts: dict) -> None:
-    """Give the student's batch.py the reference's versions of `parts` ({class or "": [names]}).
-
-    Days 2.6 and 2.7 both fill batch.py; each day's tests take the other day's parts from the
-    reference, so that a day is graded on its own code. Against the reference this does nothing.
-    """
-    if student_batch is reference_batch:
-        return
-    for owner, names in parts.items():
-        for name in names:
-            if owner == "":
-                monkeypatch.setattr(student_batch, name, getattr(reference_batch, name))
-            else:
-                target = getattr(student_batch, owner)
-                monkeypatch.setattr(target, name, vars(getattr(reference_batch, owner))[name])

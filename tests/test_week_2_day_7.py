@@ -6,7 +6,8 @@ chunk's mask and positions; one-shot prefill for chunked prefill (same logits, s
 one-request-at-a-time greedy generation by mlx-lm's own Qwen2 for the scheduler's outputs; MLX's
 memory counters for materialization and peak memory; an injected clock for times, policies and logs.
 
-Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here.
+Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here
+(tests/harness.py: each day's tests run that day's tasks only).
 """
 
 import re
@@ -18,16 +19,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.harness import reference, solution
 from tests.scheduler_fakes import (
-    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, borrow, expected_tokens, next_token_of, prompt_of,
+    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, expected_tokens, next_token_of, prompt_of,
 )
 
 sol = solution(week=2, day=7)
 ref = reference()
 
-DAY_6_PARTS = {
-    "Request": ["record_token", "decode_done", "text"],
-    "Scheduler": ["admit", "decode_step", "retire", "release_all"],
-}
 
 PROMPTS = [
     "Hello world",
@@ -40,9 +37,8 @@ MAX_SEQ_LEN = 40
 
 
 @pytest.fixture
-def batch(monkeypatch):
-    """The batch module under test, with day 2.6's parts from the reference."""
-    borrow(monkeypatch, sol.batch, ref.batch, DAY_6_PARTS)
+def batch():
+    """The batch module under test."""
     return sol.batch
 
 
