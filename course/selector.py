@@ -253,7 +253,7 @@ def describe_tasks(tasks) -> str:
                 runs.append(f"{start}" if start == previous else f"{start}-{previous}")
                 start = current
         label = "Tasks" if len(numbers) > 1 else "Task"
-        parts.append(f"Week {week} Day {day} {label} {', '.join(runs)}")
+        parts.append(f"Week {week} Day {day} {label} {' & '.join(runs)}")
     return ", ".join(parts)
 
 
@@ -324,6 +324,20 @@ def for_command(solution: str = "student", strict: bool = False) -> Selection:
     if strict:
         return Selection(STUDENT_PACKAGE)
     return for_student()
+
+
+def add_arguments(parser, default: str = "ref") -> None:
+    """The `--solution` and `--strict` options every command that can run student code shares."""
+    parser.add_argument("--solution", choices=["ref", "student"], default=default,
+                        help=f"ref: src_ref/tiny_llm_ref; student: your src/tiny_llm, with the reference's code for "
+                             f"the tasks you have not written yet (default {default})")
+    parser.add_argument("--strict", action="store_true",
+                        help="with --solution student: your code only, no task taken from the reference")
+
+
+def from_arguments(args) -> Selection:
+    """The selection that parsed `--solution`/`--strict` ask for."""
+    return for_command(args.solution, strict=args.strict)
 
 
 def announce(selection: Selection, file=None) -> None:

@@ -15,12 +15,11 @@ metrics of day 2.2 (TTFT, ITL, TPOT, end-to-end latency) and the scheduler's chu
 """
 
 import argparse
-import importlib
 import logging
 import sys
 import time
 
-from course import fast_mlx
+from course import fast_mlx, selector
 
 PROMPTS = [
     "What is continuous batching?",
@@ -39,8 +38,7 @@ PROMPTS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run batch-main", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
-                        help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm/batch.py")
+    selector.add_arguments(parser)
     parser.add_argument("--model", default="embedded",
                         help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--batch-size", type=int, default=3, help="decode slots (default 3)")
@@ -100,6 +98,7 @@ def one_line(scheduler, iteration: int, elapsed: float) -> str:
             f"slots [{slots}]  finished {len(scheduler.finished)}")
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fast_mlx.setup()
@@ -109,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    batch = importlib.import_module(f"{package}.batch")
+    selection = selector.from_arguments(args)
+    batch, chunk_policy = selection.batch, selection.chunk_policy
+    selector.announce(selection)
     mlx_model, tokenizer = load_model(args.model)
-    model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
+    model = selector.reference().qwen2_week2.Qwen2ModelWeek2(mlx_model)  # the scheduler runs on the reference model
 
     live = not args.no_live and sys.stdout.isatty()
     delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     log_lines: list[str] = []
     policy = None
     if args.adaptive:
-        policy = importlib.import_module(f"{package}.chunk_policy").AdaptiveChunkPolicy(target_itl=args.adaptive)
+        policy = chunk_policy.AdaptiveChunkPolicy(target_itl=args.adaptive)
     scheduler = batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                                 prefill_step=args.prefill_step, policy=policy,
                                 log=log_lines.append if live else None, log_interval=2.0)
