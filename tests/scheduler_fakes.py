@@ -89,6 +89,7 @@ class Call:
     tokens: list  # prefill: the chunk's tokens; decode: one token per row
     offset: object  # prefill: an int; decode: one offset per row
     active: list  # decode: the rows that held a request
+    mask: object = None  # prefill: the mask the caller passed (None: none)
 
 
 class FakeClock:
@@ -138,24 +139,24 @@ class FakeModel:
     def decode_calls(self) -> list[Call]:
         return [c for c in self.calls if c.kind == "decode"]
 
-    def __call__(self, inputs: mx.array, offset, cache) -> mx.array:
+    def __call__(self, inputs: mx.array, offset, cache, mask=None) -> mx.array:
         if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
             self.calls.append(Call("failed", inputs.tolist(), offset, []))
             raise ModelFailure("the fake model failed on purpose")
         rows = inputs.tolist()
         assert len(cache) == self.num_hidden_layers, "one cache per layer"
         if isinstance(cache[0], FakeLayerCache):
-            predictions = [self._prefill(rows, offset, cache)]
+            predictions = [self._prefill(rows, offset, cache, mask)]
         else:
             predictions = [[p] for p in self._decode(rows, offset, cache)]
         logits = mx.full((len(predictions), len(predictions[0]), VOCAB), -10.0)
         hot = mx.array(predictions)[..., None] == mx.arange(VOCAB)
         return mx.where(hot, 10.0, logits)
 
-    def _prefill(self, rows, offset, cache) -> list[int]:
+    def _prefill(self, rows, offset, cache, mask=None) -> list[int]:
         assert len(rows) == 1 and isinstance(offset, int), "a prefill chunk is one request: 1 x L, an int offset"
         chunk = rows[0]
-        self.calls.append(Call("prefill", chunk, offset, []))
+        self.calls.append(Call("prefill", chunk, offset, [], mask))
         for layer in cache:
             assert len(layer.tokens) == offset, (
                 f"prefill chunk at offset {offset}, but this cache holds {len(layer.tokens)} tokens")
