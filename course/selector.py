@@ -145,7 +145,7 @@ def _rebind(function, module: types.ModuleType, owner: type | None):
         cells[code.co_freevars.index("__class__")] = types.CellType(owner)
         closure = tuple(cells)
     new = types.FunctionType(code, module.__dict__, function.__name__, function.__defaults__, closure)
-    new.__kwdefaults__ = function.__kwdefaults__
+    new.__kwdefaults__, new.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
     new.__qualname__, new.__doc__, new.__module__ = function.__qualname__, function.__doc__, module.__name__
     new.__dict__.update(function.__dict__)
     return new
@@ -365,6 +365,8 @@ def unfinished_work_exits():
     try:
         yield
     except NotImplementedError as error:
+        while isinstance(error.__context__, NotImplementedError):
+            error = error.__context__  # clean-up code that is unwritten too: report what failed first
         print(not_implemented_message(error), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
