@@ -302,11 +302,14 @@ def for_day(week: int, day: int) -> Selection:
     return selection
 
 
-def for_student() -> Selection:
-    """The student's code for every task written, the reference's for every task still raising its marker."""
-    name = "tiny_llm_selected"
+def for_student(name: str = "tiny_llm_selected", still_unwritten: dict | None = None) -> Selection:
+    """The student's code for every task written, the reference's for every task still raising its marker.
+
+    `still_unwritten` (module -> names, default: read from src/tiny_llm) is for tests of the selector.
+    """
     if name not in _CACHE:
-        swaps = {module: set(names) for module, names in unwritten().items()}
+        found = unwritten() if still_unwritten is None else still_unwritten
+        swaps = {module: set(names) for module, names in found.items()}
         selection = Selection(name, swaps)
         _make_package(name, selection, [m for m in _modules() if not (STUDENT_DIR / f"{m}.py").exists()])
         _CACHE[name] = selection

@@ -71,6 +71,21 @@ def test_commands_take_only_unwritten_tasks_from_the_reference():
                 assert code_file(chosen).endswith(f"src/tiny_llm/{module}.py"), f"{module}.{name} is the student's"
 
 
+def test_a_written_task_is_the_students_even_when_others_are_not():
+    """As if the student had written everything in batch.py but day 2.6's Task 2: only that task is swapped."""
+    table = selector.task_table()
+    pending = {name for name, task in table["batch"].items() if task.day_key == (2, 6) and task.number == 2}
+    selection = selector.for_student("tiny_llm_selected_for_test", {"batch": pending})
+    ref = selector.reference()
+    for name in table["batch"]:
+        chosen = resolve(selection.batch, name)
+        if name in pending:
+            assert chosen.__code__ is resolve(ref.batch, name).__code__, name
+        else:
+            assert code_file(chosen).endswith("src/tiny_llm/batch.py"), f"{name} is written: the student's"
+    assert selection.describe() == "using the reference for: Week 2 Day 6 Task 2"
+
+
 def test_reference_methods_keep_working_inside_the_student_class():
     """A swapped-in method that calls super() or a sibling still finds them: it runs as part of the student class."""
     selection = selector.for_day(2, 6)
