@@ -18,7 +18,6 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -28,6 +27,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches.scheduler_driver import Arrival, random_prompt, run_workload  # noqa: E402
+from course import selector  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
@@ -37,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run bench-batching", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=BENCH, help=f"'{BENCH}' (default), 'embedded', a path or a Hugging Face id")
-    parser.add_argument("--solution", choices=("ref", "student"), default="ref",
-                        help="whose batch.py schedules: the reference (default) or your src/tiny_llm")
+    selector.add_arguments(parser)
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
     parser.add_argument("--requests", type=int, default=8, help="requests in the workload (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
@@ -79,6 +78,7 @@ def run_mlx_lm(mlx_model, tokenizer, prompts, batch_size, args) -> dict:
             "outputs": [outputs[uid] for uid in uids]}
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
@@ -87,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     if is_embedded(path):
         print(MEANINGLESS_NOTE)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    batch_module = importlib.import_module(f"{package}.batch")
+    selection = selector.from_arguments(args)
+    batch_module = selection.batch
+    selector.announce(selection)
+    package = selection.package
     mlx_model, tokenizer = load_model(str(path) if args.model not in ("embedded", BENCH) else args.model)
-    model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
+    model = selector.reference().qwen2_week2.Qwen2ModelWeek2(mlx_model)  # the reference model serves both
     machine = (f"{platform.system()} {platform.machine()}, {mx.default_device()}, {os.cpu_count()} cores, "
                f"BLAS: {fast_mlx.blas_in_use()}")
     print(f"model {args.model}; scheduler {package}.batch; {machine}")

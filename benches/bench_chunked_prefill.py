@@ -23,7 +23,6 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
@@ -33,6 +32,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches.scheduler_driver import Arrival, itl_timeline, random_prompt, run_workload, summarize  # noqa: E402
+from course import selector  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -45,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run bench-chunked-prefill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=BENCH, help=f"'{BENCH}' (default), 'embedded', a path or a Hugging Face id")
-    parser.add_argument("--solution", choices=("ref", "student"), default="ref",
-                        help="whose batch.py schedules: the reference (default) or your src/tiny_llm")
+    selector.add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="a smaller run: shorter prompts, fewer sweep points")
     parser.add_argument("--prefill-step", type=int, default=DEFAULT_STEP,
                         help=f"the chunked configuration of (a) and (b) (default {DEFAULT_STEP})")
@@ -202,6 +201,7 @@ def machine_line() -> str:
             f"{__import__('os').cpu_count()} cores, BLAS: {blas}")
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.replot:
@@ -216,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     if is_embedded(path):
         print(MEANINGLESS_NOTE)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    batch_module = importlib.import_module(f"{package}.batch")
-    model_module = importlib.import_module("tiny_llm_ref.qwen2_week2")  # the reference model serves both
+    selection = selector.from_arguments(args)
+    batch_module, policy_module = selection.batch, selection.chunk_policy
+    selector.announce(selection)
+    package = selection.package
+    model_module = selector.reference().qwen2_week2  # the reference model serves both
     mlx_model, tokenizer = load_model(str(path) if args.model not in ("embedded", BENCH) else args.model)
     model = model_module.Qwen2ModelWeek2(mlx_model)
     machine = machine_line()
@@ -248,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
                     "verdict": verdict(chunked_a, unchunked_a)}
     shown = [unchunked_a, chunked_a]
     if args.adaptive:
-        policy_module = importlib.import_module(f"{package}.chunk_policy")
         policy = policy_module.AdaptiveChunkPolicy(target_itl=args.adaptive)
         print(f"  (a) {policy.describe()} ...", flush=True)
         adaptive = run_config(batch_module, model, tokenizer, workload_a, args.prefill_step, args, "a-adaptive",

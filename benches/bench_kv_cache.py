@@ -17,7 +17,6 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import argparse  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -25,6 +24,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
+from course import selector  # noqa: E402
 from course.models import MEANINGLESS_NOTE, BENCH, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_cache.json"
@@ -37,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"'{BENCH}' (default), 'embedded', a local checkpoint or a Hugging Face id")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens to generate (default 16)")
-    parser.add_argument("--solution", choices=("ref", "student"), default="ref",
-                        help="whose Qwen2ModelWeek2 to time: the reference (default) or src/tiny_llm")
+    selector.add_arguments(parser)
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
     return parser
 
@@ -75,6 +74,7 @@ def decode_with_cache(model, prompt: list[int], n: int) -> tuple[list[int], floa
     return out, first, time.perf_counter() - start
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.decode_tokens < 2:
@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     if is_embedded(path):
         print(MEANINGLESS_NOTE)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    qwen2_week2 = importlib.import_module(f"{package}.qwen2_week2")
+    selection = selector.from_arguments(args)
+    qwen2_week2 = selection.qwen2_week2
+    selector.announce(selection)
     mlx_model, tokenizer = load_model(args.model)
     model = qwen2_week2.Qwen2ModelWeek2(mlx_model)
     # A fixed, readable prompt, cut or repeated to the requested length.

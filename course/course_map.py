@@ -50,7 +50,7 @@ DAYS: list[Day] = [
     Day(2, 6, "Continuous batching", "week2-06-continuous-batching.md", ("batch",), {1: 5, 2: 10, 3: 10},
         compare="batch"),
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
-        {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}, compare="chunked-prefill"),
+        {1: 10, 2: 5, 3: 10, 4: 5, 5: 10, 6: 5}, compare="chunked-prefill"),
 ]
 
 

@@ -9,7 +9,9 @@ untouched skeleton, the day's modules (`Day.modules`) are copied in from src_ref
 reference uses relative imports, so its files drop in unchanged), and the day's test file runs
 against the student package, in its own pytest process with a time limit per test. Every test must
 pass. This is what a student who starts the course at that day has: their own work on that day's
-modules, the skeleton everywhere else.
+modules, the skeleton everywhere else. With --by-task only the functions whose skeleton body names
+the day are filled in, as a student who does just that day's tasks has them; the selector
+(course/selector.py) serves every other task from the reference.
 
 The skeleton comes from the working tree by default (what CI checks out, and what a maintainer is
 editing); --skeleton-rev REV takes it from a commit instead, when the working copy holds solutions.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from course.course_map import DAYS, Day
 from course.isolated_pytest import child_env, run_test_file
+from course.selector import definitions, unwritten_in_source
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = Path("src") / "tiny_llm"
@@ -89,39 +92,6 @@ def fill_day(dest: Path, skeleton: dict[str, bytes], day: Day) -> list[str]:
     return problems
 
 
-def _todo_defs(tree: ast.Module, prefix: str) -> dict[str, ast.AST]:
-    """Functions and methods (by qualified name) whose body raises NotImplementedError("<prefix>...")."""
-    found = {}
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{scope}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for inner in ast.walk(child):
-                    if isinstance(inner, ast.Raise) and isinstance(inner.exc, ast.Call) and \
-                            getattr(inner.exc.func, "id", None) == "NotImplementedError" and inner.exc.args and \
-                            isinstance(inner.exc.args[0], ast.Constant) and \
-                            str(inner.exc.args[0].value).startswith(prefix):
-                        found[f"{scope}{child.name}"] = child
-                        break
-    visit(tree, "")
-    return found
-
-
-def _all_defs(tree: ast.Module) -> dict[str, ast.AST]:
-    found = {}
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{scope}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found[f"{scope}{child.name}"] = child
-    visit(tree, "")
-    return found
-
-
 def _span(node) -> tuple[int, int]:
     start = min([node.lineno] + [d.lineno for d in node.decorator_list])
     return start - 1, node.end_lineno
@@ -134,8 +104,10 @@ def fill_day_tasks(skeleton_text: str, reference_text: str, day: Day) -> tuple[s
     The reference's top-level imports are added, since a filled body may need one the skeleton lacks.
     """
     skeleton_tree, reference_tree = ast.parse(skeleton_text), ast.parse(reference_text)
-    todo = _todo_defs(skeleton_tree, f"Week {day.week} Day {day.day} ")
-    reference_defs = _all_defs(reference_tree)
+    skeleton_defs = definitions(skeleton_tree)
+    todo = {name: skeleton_defs[name] for name, task in unwritten_in_source(skeleton_text).items()
+            if task.day_key == (day.week, day.day)}
+    reference_defs = definitions(reference_tree)
     lines, reference_lines = skeleton_text.splitlines(), reference_text.splitlines()
     missing = [name for name in todo if name not in reference_defs]
     for name, node in sorted(todo.items(), key=lambda item: -item[1].lineno):

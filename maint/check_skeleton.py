@@ -5,9 +5,14 @@ yet" and name the chapter, never an import error, a collection error or a crash 
 this on the committed skeleton:
 
     pdm run python -m maint.check_skeleton
+    pdm run python -m maint.check_skeleton --write-tasks   # after adding or renumbering a task
+
+It also checks `course/tasks.json`, the table of which task each skeleton function belongs to (the
+selector, course/selector.py, reads it): `--write-tasks` rewrites it from the untouched skeleton.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -16,13 +21,21 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from course.course_map import DAYS
+from course.selector import TASKS_FILE, task_table_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog="python -m maint.check_skeleton", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m maint.check_skeleton", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write-tasks", action="store_true",
+                        help="rewrite course/tasks.json from the skeleton's markers, then check")
+    return parser
+
+
+def tasks_json_text() -> str:
+    return json.dumps(task_table_of(), indent=1, sort_keys=True) + "\n"
 
 
 def run_student_tests(test_files: list[str], report: Path) -> subprocess.CompletedProcess:
@@ -52,7 +65,10 @@ def classify(report: Path) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.write_tasks:
+        TASKS_FILE.write_text(tasks_json_text())
+        print(f"check-skeleton: wrote {TASKS_FILE.relative_to(REPO_ROOT)}")
     test_files = [d.test_file for d in DAYS if (REPO_ROOT / d.test_file).exists()]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
@@ -67,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome, ids in outcomes.items():
         print(f"  {outcome:17s} {len(ids)}")
     problems = []
+    if not TASKS_FILE.exists() or TASKS_FILE.read_text() != tasks_json_text():
+        problems.append("course/tasks.json does not match the skeleton's markers "
+                        "(refresh: pdm run python -m maint.check_skeleton --write-tasks)")
     if total == 0:
         problems.append("no day tests were collected")
     if outcomes["error"] or result.returncode in (2, 3, 4):

@@ -15,12 +15,11 @@ metrics of day 2.2 (TTFT, ITL, TPOT, end-to-end latency) and the scheduler's chu
 """
 
 import argparse
-import importlib
 import logging
 import sys
 import time
 
-from course import fast_mlx
+from course import fast_mlx, selector
 from course.user_errors import OneLineParser, user_error
 
 PROMPTS = [
@@ -40,8 +39,7 @@ PROMPTS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pdm run batch-main", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
-                        help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm/batch.py")
+    selector.add_arguments(parser)
     parser.add_argument("--model", default=None,
                         help="default: smollm2-135m once fetched (`pdm run models fetch smollm2-135m`), else embedded; "
                              "or bench-0.5b, a checkpoint directory or a Hugging Face id")
@@ -102,7 +100,7 @@ def one_line(scheduler, iteration: int, elapsed: float) -> str:
             f"slots [{slots}]  finished {len(scheduler.finished)}")
 
 
-def set_up(args, package: str, live: bool, log_lines: list[str]):
+def set_up(args, selection: selector.Selection, live: bool, log_lines: list[str]):
     """Load the model, make the scheduler and queue every prompt: (scheduler, model directory).
 
     Bad input raises ValueError or TypeError, before any model call.
@@ -117,13 +115,12 @@ def set_up(args, package: str, live: bool, log_lines: list[str]):
             check_text("--prompt", prompt)
     args.model = default_model() if args.model is None else args.model
     path = resolve_model(args.model)
-    batch = importlib.import_module(f"{package}.batch")
     mlx_model, tokenizer = load_model(args.model)
-    model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
+    model = selector.reference().qwen2_week2.Qwen2ModelWeek2(mlx_model)  # the scheduler runs on the reference model
     policy = None
     if args.adaptive is not None:  # not a truthiness test: --adaptive 0 is an error, not "fixed"
-        policy = importlib.import_module(f"{package}.chunk_policy").AdaptiveChunkPolicy(target_itl=args.adaptive)
-    scheduler = batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+        policy = selection.chunk_policy.AdaptiveChunkPolicy(target_itl=args.adaptive)
+    scheduler = selection.batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                                 prefill_step=args.prefill_step, policy=policy,
                                 log=log_lines.append if live else None, log_interval=2.0)
     for prompt in args.prompt or PROMPTS:
@@ -134,6 +131,7 @@ def set_up(args, package: str, live: bool, log_lines: list[str]):
     return scheduler, path
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -141,17 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     from course.models import MEANINGLESS_NOTE, describe_model, is_embedded
     from tiny_llm_ref.metrics import format_summary
 
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
+    selection = selector.from_arguments(args)
     live = not args.no_live and sys.stdout.isatty()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     log_lines: list[str] = []
     try:
-        scheduler, path = set_up(args, package, live, log_lines)
+        scheduler, path = set_up(args, selection, live, log_lines)
     except (ValueError, TypeError) as error:
         return user_error(parser.prog, str(error))
     print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
+    selector.announce(selection)
     delay = args.step_delay if args.step_delay is not None else (0.05 if live else 0.0)
 
     start = time.perf_counter()

@@ -4,23 +4,27 @@
     pdm run compare --week 2 --day 7                 # batch_generate with chunked prefill
     pdm run compare --week 2 --day 1 --max-tokens 32 --model Qwen/Qwen2-0.5B-Instruct-MLX
 
-The student side is what the tests grade for that day (tests/harness.py): the student's files for
-the day's modules, the reference for everything else. For each prompt it prints the largest logit
+The student side is your src/tiny_llm as the selector (course/selector.py) runs it: your code for
+every task you have written, the reference's for every task still raising "not implemented yet" (one
+line names those tasks; `--strict` runs your code only). For each prompt it prints the largest logit
 difference on the prompt's forward pass, the first generated token where the two differ with both
-continuations from there, and the time ratio student / reference. Days without a model-level run
-(attention, RoPE, metrics, ...) say so and give the test command instead.
+continuations from there, and the time ratio student / reference. The scheduler days (2.5 to 2.7)
+also show how each side scheduled the work: prefill chunks and their sizes, decode steps, how many
+shared an iteration with a chunk, and the longest stall of a decoding request; on the chunked-prefill
+day the logit line compares your chunked prefill with the reference's one-shot prefill. Days without
+a model-level run (attention, RoPE, metrics, ...) say so and give the test command instead.
 
 Exit status: 0 when the student's run matches the reference; 1 when it differs or raises; 2 on bad
 arguments.
 """
 
 import argparse
-import os
 import re
 import sys
 import time
 import traceback
 
+from course import selector
 from course.course_map import Day, find_day
 
 DEFAULT_PROMPTS = [
@@ -49,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=2, help="decode slots for batch days (default 2)")
     parser.add_argument("--prefill-step", type=int, default=None,
                         help="prefill chunk for batch days (default: whole prompts; 8 on the chunked-prefill day)")
+    parser.add_argument("--strict", action="store_true",
+                        help="your code only: no task taken from the reference (an unwritten one stops the run)")
     return parser
 
 
@@ -128,20 +134,91 @@ def generate_each(kind, package, model, tokenizer, prompts, args):
     return runs
 
 
-def generate_batch(kind, package, model, tokenizer, prompts, args):
-    """One batch_generate call for all prompts; token ids re-encoded from each text."""
+class CallLog:
+    """Wraps a model and notes each call, ("prefill", chunk tokens) or ("decode", rows), and its logits."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.outputs = model, [], []
+
+    def __call__(self, inputs, offset, cache, **kwargs):
+        self.calls.append(("prefill", inputs.shape[1]) if isinstance(offset, int) else ("decode", inputs.shape[0]))
+        logits = self.model(inputs, offset, cache, **kwargs)
+        self.outputs.append(logits)
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def chunking(calls: list[tuple[str, int]]) -> dict:
+    """What a call log says about scheduling: chunk sizes, decode steps, interleaving, the longest stall."""
+    chunks = [n for kind, n in calls if kind == "prefill"]
+    decodes = sum(kind == "decode" for kind, _ in calls)
+    interleaved = sum(1 for before, now in zip(calls, calls[1:]) if now[0] == "decode" and before[0] == "prefill")
+    # The longest stall, in prompt tokens: how many a decoding request waited through between two of its steps.
+    stall, waited, decoding = 0, 0, False
+    for kind, n in calls:
+        if kind == "prefill":
+            waited += n
+        else:
+            if decoding:
+                stall = max(stall, waited)
+            waited, decoding = 0, True
+    return {"chunks": chunks, "decode_steps": decodes, "interleaved": interleaved, "stall_tokens": stall}
+
+
+def sizes(chunks: list[int]) -> str:
+    """'8 x 5, 3, 8 x 2': runs of equal chunk sizes."""
+    runs = []
+    for size in chunks:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return ", ".join(f"{size} x {count}" if count > 1 else f"{size}" for size, count in runs) or "-"
+
+
+def batch_settings(kind, tokenizer, prompts, args) -> tuple[int, int]:
+    """(prefill_step, max_seq_len) of a batch day's run."""
     lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
     step = args.prefill_step or (8 if kind == "chunked-prefill" else max(lengths))
+    return step, max(lengths) + args.max_tokens
+
+
+def generate_batch(kind, package, model, tokenizer, prompts, args, ref):
+    """The prompts through one Scheduler, as batch_generate runs it: per prompt (token ids, text, seconds); the schedule."""
+    step, max_seq_len = batch_settings(kind, tokenizer, prompts, args)
     times = []
     for _ in range(max(1, args.repeat)):
+        logged = CallLog(model)
+        metrics = ref.metrics.MetricsRecorder()  # the reference's recorder times both sides
+        scheduler = package.batch.Scheduler(logged, tokenizer, max_seq_len=max_seq_len, batch_size=args.batch_size,
+                                            prefill_step=step, metrics=metrics, log=lambda line: None)
         started = time.perf_counter()
-        results = package.batch.batch_generate(model, tokenizer, prompts, max_seq_len=max(lengths) + args.max_tokens,
-                                               batch_size=args.batch_size, prefill_step=step)
+        for idx, prompt in enumerate(prompts):
+            scheduler.add_request(prompt, idx)
+        while scheduler.has_work():
+            scheduler.step()
         times.append(time.perf_counter() - started)
     seconds = min(times)
-    texts = dict(results)
-    return [(tokenizer.encode(texts.get(i, ""), add_special_tokens=False), texts.get(i, ""), seconds / len(prompts))
-            for i in range(len(prompts))], seconds
+    done = {r.prompt_idx: r for r in scheduler.finished}
+    runs = [(list(done[i].output_tokens), done[i].text(), seconds / len(prompts)) if i in done else ([], "", 0.0)
+            for i in range(len(prompts))]
+    schedule = chunking(logged.calls)
+    schedule["stall_s"] = metrics.summary()["longest_stall_s"]
+    schedule["seconds"] = seconds
+    return runs, schedule
+
+
+def chunked_prefill_logits(package, model, tokenizer, prompt: str, step: int):
+    """The logits of every prompt position as `Request.try_prefill` computes them, chunk by chunk."""
+    import mlx.core as mx
+
+    logged = CallLog(model)
+    request = package.batch.Request(logged, tokenizer, prompt, prefill_max_step=step)
+    while not request.is_prefill_done:
+        request.try_prefill()
+    return mx.concatenate(logged.outputs, axis=1)
 
 
 # ---------------------------------------------------------------- report
@@ -176,10 +253,7 @@ def compare(args) -> int:
 
     from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
-    os.environ["TINY_LLM_SOLUTION"] = "student"
-    from tests.harness import reference, solution
-
-    mine, ref = solution(day.week, day.day), reference()
+    mine, ref = selector.for_command("student", strict=args.strict), selector.reference()
     if is_embedded(resolve_model(args.model)):
         print(MEANINGLESS_NOTE)
     mlx_model, tokenizer = load_model(args.model)
@@ -188,70 +262,118 @@ def compare(args) -> int:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                  add_generation_prompt=True) for p in prompts]
     kind = day.compare
-    print(f"week {day.week} day {day.day}: {day.title}. Student: your {', '.join(day.modules)}; reference: the rest.")
-    print(f"workload: {kind}, {len(prompts)} prompts, {args.max_tokens} tokens each, model {args.model}\n")
+    batched = kind in ("batch", "chunked-prefill")
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    print(f"week {day.week} day {day.day}: {day.title}. Yours: src/tiny_llm; reference: src_ref/tiny_llm_ref.")
+    if batched:
+        step, max_seq_len = batch_settings(kind, tokenizer, prompts, args)
+        print(f"workload: {kind}, {len(prompts)} prompts of {'/'.join(map(str, lengths))} tokens, each generating "
+              f"until EOS or {max_seq_len} tokens in all (prompt + output); {args.batch_size} decode slots, "
+              f"prefill chunks of {step} tokens{' (no chunking: a chunk holds every prompt)' if step >= max(lengths) else ''}; "
+              f"model {args.model}\n")
+    else:
+        print(f"workload: {kind}, {len(prompts)} prompts of {'/'.join(map(str, lengths))} tokens, "
+              f"{args.max_tokens} new tokens each (fewer at EOS), model {args.model}\n")
 
     problems = 0
     try:
         ref_model = build_model(kind, ref, mlx_model)
         my_model = student(day, build_model, kind, mine, mlx_model)
-        model_is_theirs = bool({"qwen2_week1", "embedding"} & set(day.modules)) if kind == "model" else \
-            bool({"qwen2_week2", "kv_cache"} & set(day.modules))
+        if kind == "model":
+            model_is_theirs = bool({"qwen2_week1", "embedding"} & set(day.modules))
+        else:
+            model_is_theirs = bool({"qwen2_week2", "kv_cache"} & set(day.modules))
+        if batched:
+            mine.batch, mine.metrics, mine.chunk_policy  # noqa: B018 - import now, so the line below is complete
+        selector.announce(mine, file=sys.stdout)
 
         logit_gaps = []
-        for prompt in prompts:
+        for prompt, length in zip(prompts, lengths):
             ids = mx.array([tokenizer.encode(prompt, add_special_tokens=False)])
             expected = forward(kind, ref_model, ids)
-            got = student(day, forward, kind, my_model, ids)
+            if kind == "chunked-prefill":
+                got = student(day, chunked_prefill_logits, mine, my_model, tokenizer, prompt, step)
+            elif batched and not model_is_theirs:
+                logit_gaps.append(None)  # the model is the reference's: nothing of yours to compare here
+                continue
+            else:
+                got = student(day, forward, kind, my_model, ids)
             if got.shape != expected.shape:
-                raise StudentFailed(f"your model's logits have shape {tuple(got.shape)}, the reference's "
-                                    f"{tuple(expected.shape)}")
+                raise StudentFailed(f"your logits have shape {tuple(got.shape)}, the reference's {tuple(expected.shape)}")
             gap = mx.max(mx.abs(got.astype(mx.float32) - expected.astype(mx.float32))).item()
             agree = mx.sum(mx.argmax(got, axis=-1) == mx.argmax(expected, axis=-1)).item()
-            logit_gaps.append((gap, agree, ids.shape[1]))
+            logit_gaps.append((gap, agree, length))
 
-        if kind in ("model", "kv-cache"):
+        if not batched:
             ref_runs = generate_each(kind, ref, ref_model, tokenizer, prompts, args)
             my_runs = student(day, generate_each, kind, mine, my_model, tokenizer, prompts, args)
-            totals = None
+            schedules = None
         else:
-            ref_runs, ref_total = generate_batch(kind, ref, ref_model, tokenizer, prompts, args)
-            my_runs, my_total = student(day, generate_batch, kind, mine, my_model, tokenizer, prompts, args)
-            totals = (my_total, ref_total)
+            ref_runs, ref_schedule = generate_batch(kind, ref, ref_model, tokenizer, prompts, args, ref)
+            my_runs, my_schedule = student(day, generate_batch, kind, mine, my_model, tokenizer, prompts, args, ref)
+            schedules = (my_schedule, ref_schedule)
     except StudentFailed as failed:
         print(f"your code raised: {failed}")
         return 1
 
-    for index, (prompt, (gap, agree, length), ref_run, my_run) in enumerate(
-            zip(prompts, logit_gaps, ref_runs, my_runs), start=1):
+    what = ("your chunked prefill (Request.try_prefill) vs the reference's one-shot prefill"
+            if kind == "chunked-prefill" else "the prompt's forward pass")
+    for index, (prompt, logits, ref_run, my_run) in enumerate(zip(prompts, logit_gaps, ref_runs, my_runs), start=1):
         (ref_tokens, ref_text, ref_s), (my_tokens, my_text, my_s) = ref_run, my_run
-        print(f"prompt {index} ({length} tokens): {show(args.prompt[index - 1] if args.prompt else DEFAULT_PROMPTS[index - 1])}")
-        note = "" if model_is_theirs else "  (the model is the reference's on this day)"
-        print(f"  largest logit difference on the prompt: {gap:.2e}; next-token choice agrees at "
-              f"{agree}/{length} positions{note}")
-        problems += gap > LOGIT_TOLERANCE
+        print(f"prompt {index} ({lengths[index - 1]} tokens): "
+              f"{show(args.prompt[index - 1] if args.prompt else DEFAULT_PROMPTS[index - 1])}")
         diverge = first_difference(my_tokens, ref_tokens)
+        if logits is not None:
+            gap, agree, length = logits
+            problems += gap > LOGIT_TOLERANCE
+            note = "" if model_is_theirs or kind == "chunked-prefill" else "  (the model is the reference's on this day)"
+            later = ("; the tokens below part later, in decoding" if diverge is not None and gap <= LOGIT_TOLERANCE
+                     else "")
+            print(f"  largest logit difference, {what}: {gap:.2e}; next-token choice agrees at "
+                  f"{agree}/{length} positions{note}{later}")
         if diverge is None:
             print(f"  generated tokens: identical ({len(ref_tokens)} tokens)")
         else:
             problems += 1
             shared = tokenizer.decode(ref_tokens[max(0, diverge - CONTEXT_TOKENS):diverge])
-            print(f"  generated tokens: first difference at token {diverge} of {len(ref_tokens)}"
-                  f"{' (token ids re-encoded from the text)' if kind not in ('model', 'kv-cache') else ''}"
-                  f"{f', after {show(shared)}' if shared else ''}")
+            print(f"  generated tokens: first difference at token {diverge} (yours {len(my_tokens)} tokens, "
+                  f"the reference {len(ref_tokens)}){f', after {show(shared)}' if shared else ''}")
             print(f"    reference continues: {show(tokenizer.decode(ref_tokens[diverge:]))}")
             print(f"    yours continues:     {show(tokenizer.decode(my_tokens[diverge:]))}")
-        if totals is None:
+        if schedules is None:
             print(f"  time: yours {my_s:.3f} s, reference {ref_s:.3f} s, ratio {my_s / max(ref_s, 1e-9):.2f}")
-    if totals is not None:
-        print(f"\nbatch time (all prompts together): yours {totals[0]:.3f} s, reference {totals[1]:.3f} s, "
-              f"ratio {totals[0] / max(totals[1], 1e-9):.2f}")
+    if schedules is not None:
+        print_schedules(*schedules)
     if args.temp > 0:
         print("\n(sampling with temperature draws random numbers: equal results need the same draws in the same order)")
     print(f"\n{'your run matches the reference' if not problems else 'your run differs from the reference'}")
     return 1 if problems else 0
 
 
+def print_schedules(mine: dict, ref: dict) -> None:
+    """The two schedules side by side: chunks, decode steps, interleaving, the longest stall, the time."""
+    def stall_s(schedule):
+        return "-" if schedule["stall_s"] is None else f"{schedule['stall_s'] * 1000:.0f} ms"
+
+    rows = [
+        ("prefill chunks", len(mine["chunks"]), len(ref["chunks"])),
+        ("chunk sizes (tokens)", sizes(mine["chunks"]), sizes(ref["chunks"])),
+        ("prompt tokens prefilled", sum(mine["chunks"]), sum(ref["chunks"])),
+        ("decode steps", mine["decode_steps"], ref["decode_steps"]),
+        ("decode steps sharing an iteration with a chunk", mine["interleaved"], ref["interleaved"]),
+        ("longest stall of a decoding request (prompt tokens)", mine["stall_tokens"], ref["stall_tokens"]),
+        ("longest stall of a decoding request (time)", stall_s(mine), stall_s(ref)),
+        ("time, all prompts together", f"{mine['seconds']:.3f} s", f"{ref['seconds']:.3f} s"),
+    ]
+    width = max(len(label) for label, _, _ in rows)
+    column = max(12, *(len(str(m)) for _, m, _ in rows))
+    print(f"\nscheduling\n  {'':{width}s}  {'yours':{column}s}  reference")
+    for label, m, r in rows:
+        print(f"  {label:{width}s}  {str(m):{column}s}  {r}")
+    print(f"  time ratio yours / reference: {mine['seconds'] / max(ref['seconds'], 1e-9):.2f}")
+
+
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return compare(args)

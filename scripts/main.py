@@ -13,11 +13,10 @@ same model and prompt in the same process, and both figures are printed side by 
 """
 
 import argparse
-import importlib
 import sys
 import time
 
-from course import fast_mlx
+from course import fast_mlx, selector
 from course.user_errors import OneLineParser, user_error
 
 DEFAULT_PROMPT = "Give me a short introduction to large language models."
@@ -26,8 +25,7 @@ DEFAULT_PROMPT = "Give me a short introduction to large language models."
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pdm run main", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
-                        help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
+    selector.add_arguments(parser)
     parser.add_argument("--model", default=None,
                         help="default: smollm2-135m once fetched (`pdm run models fetch smollm2-135m`), else embedded; "
                              "or bench-0.5b, a checkpoint directory or a Hugging Face id")
@@ -44,16 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def pick_generation(package: str, week: int):
+def pick_generation(package: selector.Selection, week: int):
     """(build the model from an mlx-lm model, the generate function) for this package.
 
     Week 1: Qwen2ModelWeek1 and simple_generate (every step recomputes the whole sequence).
     Week 2: Qwen2ModelWeek2 and simple_generate_with_kv_cache (each step feeds only the new token).
     """
-    generate = importlib.import_module(f"{package}.generate")
+    generate = package.generate
     if week == 1:
-        return importlib.import_module(f"{package}.qwen2_week1").Qwen2ModelWeek1, generate.simple_generate
-    model = importlib.import_module(f"{package}.qwen2_week2").Qwen2ModelWeek2
+        return package.qwen2_week1.Qwen2ModelWeek1, generate.simple_generate
+    model = package.qwen2_week2.Qwen2ModelWeek2
     return model, generate.simple_generate_with_kv_cache
 
 
@@ -83,15 +81,14 @@ def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
     return text
 
 
-def make_our_sampler(package: str, args):
+def make_our_sampler(package: selector.Selection, args):
     """None (greedy) at temperature 0 without filters, else the package's own make_sampler (day 1.7)."""
     if args.temp == 0 and args.top_p is None and args.top_k is None:
         return None
-    sampler = importlib.import_module(f"{package}.sampler")
-    return sampler.make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
+    return package.sampler.make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
 
 
-def run_ours(model, tokenizer, prompt: str, args, package: str) -> dict:
+def run_ours(model, tokenizer, prompt: str, args, package: selector.Selection) -> dict:
     model_class, generate = pick_generation(package, args.week)
     ours = TimedModel(model_class(model))
     sampler = make_our_sampler(package, args)
@@ -135,6 +132,7 @@ def check_args(args) -> None:
         check_text("--prompt", args.prompt)
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -144,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
     from tiny_llm_ref.validation import check_text
 
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
+    package = selector.from_arguments(args)
     try:
         check_args(args)
         args.model = default_model() if args.model is None else args.model
@@ -160,20 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     mx.eval(model.parameters())
     if args.compare_mlx_lm:
         mx.eval(model(mx.array([[0]])))  # one warm-up token, so the first timed run pays no start-up costs
-    print(f"[tiny-llm] {args.solution} solution ({package}); device {mx.default_device()}"
+    print(f"[tiny-llm] {args.solution} solution ({package.package}); device {mx.default_device()}"
           f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
 
-    try:
-        ours = run_ours(model, tokenizer, prompt, args, package)
-    except NotImplementedError as error:
-        print(f"\nnot implemented yet: {error}. Read the chapter it names, then run that day's tests.",
-              file=sys.stderr)
-        if args.week == 2:
-            print("(still in week 1? `--week 1` runs your week-1 model without the KV cache)", file=sys.stderr)
-        return 1
-    print(f"[{package}] prompt: {ours['prompt_tokens']} tokens, {ours['prompt_tps']:.1f} tokens/s; "
+    pick_generation(package, args.week)  # import what runs first, so the line below is complete
+    make_our_sampler(package, args)
+    selector.announce(package)
+    ours = run_ours(model, tokenizer, prompt, args, package)
+    print(f"[{package.package}] prompt: {ours['prompt_tokens']} tokens, {ours['prompt_tps']:.1f} tokens/s; "
           f"generation: {ours['generated']} tokens, {ours['generation_tps']:.2f} tokens/s")
 
     if args.compare_mlx_lm:

@@ -7,8 +7,6 @@ the cache, so a scheduler that mixes up slots, caches or offsets gets different 
 offset fails an assertion at once). `expected_tokens` computes what one-request-at-a-time greedy
 generation gives, straight from the same rule, with no scheduler at all.
 
-`borrow(...)` pairs a student's batch.py with the reference's parts of the other day (days 2.6 and
-2.7 share batch.py), so each day is graded on its own code.
 """
 
 from dataclasses import dataclass
@@ -91,6 +89,7 @@ class Call:
     tokens: list  # prefill: the chunk's tokens; decode: one token per row
     offset: object  # prefill: an int; decode: one offset per row
     active: list  # decode: the rows that held a request
+    mask: object = None  # prefill: the mask the caller passed (None: none)
 
 
 class FakeClock:
@@ -140,24 +139,24 @@ class FakeModel:
     def decode_calls(self) -> list[Call]:
         return [c for c in self.calls if c.kind == "decode"]
 
-    def __call__(self, inputs: mx.array, offset, cache) -> mx.array:
+    def __call__(self, inputs: mx.array, offset, cache, mask=None) -> mx.array:
         if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
             self.calls.append(Call("failed", inputs.tolist(), offset, []))
             raise ModelFailure("the fake model failed on purpose")
         rows = inputs.tolist()
         assert len(cache) == self.num_hidden_layers, "one cache per layer"
         if isinstance(cache[0], FakeLayerCache):
-            predictions = [self._prefill(rows, offset, cache)]
+            predictions = [self._prefill(rows, offset, cache, mask)]
         else:
             predictions = [[p] for p in self._decode(rows, offset, cache)]
         logits = mx.full((len(predictions), len(predictions[0]), VOCAB), -10.0)
         hot = mx.array(predictions)[..., None] == mx.arange(VOCAB)
         return mx.where(hot, 10.0, logits)
 
-    def _prefill(self, rows, offset, cache) -> list[int]:
+    def _prefill(self, rows, offset, cache, mask=None) -> list[int]:
         assert len(rows) == 1 and isinstance(offset, int), "a prefill chunk is one request: 1 x L, an int offset"
         chunk = rows[0]
-        self.calls.append(Call("prefill", chunk, offset, []))
+        self.calls.append(Call("prefill", chunk, offset, [], mask))
         for layer in cache:
             assert len(layer.tokens) == offset, (
                 f"prefill chunk at offset {offset}, but this cache holds {len(layer.tokens)} tokens")
@@ -198,19 +197,3 @@ def prompt_of(length: int, seed: int) -> str:
     """A fake-tokenizer prompt of exactly `length` tokens."""
     return "".join(chr(ord("a") + (seed * 7 + i * 3) % 26) for i in range(length))
 
-
-def borrow(monkeypatch, student_batch, reference_batch, parts: dict) -> None:
-    """Give the student's batch.py the reference's versions of `parts` ({class or "": [names]}).
-
-    Days 2.6 and 2.7 both fill batch.py; each day's tests take the other day's parts from the
-    reference, so that a day is graded on its own code. Against the reference this does nothing.
-    """
-    if student_batch is reference_batch:
-        return
-    for owner, names in parts.items():
-        for name in names:
-            if owner == "":
-                monkeypatch.setattr(student_batch, name, getattr(reference_batch, name))
-            else:
-                target = getattr(student_batch, owner)
-                monkeypatch.setattr(target, name, vars(getattr(reference_batch, owner))[name])

@@ -543,10 +543,14 @@ def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
     done = run_tool(tmp_path, "scripts.compare", *command)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "matches the reference" in done.stdout and "largest logit difference" in done.stdout
-    # The untouched skeleton: compare names the missing piece and the chapter.
+    # The untouched skeleton: compare takes every task from the reference and says so; with --strict
+    # it names the missing piece and the chapter.
     shutil.rmtree(tmp_path / "src" / "tiny_llm")
     shutil.copytree(REPO_ROOT / "src" / "tiny_llm", tmp_path / "src" / "tiny_llm")
     done = run_tool(tmp_path, "scripts.compare", *command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"using the reference for: Week {day.week} Day {day.day} " in done.stdout
+    done = run_tool(tmp_path, "scripts.compare", *command, "--strict")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "not implemented yet" in done.stdout and "book/src/" in done.stdout
     # A day without a model-level run points to its tests.

@@ -50,9 +50,30 @@ def expected_mask(held: list[int | None], length: int, seq_len: int) -> np.ndarr
     return mask
 
 
-# ---------------------------------------------------------------- Task 1: the batching KV cache
+# ---------------------------------------------------------------- Task 1: slots and the aligned mask
 
-def test_task_1_add_update_remove_by_slot():
+def test_task_1_slot_bookkeeping_errors():
+    cache = sol.kv_cache.BatchingKvCache(max_active_requests=2, max_seq_len=16)
+    cache.add_request(prefilled(3)[0], 1)
+    with pytest.raises(ValueError):
+        cache.add_request(prefilled(3)[0], 1)  # slot taken
+    with pytest.raises(ValueError):
+        cache.add_request(prefilled(3)[0], 2)  # no such slot
+    cache.remove_request(1)
+    with pytest.raises(ValueError):
+        cache.remove_request(1)  # already free
+
+
+@pytest.mark.parametrize("length, held, seq_len", [(1, 4, 6), (3, 5, 9), (2, 2, 2), (1, 1, 7)])
+def test_task_1_aligned_causal_mask(length, held, seq_len):
+    mask = sol.kv_cache.aligned_causal_mask(length, held, seq_len, mx.float32)
+    assert mask.shape == (length, seq_len) and mask.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(mask), expected_mask([held], length, seq_len)[0, 0])
+
+
+# ---------------------------------------------------------------- Task 2: every row at its own position
+
+def test_task_2_add_update_remove_by_slot():
     cache = sol.kv_cache.BatchingKvCache(max_active_requests=4, max_seq_len=64)
     a, a_keys, a_values = prefilled(5, seed=1)
     c, c_keys, c_values = prefilled(3, seed=2)
@@ -81,16 +102,11 @@ def test_task_1_add_update_remove_by_slot():
     np.testing.assert_array_equal(np.array(mask), expected_mask([5, None, 3, None], 1, 5))
 
 
-def test_task_1_slot_bookkeeping_errors():
+def test_task_2_rows_must_match_the_slots():
     cache = sol.kv_cache.BatchingKvCache(max_active_requests=2, max_seq_len=16)
     cache.add_request(prefilled(3)[0], 1)
     with pytest.raises(ValueError):
-        cache.add_request(prefilled(3)[0], 1)  # slot taken
-    with pytest.raises(ValueError):
         cache.update_and_fetch(normal((3, 2, 1, 8), 0), normal((3, 2, 1, 8), 1))  # 3 rows for 2 slots
-    cache.remove_request(1)
-    with pytest.raises(ValueError):
-        cache.remove_request(1)  # already free
 
 
 def test_task_1_a_batch_of_held_slots_only():
@@ -112,7 +128,7 @@ def test_task_1_a_batch_of_held_slots_only():
 
 
 @pytest.mark.parametrize("length", [1, 3])
-def test_task_1_mask_values(length):
+def test_task_2_mask_values(length):
     held_before = [7, None, 2, 4, None]
     cache = sol.kv_cache.BatchingKvCache(max_active_requests=5, max_seq_len=64)
     for slot, n in enumerate(held_before):
@@ -126,7 +142,7 @@ def test_task_1_mask_values(length):
     np.testing.assert_array_equal(np.array(mask), expected_mask(held, length, seq_len))
 
 
-def test_task_1_batched_attention_equals_each_alone():
+def test_task_2_batched_attention_equals_each_alone():
     # What the mask is for: attention over the padded batch equals each request's attention alone.
     lengths = {0: 6, 2: 1, 3: 9}  # slot -> tokens held before this step; slot 1 is idle
     heads_q, heads_kv, dim = 4, 2, 8
@@ -146,8 +162,6 @@ def test_task_1_batched_attention_equals_each_alone():
         single = mx.fast.scaled_dot_product_attention(queries[slot : slot + 1], k, v, scale=dim**-0.5)
         assert_close(batched[slot], single[0], f"slot {slot}: batched attention vs the request alone")
 
-
-# ---------------------------------------------------------------- Task 2: one position per row
 
 HIDDEN, HEADS, KV_HEADS, THETA = 64, 4, 2, 10000
 HEAD_DIM = HIDDEN // HEADS
@@ -180,41 +194,27 @@ def our_attention(w):
     return sol.qwen2_week2.Qwen2MultiHeadAttention(HIDDEN, HEADS, KV_HEADS, max_seq_len=1024, theta=THETA, **w)
 
 
-def test_task_2_rows_at_their_own_positions(attention_weights):
-    # The building block first: RoPE with one start position per row, against mx.fast.rope.
-    offsets = [0, 5, 11]
-    x = normal((3, 4, HEADS, HEAD_DIM), 30)  # N x L x H x D
-    rope = sol.positional_encoding.RoPE(HEAD_DIM, 1024, THETA)
-    expected = mx.fast.rope(x.transpose(0, 2, 1, 3), HEAD_DIM, traditional=False, base=THETA, scale=1.0,
-                            offset=mx.array(offsets)).transpose(0, 2, 1, 3)
-    assert_close(rope(x, offset=offsets), expected, "RoPE with one offset per row")
-
-    # Then the model's attention: three rows of 4 new tokens, each starting at its own position.
-    x = normal((3, 4, HIDDEN), 31)
-    out = our_attention(attention_weights)(x, offsets, ref.kv_cache.TinyKvFullCache())
-    assert_close(out, oracle_attention(x, offsets, attention_weights), "attention, one offset per row")
-
-
-def test_task_2_decode_step_with_batch_cache(attention_weights):
-    # Requests of 3, 8 and 5 tokens are prefilled alone, then decode one token each in one batch,
-    # each at its own position, with the batching cache's mask (slot 1 idle).
+@pytest.mark.parametrize("new", [1, 4])
+def test_task_2_rows_at_their_own_positions_through_the_batch_cache(attention_weights, new):
+    # Requests of 3, 8 and 5 tokens are prefilled alone, then run `new` more tokens each in one batch,
+    # each row at its own position, with your batching cache's mask (slot 1 idle).
     attention = our_attention(attention_weights)
     lengths = {0: 3, 2: 8, 3: 5}
-    sequences = {slot: normal((1, n + 1, HIDDEN), 40 + slot) for slot, n in lengths.items()}
-    batch_cache = ref.kv_cache.BatchingKvCache(4, 64)
+    sequences = {slot: normal((1, n + new, HIDDEN), 40 + slot) for slot, n in lengths.items()}
+    batch_cache = sol.kv_cache.BatchingKvCache(4, 64)
     for slot, n in lengths.items():
         request_cache = ref.kv_cache.TinyKvFullCache()
         attention(sequences[slot][:, :n], 0, request_cache)
         batch_cache.add_request(request_cache, slot)
-    x = mx.zeros((4, 1, HIDDEN))
+    x = mx.zeros((4, new, HIDDEN))
     offsets = [0, 0, 0, 0]
     for slot, n in lengths.items():
         x[slot] = sequences[slot][0, n:]
         offsets[slot] = n
     out = attention(x, offsets, batch_cache)
     for slot, n in lengths.items():
-        expected = oracle_attention(sequences[slot], [0], attention_weights)[0, n]
-        assert_close(out[slot, 0], expected, f"slot {slot}: a decode step at position {n}")
+        expected = oracle_attention(sequences[slot], [0], attention_weights)[0, n:]
+        assert_close(out[slot], expected, f"slot {slot}: {new} new tokens at positions {n}..")
 
 
 # ---------------------------------------------------------------- Task 3: the model runs a batch

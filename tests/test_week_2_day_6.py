@@ -5,7 +5,8 @@ Qwen2 (with its own KV cache) for the embedded model, and straight from the fake
 recording fake (tests/scheduler_fakes.py), whose caches hold token ids so that a scheduler mixing up
 slots, caches or offsets is caught. Results must not depend on the batch size or on prompt order.
 
-Day 2.7's parts of batch.py (chunked prefill, the iteration loop, stats) come from the reference here.
+Day 2.7's parts of batch.py (chunked prefill, the iteration loop, stats) come from the reference here
+(tests/harness.py: each day's tests run that day's tasks only).
 """
 
 import itertools
@@ -16,17 +17,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.harness import reference, solution
 from tests.scheduler_fakes import (
-    EOS, FakeModel, FakeTokenizer, ModelFailure, borrow, expected_tokens, prompt_of,
+    EOS, FakeModel, FakeTokenizer, ModelFailure, expected_tokens, prompt_of,
 )
 
 sol = solution(week=2, day=6)
 ref = reference()
 
-DAY_7_PARTS = {
-    "Request": ["try_prefill"],
-    "Scheduler": ["prefill_chunk", "step", "log_stats"],
-    "": ["SchedulerStats"],
-}
 
 PROMPTS = [
     "Hello world",
@@ -40,9 +36,8 @@ MAX_SEQ_LEN = 32
 
 
 @pytest.fixture
-def batch(monkeypatch):
-    """The batch module under test, with day 2.7's parts from the reference."""
-    borrow(monkeypatch, sol.batch, ref.batch, DAY_7_PARTS)
+def batch():
+    """The batch module under test."""
     return sol.batch
 
 

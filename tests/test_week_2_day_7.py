@@ -6,7 +6,8 @@ chunk's mask and positions; one-shot prefill for chunked prefill (same logits, s
 one-request-at-a-time greedy generation by mlx-lm's own Qwen2 for the scheduler's outputs; MLX's
 memory counters for materialization and peak memory; an injected clock for times, policies and logs.
 
-Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here.
+Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here
+(tests/harness.py: each day's tests run that day's tasks only).
 """
 
 import re
@@ -18,16 +19,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.harness import reference, solution
 from tests.scheduler_fakes import (
-    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, borrow, expected_tokens, next_token_of, prompt_of,
+    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, expected_tokens, next_token_of, prompt_of,
 )
 
 sol = solution(week=2, day=7)
 ref = reference()
 
-DAY_6_PARTS = {
-    "Request": ["record_token", "decode_done", "text"],
-    "Scheduler": ["admit", "decode_step", "retire", "release_all"],
-}
 
 PROMPTS = [
     "Hello world",
@@ -40,9 +37,8 @@ MAX_SEQ_LEN = 40
 
 
 @pytest.fixture
-def batch(monkeypatch):
-    """The batch module under test, with day 2.6's parts from the reference."""
-    borrow(monkeypatch, sol.batch, ref.batch, DAY_6_PARTS)
+def batch():
+    """The batch module under test."""
     return sol.batch
 
 
@@ -60,8 +56,8 @@ class LogitsRecorder:
         self.model = model
         self.outputs = []
 
-    def __call__(self, inputs, offset, cache):
-        logits = self.model(inputs, offset, cache)
+    def __call__(self, inputs, offset, cache, **kwargs):
+        logits = self.model(inputs, offset, cache, **kwargs)
         self.outputs.append(logits)
         return logits
 
@@ -122,54 +118,7 @@ def eos_free_prompt(length: int, tokens_needed: int, seed: int = 0) -> str:
     raise AssertionError("no such prompt")
 
 
-# ---------------------------------------------------------------- Task 1: Request.try_prefill
-
-
-def test_task_1_seven_tokens_in_chunks_of_three(batch):
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    prompt = "abcdefg"
-    ids = tokenizer.encode(prompt)
-    request = batch.Request(model, tokenizer, prompt, prefill_max_step=3, prompt_idx=2)
-    progress = []
-    for _ in range(3):
-        assert not request.is_prefill_done and request.next_token is None
-        ran = request.try_prefill()
-        progress.append((ran, request.offset, request.is_prefill_done))
-    assert progress == [(3, 3, False), (3, 6, False), (1, 7, True)]
-    calls = [(c.tokens, c.offset) for c in model.prefill_calls]
-    assert calls == [(ids[0:3], 0), (ids[3:6], 3), (ids[6:7], 6)], "chunks of at most 3 at their absolute offsets"
-    first = next_token_of(ids)
-    assert request.next_token == first, "the last chunk picks the first output token (greedy)"
-    assert request.output_tokens == ([] if first == EOS else [first])
-    with pytest.raises(RuntimeError):
-        request.try_prefill()
-    assert len(model.calls) == 3, "a try_prefill after the prefill is done must not call the model"
-
-
-@pytest.mark.parametrize("length, calls", [(4, 1), (5, 1), (6, 2), (1, 1), (11, 3)])
-def test_task_1_prompt_shorter_equal_longer_than_a_chunk(batch, length, calls):
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    prompt = prompt_of(length, seed=length)
-    request = batch.Request(model, tokenizer, prompt, prefill_max_step=5)
-    sizes = prefill_all(request)
-    assert len(model.prefill_calls) == calls and sum(sizes) == length and all(1 <= s <= 5 for s in sizes)
-    assert [c.offset for c in model.prefill_calls] == [5 * i for i in range(calls)]
-    assert request.offset == length
-    assert request.next_token == next_token_of(tokenizer.encode(prompt))
-
-
-def test_task_1_bad_input_fails_before_any_model_call(batch):
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    request = batch.Request(model, tokenizer, "xy", prefill_max_step=1)
-    assert prefill_all(request) == [1, 1]
-    for kwargs in (dict(prompt="abc", prefill_max_step=0), dict(prompt=""), dict(prompt="abcdef", max_seq_len=6)):
-        model = FakeModel()
-        with pytest.raises(ValueError):
-            batch.Request(model, tokenizer, **kwargs)
-        assert model.calls == []
-
-
-# ---------------------------------------------------------------- Task 2: the chunk's mask and positions
+# ---------------------------------------------------------------- Task 1: the chunk's mask and positions
 
 
 def numpy_chunk_mask(offset: int, length: int) -> np.ndarray:
@@ -180,14 +129,14 @@ def numpy_chunk_mask(offset: int, length: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("offset, length", [(0, 1), (0, 6), (5, 3), (7, 1), (3, 9), (20, 4)])
-def test_task_2_chunk_causal_mask(batch, offset, length):
+def test_task_1_chunk_causal_mask(batch, offset, length):
     mask = batch.chunk_causal_mask(offset, length, mx.float32)
     assert mask.shape == (length, offset + length) and mask.dtype == mx.float32
     np.testing.assert_array_equal(np.array(mask), numpy_chunk_mask(offset, length))
     np.testing.assert_array_equal(np.array(batch.chunk_positions(offset, length)), np.arange(offset, offset + length))
 
 
-def test_task_2_contract_example(batch):
+def test_task_1_contract_example(batch):
     """With 5 tokens cached and 3 new, row 0 sees 6 keys (and rows 1, 2 see 7, 8)."""
     mask = np.array(batch.chunk_causal_mask(5, 3, mx.float32))
     assert [(row == 0).sum() for row in mask] == [6, 7, 8]
@@ -205,7 +154,7 @@ def numpy_rope(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 11, 20])
-def test_task_2_chunked_attention_equals_one_shot(batch, chunk):
+def test_task_1_chunked_attention_equals_one_shot(batch, chunk):
     """RoPE at the chunk's positions and attention under its mask, chunk by chunk, give one-shot attention."""
     total, heads, dim, base = 11, 2, 8, 10000.0
     q, k, v = (mx.random.normal((1, heads, total, dim), key=mx.random.key(s)) for s in (1, 2, 3))
@@ -224,8 +173,77 @@ def test_task_2_chunked_attention_equals_one_shot(batch, chunk):
     np.testing.assert_allclose(np.array(mx.concatenate(outputs, axis=2)), np.array(one_shot), rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------- Task 2: materialize the KV cache
+
+
+def kv_bytes(model, tokens: int) -> int:
+    args = model.args
+    head_dim = args.hidden_size // args.num_attention_heads
+    return tokens * args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * 4  # float32
+
+
+def test_task_2_materialize_cache_computes_keys_and_values(batch, real):
+    model, _, tokenizer = real
+    ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    cache = model.make_cache()
+    model(mx.array([ids]), 0, cache)  # lazy: nothing computed yet
+    mx.synchronize()
+    before = mx.get_active_memory()
+    batch.materialize_cache(cache)
+    grown = mx.get_active_memory() - before
+    # Allocator accounting is not byte-exact; left lazy, the cache would have grown by ~0 bytes.
+    assert grown >= kv_bytes(model, len(ids)) / 2, f"the cache's arrays must be computed (grew {grown} bytes)"
+
+
+# ---------------------------------------------------------------- Task 3: Request.try_prefill
+
+
+def test_task_3_seven_tokens_in_chunks_of_three(batch):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    prompt = "abcdefg"
+    ids = tokenizer.encode(prompt)
+    request = batch.Request(model, tokenizer, prompt, prefill_max_step=3, prompt_idx=2)
+    progress = []
+    for _ in range(3):
+        assert not request.is_prefill_done and request.next_token is None
+        ran = request.try_prefill()
+        progress.append((ran, request.offset, request.is_prefill_done))
+    assert progress == [(3, 3, False), (3, 6, False), (1, 7, True)]
+    calls = [(c.tokens, c.offset) for c in model.prefill_calls]
+    assert calls == [(ids[0:3], 0), (ids[3:6], 3), (ids[6:7], 6)], "chunks of at most 3 at their absolute offsets"
+    first = next_token_of(ids)
+    assert request.next_token == first, "the last chunk picks the first output token (greedy)"
+    assert request.output_tokens == ([] if first == EOS else [first])
+    with pytest.raises(ValueError):
+        request.try_prefill()
+    assert len(model.calls) == 3, "a try_prefill after the prefill is done must not call the model"
+
+
+@pytest.mark.parametrize("length, calls", [(4, 1), (5, 1), (6, 2), (1, 1), (11, 3)])
+def test_task_3_prompt_shorter_equal_longer_than_a_chunk(batch, length, calls):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    prompt = prompt_of(length, seed=length)
+    request = batch.Request(model, tokenizer, prompt, prefill_max_step=5)
+    sizes = prefill_all(request)
+    assert len(model.prefill_calls) == calls and sum(sizes) == length and all(1 <= s <= 5 for s in sizes)
+    assert [c.offset for c in model.prefill_calls] == [5 * i for i in range(calls)]
+    assert request.offset == length
+    assert request.next_token == next_token_of(tokenizer.encode(prompt))
+
+
+def test_task_3_bad_input_fails_before_any_model_call(batch):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    request = batch.Request(model, tokenizer, "xy", prefill_max_step=1)
+    assert prefill_all(request) == [1, 1]
+    for kwargs in (dict(prompt="abc", prefill_max_step=0), dict(prompt=""), dict(prompt="abcdef", max_seq_len=6)):
+        model = FakeModel()
+        with pytest.raises(ValueError):
+            batch.Request(model, tokenizer, **kwargs)
+        assert model.calls == []
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, None])
-def test_task_2_chunked_prefill_equals_one_shot(batch, real, chunk):
+def test_task_3_chunked_prefill_equals_one_shot(batch, real, chunk):
     """Same logits at every prompt position and the same KV cache (the next decode step agrees)."""
     model, _, tokenizer = real
     prompt = PROMPTS[1]
@@ -251,10 +269,110 @@ def test_task_2_chunked_prefill_equals_one_shot(batch, real, chunk):
     np.testing.assert_allclose(np.array(after_chunked), np.array(after_one_shot), rtol=1e-3, atol=1e-3)
 
 
-# ---------------------------------------------------------------- Task 3: the scheduler interleaves
+def test_task_3_chunks_go_to_the_model_with_their_chunk_mask(batch):
+    """The model gets `chunk_causal_mask(offset, chunk length)` with every chunk: the mask the chunk needs."""
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    request = batch.Request(model, tokenizer, prompt_of(11, 3), prefill_max_step=4)
+    prefill_all(request)
+    for call in model.prefill_calls:
+        assert call.mask is not None, "try_prefill must pass mask=chunk_causal_mask(...) to the model"
+        np.testing.assert_array_equal(np.array(call.mask), numpy_chunk_mask(call.offset, len(call.tokens)))
 
 
-def test_task_3_each_iteration_runs_one_chunk_then_one_decode_step(batch):
+def test_task_3_try_prefill_materializes_between_chunks(batch, real):
+    model, _, tokenizer = real
+    ids = list(range(1000, 1064))
+    request = batch.Request(model, tokenizer, ids, prefill_max_step=32)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    request.try_prefill()  # the first of two chunks: nobody reads its logits
+    grown = mx.get_active_memory() - before
+    assert grown >= kv_bytes(model, 32) / 2, (
+        f"after a chunk that is not the last, its keys and values must be computed (memory grew {grown} bytes)")
+
+
+def test_task_3_chunked_prefill_needs_less_peak_memory(batch, real):
+    model, _, tokenizer = real
+    ids = [1000 + (i * 37) % 5000 for i in range(384)]
+    one_shot = batch.prefill_peak_memory(model, tokenizer, ids, len(ids))
+    chunked = batch.prefill_peak_memory(model, tokenizer, ids, 32)
+    assert 0 < chunked < one_shot / 4, f"chunked {chunked} bytes, one-shot {one_shot} bytes"
+
+
+# ---------------------------------------------------------------- Task 4: stats and logs
+
+
+def test_task_4_stats_before_anything_ran(batch):
+    stats = batch.SchedulerStats()
+    assert stats.avg_chunk_time is None and stats.interleave_ratio is None
+    stats.record_chunk(10, 2.0)
+    stats.record_decode_step(4, 0.5, interleaved=False)
+    assert (stats.avg_chunk_time, stats.interleave_ratio, stats.decode_tokens, stats.interleaved_steps) == (2.0, 1.0, 4, 0)
+
+
+STATS_LINE = re.compile(
+    r"prompt (?P<prompt>[\d.]+) tokens/s, generation (?P<gen>[\d.]+) tokens/s, running (?P<running>\d+), "
+    r"waiting (?P<waiting>\d+), KV cache (?P<kv>[\d.]+)%")
+
+
+def scheduler_at(batch, clock, lines, **settings):
+    """A Scheduler on the fake model whose log goes to `lines`; nothing runs until the test says so."""
+    settings = {"max_seq_len": 32, "batch_size": 2, "prefill_step": 4, "log_interval": 1.0, **settings}
+    return batch.Scheduler(FakeModel(), FakeTokenizer(), clock=clock, log=lines.append, **settings)
+
+
+def test_task_4_start_up_line_says_whether_chunking_is_on(batch):
+    for prefill_step, max_seq_len, word in [(4, 32, "enabled"), (31, 32, "enabled"), (32, 32, "disabled"),
+                                            (100, 32, "disabled")]:
+        lines = []
+        scheduler = scheduler_at(batch, FakeClock(), lines, prefill_step=prefill_step, max_seq_len=max_seq_len)
+        scheduler.log_stats()
+        assert len(lines) == 1 and f"chunked prefill {word}" in lines[0] and "token budget" in lines[0], lines
+        if word == "enabled":
+            assert scheduler.policy.describe() in lines[0], "the line names the policy"
+        scheduler.log_stats()
+        assert len(lines) == 1, "no stats line before log_interval has passed"
+
+
+def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets(batch):
+    """Rates cover the time since the last line, not since the start; KV use counts what the slots hold."""
+    clock, lines = FakeClock(), []
+    scheduler = scheduler_at(batch, clock, lines, max_seq_len=50, batch_size=4, log_interval=2.0)
+    scheduler.log_stats()  # the start-up line at t = 0
+    scheduler.stats.prefill_tokens, scheduler.stats.decode_tokens = 40, 10
+    clock.advance(2.0)
+    scheduler.log_stats()
+    # The second interval: 4 s, far fewer tokens, so cumulative rates would differ from the true ones.
+    scheduler.stats.prefill_tokens, scheduler.stats.decode_tokens = 44, 30
+    long_prompt = batch.Request(scheduler.model, scheduler.tokenizer, prompt_of(20, 1))
+    long_prompt.offset = 23  # 20 prompt tokens + 3 decoded
+    short_prompt = batch.Request(scheduler.model, scheduler.tokenizer, prompt_of(2, 2))
+    short_prompt.offset = 9
+    scheduler.slots[1], scheduler.slots[3] = long_prompt, short_prompt
+    scheduler.queue.append(batch.Request(scheduler.model, scheduler.tokenizer, "abc"))
+    clock.advance(4.0)
+    scheduler.log_stats()
+    first, second = (STATS_LINE.search(line) for line in lines[1:])
+    assert (float(first["prompt"]), float(first["gen"])) == (20.0, 5.0), lines[1]
+    assert (float(second["prompt"]), float(second["gen"])) == (1.0, 5.0), "rates since the previous line"
+    assert (int(second["running"]), int(second["waiting"])) == (2, 1)
+    assert float(second["kv"]) == pytest.approx(100 * 32 / 200, abs=0.05), "held = sum of offsets, of 4 x 50"
+    assert "32/200 tokens" in lines[2]
+
+
+def test_task_4_no_stats_line_inside_the_interval(batch):
+    clock, lines = FakeClock(), []
+    scheduler = scheduler_at(batch, clock, lines)
+    for _ in range(5):
+        scheduler.log_stats()
+        clock.advance(0.3)
+    assert len(lines) == 2, "the start-up line at 0 s, a stats line at 1.2 s"
+
+
+# ---------------------------------------------------------------- Task 5: the scheduler interleaves
+
+
+def test_task_5_each_iteration_runs_one_chunk_then_one_decode_step(batch):
     model, tokenizer = FakeModel(eos=False), FakeTokenizer()
     short, long = prompt_of(3, 1), prompt_of(10, 2)
     scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
@@ -277,7 +395,7 @@ def test_task_3_each_iteration_runs_one_chunk_then_one_decode_step(batch):
 
 @pytest.mark.parametrize("prefill_step", [1, 2, 3, 5, 1000])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_task_3_fake_outputs_equal_for_every_chunk_size(batch, prefill_step, batch_size):
+def test_task_5_fake_outputs_equal_for_every_chunk_size(batch, prefill_step, batch_size):
     tokenizer = FakeTokenizer()
     prompts = [prompt_of(2 + (i * 7) % 13, seed=i) for i in range(7)]
     scheduler = run_scheduler(batch, FakeModel(), tokenizer, prompts, max_seq_len=24,
@@ -287,7 +405,7 @@ def test_task_3_fake_outputs_equal_for_every_chunk_size(batch, prefill_step, bat
 
 
 @pytest.mark.parametrize("prefill_step", [1, 2, 3, 7, 64])
-def test_task_3_real_model_outputs_equal_one_at_a_time(batch, real, oracle_tokens, prefill_step):
+def test_task_5_real_model_outputs_equal_one_at_a_time(batch, real, oracle_tokens, prefill_step):
     model, _, tokenizer = real
     scheduler = run_scheduler(batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN,
                               batch_size=3, prefill_step=prefill_step)
@@ -295,7 +413,7 @@ def test_task_3_real_model_outputs_equal_one_at_a_time(batch, real, oracle_token
     assert got == dict(enumerate(oracle_tokens))
 
 
-def test_task_3_first_token_eos_finishes_without_a_decode_step(batch):
+def test_task_5_first_token_eos_finishes_without_a_decode_step(batch):
     tokenizer = FakeTokenizer()
     eos_prompt = next(p for p in (prompt_of(n, s) for s in range(500) for n in (4, 9))
                       if next_token_of(tokenizer.encode(p)) == EOS)
@@ -310,7 +428,7 @@ def test_task_3_first_token_eos_finishes_without_a_decode_step(batch):
 
 
 @pytest.mark.parametrize("fail_on_call", [3, 5, 7])  # calls: short prefill, decode, long chunk, decode, ...
-def test_task_3_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_call):
+def test_task_5_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_call):
     """A chunk that raises propagates out of step(); release_all then frees every slot and cache."""
     model, tokenizer = FakeModel(eos=False, fail_on_call=fail_on_call), FakeTokenizer()
     scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
@@ -325,57 +443,100 @@ def test_task_3_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_
     assert all(r.kv_cache is None for r in requests)
 
 
-# ---------------------------------------------------------------- Task 4: materialize; peak memory
+def test_task_5_stats_count_chunks_decode_steps_and_interleaving(batch):
+    clock = FakeClock()
+    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
+    scheduler.add_request(prompt_of(3, 1), max_tokens=8)
+    scheduler.add_request(prompt_of(10, 2), max_tokens=2)
+    while scheduler.has_work():
+        scheduler.step()
+    stats = scheduler.stats
+    assert stats.chunks == 5 and stats.prefill_tokens == 13
+    assert stats.chunk_seconds == pytest.approx(5 * 0.5 + 13 * 0.25)
+    assert stats.avg_chunk_time == pytest.approx(stats.chunk_seconds / 5)
+    assert stats.decode_steps == len(model.decode_calls)
+    assert stats.decode_tokens == sum(len(c.active) for c in model.decode_calls) == 7 + 1
+    assert stats.decode_seconds == pytest.approx(0.125 * stats.decode_steps)
+    # A decode step is interleaved when the same iteration ran a chunk: the call just before it.
+    interleaved = sum(1 for before, c in zip(model.calls, model.calls[1:]) if c.kind == "decode" and before.kind == "prefill")
+    assert stats.interleaved_steps == interleaved == 5
+    assert stats.interleave_ratio == pytest.approx(5 / stats.decode_steps)
 
 
-def kv_bytes(model, tokens: int) -> int:
-    args = model.args
-    head_dim = args.hidden_size // args.num_attention_heads
-    return tokens * args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * 4  # float32
+def test_task_5_logs_the_set_up_then_periodic_stats(batch):
+    clock = FakeClock()
+    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
+    lines = []
+    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
+                                log=lines.append, log_interval=1.0)
+    for i in range(3):
+        scheduler.add_request(prompt_of(8, i), max_tokens=6)
+    while scheduler.has_work():
+        scheduler.step()
+    assert "chunked prefill enabled" in lines[0] and "4 prompt tokens" in lines[0], lines[0]
+    assert "token budget" in lines[0]
+    periodic = [STATS_LINE.search(line) for line in lines[1:]]
+    assert len(periodic) >= 3 and all(periodic), lines
+    # The first periodic line covers [0, t]: 4 prompt tokens per chunk at 0.1 s/token and 0.25 s decode steps.
+    first = periodic[0]
+    assert float(first["prompt"]) > 0 and float(first["gen"]) > 0
+    assert int(first["running"]) <= 2 and int(first["waiting"]) <= 3 and 0 < float(first["kv"]) <= 100
+    assert clock() / 1.0 - 1 <= len(periodic) <= clock() / 1.0 + 1, "about one line per log_interval"
 
 
-def test_task_4_materialize_cache_computes_keys_and_values(batch, real):
-    model, _, tokenizer = real
-    ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
-    cache = model.make_cache()
-    model(mx.array([ids]), 0, cache)  # lazy: nothing computed yet
-    mx.synchronize()
-    before = mx.get_active_memory()
-    batch.materialize_cache(cache)
-    grown = mx.get_active_memory() - before
-    # Allocator accounting is not byte-exact; left lazy, the cache would have grown by ~0 bytes.
-    assert grown >= kv_bytes(model, len(ids)) / 2, f"the cache's arrays must be computed (grew {grown} bytes)"
+def test_task_5_every_output_token_is_timed_and_eos_is_not(batch):
+    """metrics.token once per output token: the first one (TTFT ends there) included, an EOS never."""
+    tokenizer = FakeTokenizer()
+    eos_first = next(p for p in (prompt_of(n, s) for s in range(500) for n in (4, 9))
+                     if next_token_of(tokenizer.encode(p)) == EOS)
+    prompts = [eos_free_prompt(5, 6), eos_first, prompt_of(7, 3), prompt_of(3, 4)]
+    clock = FakeClock()
+    model = FakeModel(clock=clock, prefill_cost=(0.01, 0.001), decode_cost=0.02)
+    scheduler = run_scheduler(batch, model, tokenizer, prompts, max_seq_len=14, batch_size=2, prefill_step=3,
+                              clock=clock)
+    timed = scheduler.metrics.requests
+    for request in scheduler.finished:
+        times = timed[request.prompt_idx].token_times
+        assert len(times) == len(request.output_tokens), (
+            f"request {request.prompt_idx}: {len(request.output_tokens)} output tokens, {len(times)} timed")
+    assert timed[0].ttft is not None and timed[0].ttft > 0, "the first token ends time-to-first-token"
+    assert timed[1].token_times == [], "an EOS first token is not an output token"
 
 
-def test_task_4_try_prefill_materializes_between_chunks(batch, real):
-    model, _, tokenizer = real
-    ids = list(range(1000, 1064))
-    request = batch.Request(model, tokenizer, ids, prefill_max_step=32)
-    mx.synchronize()
-    before = mx.get_active_memory()
-    request.try_prefill()  # the first of two chunks: nobody reads its logits
-    grown = mx.get_active_memory() - before
-    assert grown >= kv_bytes(model, 32) / 2, (
-        f"after a chunk that is not the last, its keys and values must be computed (memory grew {grown} bytes)")
+def test_task_5_a_freed_slot_goes_to_the_waiting_request_in_the_same_iteration(batch):
+    """After every step: never a free slot while a prefilled request waits for one."""
+    tokenizer = FakeTokenizer()
+    prompts = [eos_free_prompt(3, 4, seed=s) for s in (0, 40, 80)] + [prompt_of(2, 9)]
+
+    def no_idle_slot(scheduler):
+        waiting = scheduler.prefilling
+        if waiting is not None and waiting.is_prefill_done and not waiting.is_done:
+            assert scheduler.free_slot() is None, (
+                f"request {waiting.prompt_idx} is prefilled and slot {scheduler.free_slot()} is free: "
+                "admit again after the decode step")
+
+    run_scheduler(batch, FakeModel(eos=False), tokenizer, prompts, check=no_idle_slot, max_seq_len=7,
+                  batch_size=1, prefill_step=8)
 
 
-def test_task_4_chunked_prefill_needs_less_peak_memory(batch, real):
-    model, _, tokenizer = real
-    ids = [1000 + (i * 37) % 5000 for i in range(384)]
-    one_shot = batch.prefill_peak_memory(model, tokenizer, ids, len(ids))
-    chunked = batch.prefill_peak_memory(model, tokenizer, ids, 32)
-    assert 0 < chunked < one_shot / 4, f"chunked {chunked} bytes, one-shot {one_shot} bytes"
+def test_task_5_try_prefill_after_done_is_never_called(batch):
+    model, tokenizer = FakeModel(), FakeTokenizer()
+    run_scheduler(batch, model, tokenizer, [prompt_of(5, 1), prompt_of(9, 2)], max_seq_len=20, batch_size=1,
+                  prefill_step=4)
+    assert [len(c.tokens) for c in model.prefill_calls] == [4, 1, 4, 4, 1]
 
 
-# ---------------------------------------------------------------- Task 5: the chunk-size policy
+# ---------------------------------------------------------------- Task 6: the chunk-size policy
 
 
-def test_task_5_adaptive_policy_from_measurements(batch):
+def test_task_6_adaptive_policy_from_measurements(batch):
     policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.5, min_chunk=8, max_chunk=512, initial_chunk=32,
                                                   smoothing=0.5)
     assert policy.next_chunk_size(0) == 512, "nobody decoding: the largest chunk"
     assert policy.next_chunk_size(3) == 32, "nothing measured yet: the initial chunk"
     policy.observe_chunk(64, 1.0)  # 1/64 s per token
+    assert policy.next_chunk_size(3) == 32, "no decode step measured yet: it counts as 0 s, 0.5 s / (1/64 s per token)"
     policy.observe_decode(3, 0.25)
     assert policy.next_chunk_size(3) == 16, "(0.5 - 0.25) s / (1/64 s per token)"
     policy.observe_chunk(16, 0.5)  # 1/32 s per token: the average moves halfway, to 3/128
@@ -389,7 +550,7 @@ def test_task_5_adaptive_policy_from_measurements(batch):
     assert fast.next_chunk_size(1) == 512, "never above max_chunk"
 
 
-def test_task_5_adaptive_policy_holds_the_latency_target(batch):
+def test_task_6_adaptive_policy_holds_the_latency_target(batch):
     """With an injected clock: a chunk costs 10 ms + 1 ms/token, a decode step 20 ms; target 100 ms."""
     clock = FakeClock()
     model = FakeModel(eos=False, clock=clock, prefill_cost=(0.010, 0.001), decode_cost=0.020)
@@ -413,77 +574,10 @@ def test_task_5_adaptive_policy_holds_the_latency_target(batch):
     assert all(t <= 0.1 + 1e-9 for t in times), "no iteration goes over the target"
 
 
-def test_task_5_without_decoders_the_whole_prompt_goes_at_once(batch):
+def test_task_6_without_decoders_the_whole_prompt_goes_at_once(batch):
     clock = FakeClock()
     model = FakeModel(clock=clock, prefill_cost=(0.01, 0.001))
     policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.05, min_chunk=4, max_chunk=256)
     run_scheduler(batch, model, FakeTokenizer(), [prompt_of(200, 1)], max_seq_len=203, batch_size=1,
                   prefill_step=16, policy=policy, clock=clock)
     assert [len(c.tokens) for c in model.prefill_calls] == [200]
-
-
-# ---------------------------------------------------------------- Task 6: stats and logs
-
-
-def test_task_6_stats_count_chunks_decode_steps_and_interleaving(batch):
-    clock = FakeClock()
-    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
-    scheduler.add_request(prompt_of(3, 1), max_tokens=8)
-    scheduler.add_request(prompt_of(10, 2), max_tokens=2)
-    while scheduler.has_work():
-        scheduler.step()
-    stats = scheduler.stats
-    assert stats.chunks == 5 and stats.prefill_tokens == 13
-    assert stats.chunk_seconds == pytest.approx(5 * 0.5 + 13 * 0.25)
-    assert stats.avg_chunk_time == pytest.approx(stats.chunk_seconds / 5)
-    assert stats.decode_steps == len(model.decode_calls)
-    assert stats.decode_tokens == sum(len(c.active) for c in model.decode_calls) == 7 + 1
-    assert stats.decode_seconds == pytest.approx(0.125 * stats.decode_steps)
-    # A decode step is interleaved when the same iteration ran a chunk: the call just before it.
-    interleaved = sum(1 for before, c in zip(model.calls, model.calls[1:]) if c.kind == "decode" and before.kind == "prefill")
-    assert stats.interleaved_steps == interleaved == 5
-    assert stats.interleave_ratio == pytest.approx(5 / stats.decode_steps)
-
-
-def test_task_6_stats_before_anything_ran(batch):
-    stats = batch.SchedulerStats()
-    assert stats.avg_chunk_time is None and stats.interleave_ratio is None
-    stats.record_chunk(10, 2.0)
-    stats.record_decode_step(4, 0.5, interleaved=False)
-    assert (stats.avg_chunk_time, stats.interleave_ratio, stats.decode_tokens, stats.interleaved_steps) == (2.0, 1.0, 4, 0)
-
-
-STATS_LINE = re.compile(
-    r"prompt (?P<prompt>[\d.]+) tokens/s, generation (?P<gen>[\d.]+) tokens/s, running (?P<running>\d+), "
-    r"waiting (?P<waiting>\d+), KV cache (?P<kv>[\d.]+)%")
-
-
-def test_task_6_logs_the_set_up_then_periodic_stats(batch):
-    clock = FakeClock()
-    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
-    lines = []
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
-                                log=lines.append, log_interval=1.0)
-    for i in range(3):
-        scheduler.add_request(prompt_of(8, i), max_tokens=6)
-    while scheduler.has_work():
-        scheduler.step()
-    assert "chunked prefill enabled" in lines[0] and "4 prompt tokens" in lines[0], lines[0]
-    assert "token budget" in lines[0]
-    periodic = [STATS_LINE.search(line) for line in lines[1:]]
-    assert len(periodic) >= 3 and all(periodic), lines
-    # The first periodic line covers [0, t]: 4 prompt tokens per chunk at 0.1 s/token and 0.25 s decode steps.
-    first = periodic[0]
-    assert float(first["prompt"]) > 0 and float(first["gen"]) > 0
-    assert int(first["running"]) <= 2 and int(first["waiting"]) <= 3 and 0 < float(first["kv"]) <= 100
-    assert clock() / 1.0 - 1 <= len(periodic) <= clock() / 1.0 + 1, "about one line per log_interval"
-
-
-def test_task_6_log_says_when_chunking_is_off(batch):
-    lines = []
-    scheduler = batch.Scheduler(FakeModel(), FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=32,
-                                log=lines.append)
-    scheduler.add_request("abc")
-    scheduler.step()
-    assert len(lines) == 1 and "disabled" in lines[0]

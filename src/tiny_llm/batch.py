@@ -92,12 +92,14 @@ class Request:
         """Prefill the next chunk of at most `prefill_max_step` prompt tokens; return how many tokens it ran.
 
         The chunk's tokens sit at absolute positions `offset ..`; the model reads the earlier ones from
-        the KV cache, and `offset` moves past the chunk. A chunk that is not the last materializes the
-        KV cache (MLX is lazy). The last chunk also picks the first output token (greedy), records it
-        with `record_token`, and sets `is_prefill_done`. Raises RuntimeError once the prefill is done.
+        the KV cache under the chunk's mask (`chunk_causal_mask(offset, chunk length)`), and `offset`
+        moves past the chunk. A chunk that is not the last materializes the KV cache (MLX is lazy).
+        The last chunk also picks the first output token (greedy), records it with `record_token`, and
+        sets `is_prefill_done`. Called once the prefill is done, it raises ValueError (no model call).
         """
-        # TODO: chunk = prompt_tokens[offset : offset + prefill_max_step]; model(1 x L, offset, kv_cache); ...
-        raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset")
+        # TODO: done already -> ValueError; chunk = prompt_tokens[offset : offset + prefill_max_step];
+        # model(1 x L, offset, kv_cache, mask=chunk_causal_mask(...)); materialize, or the first token
+        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset")
 
     def record_token(self, token: int) -> None:
         """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
@@ -123,13 +125,13 @@ class Request:
 def materialize_cache(kv_cache: list) -> None:
     """Evaluate every array a request's KV cache holds (one cache object per layer), so no lazy work is left."""
     # TODO: mx.eval over the arrays each layer's cache object holds (vars(...) reaches them)
-    raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks")
+    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks")
 
 
 def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step: int) -> int:
     """The peak memory, in bytes above what was allocated before, of prefilling `prompt` in chunks of `prefill_step` tokens."""
     # TODO: active memory before, reset the peak, prefill chunk by chunk, peak minus before
-    raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill")
+    raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill")
 
 
 # ---------------------------------------------------------------- the chunk's view of attention
@@ -138,7 +140,7 @@ def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step:
 def chunk_positions(offset: int, chunk_len: int) -> mx.array:
     """The absolute positions of a chunk of `chunk_len` tokens after `offset` cached ones: what RoPE rotates by."""
     # TODO: offset, offset + 1, ..., offset + chunk_len - 1
-    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk")
+    raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk")
 
 
 def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
@@ -149,7 +151,7 @@ def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32)
     S = offset + chunk_len.
     """
     # TODO: key position <= query position (offset + i): 0, else -inf
-    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens")
+    raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens")
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -170,24 +172,24 @@ class SchedulerStats:
     def record_chunk(self, tokens: int, seconds: float) -> None:
         """Count one prefill chunk of `tokens` prompt tokens that took `seconds`."""
         # TODO: one more chunk, its tokens and seconds
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a prefill chunk")
+        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): count a prefill chunk")
 
     def record_decode_step(self, batch: int, seconds: float, interleaved: bool) -> None:
         """Count one decode step of `batch` requests that took `seconds`; `interleaved`: a chunk ran in the same iteration."""
         # TODO: one more step, batch tokens, seconds; interleaved counts
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): count a decode step")
+        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): count a decode step")
 
     @property
     def avg_chunk_time(self) -> float | None:
         """Mean seconds per prefill chunk (None before the first chunk)."""
         # TODO: chunk_seconds / chunks, None before any chunk
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): mean seconds per chunk")
+        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): mean seconds per chunk")
 
     @property
     def interleave_ratio(self) -> float | None:
         """Prefill chunks per decode step (None before the first decode step)."""
         # TODO: chunks / decode_steps, None before any decode step
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step")
+        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step")
 
     def to_dict(self) -> dict:
         """The counters and the two derived figures, JSON-ready."""
@@ -343,7 +345,7 @@ class Scheduler:
         """
         # TODO: take from the queue if nobody prefills; chunk size from the policy (check_chunk_size it);
         # time try_prefill; stats, policy
-        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
+        raise NotImplementedError("Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
 
     @refuse_after_failure
     def step(self) -> None:
@@ -355,17 +357,19 @@ class Scheduler:
         (RuntimeError) until `release_all()`.
         """
         # TODO: log_stats, prefill_chunk, admit, then (timed) decode_step with stats and policy, and admit again
-        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
+        raise NotImplementedError("Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
 
     def log_stats(self) -> None:
         """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.
 
-        The first line says that chunked prefill is enabled (or that a chunk holds every prompt) and
-        the token budget of one iteration. Later lines give prompt and generation tokens/s since the
-        previous line, running and waiting requests, and KV cache use (tokens held / slot capacity).
+        The first line says "chunked prefill enabled" with the policy's `describe()`, or "chunked
+        prefill disabled" when `prefill_step >= max_seq_len` (a chunk then holds any prompt that fits),
+        and the token budget of one iteration. Later lines give prompt and generation tokens/s since
+        the previous line (not since the start), running and waiting requests, and KV cache use: the
+        tokens the decode slots hold (the sum of their requests' `offset`) / `batch_size * max_seq_len`.
         """
         # TODO: first call: the set-up line; then every log_interval: rates since the last line, counts, KV use
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line")
+        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line")
 
 
 def batch_generate(

@@ -107,7 +107,7 @@ class BatchingKvCache(TinyKvCache):
         # TODO: which slot each row is (all slots, or the held ones only); each held slot appends its row;
         # pad every request on the left to the longest; stack rows and masks
         raise NotImplementedError(
-            "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): "
+            "Week 2 Day 5 Task 2 (book/src/week2-05-batching-the-model.md): "
             "append each slot's keys, align the rows, build the B x 1 x L x S mask"
         )
 

@@ -202,13 +202,21 @@ class Qwen2ModelWeek2:
         self.norm = RMSNorm(args.hidden_size, inner.norm.weight, eps=args.rms_norm_eps)
         self.w_lm_head = None if args.tie_word_embeddings else weight(mlx_model.lm_head)
 
-    def __call__(self, inputs: mx.array, offset: int | list[int], cache: list[TinyKvCache]) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        offset: int | list[int],
+        cache: list[TinyKvCache],
+        mask: mx.array | str = "causal",
+    ) -> mx.array:
         """New token ids `B x L` after `offset` cached ones -> logits `B x L x vocab_size`.
 
         `offset` is an int, or a list with one start position per row (a batch); `cache` has one
         cache per layer (from `make_cache()` or `make_batch_cache(...)`) and is updated in place.
+        `mask` goes to every layer's attention: "causal", or an `L x S` array such as day 2.7's
+        chunk mask (a batching cache supplies its own).
         """
-        # TODO: embedding; layer i with cache[i]; norm; output layer
+        # TODO: embedding; layer i with cache[i] and mask; norm; output layer
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): run the new tokens through the layers and caches"
         )

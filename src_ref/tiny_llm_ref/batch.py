@@ -92,15 +92,17 @@ class Request:
         """Prefill the next chunk of at most `prefill_max_step` prompt tokens; return how many tokens it ran.
 
         The chunk's tokens sit at absolute positions `offset ..`; the model reads the earlier ones from
-        the KV cache, and `offset` moves past the chunk. A chunk that is not the last materializes the
-        KV cache (MLX is lazy). The last chunk also picks the first output token (greedy), records it
-        with `record_token`, and sets `is_prefill_done`. Raises RuntimeError once the prefill is done.
+        the KV cache under the chunk's mask (`chunk_causal_mask(offset, chunk length)`), and `offset`
+        moves past the chunk. A chunk that is not the last materializes the KV cache (MLX is lazy).
+        The last chunk also picks the first output token (greedy), records it with `record_token`, and
+        sets `is_prefill_done`. Called once the prefill is done, it raises ValueError (no model call).
         """
         if self.is_prefill_done:
-            raise RuntimeError(f"request {self.prompt_idx}: its prefill is already done")
+            raise ValueError(f"request {self.prompt_idx}: prefill already complete")
         start = self.offset
         chunk = self.prompt_tokens[start : start + self.prefill_max_step]
-        logits = self.model(mx.array([chunk]), start, self.kv_cache)
+        mask = chunk_causal_mask(start, len(chunk))
+        logits = self.model(mx.array([chunk]), start, self.kv_cache, mask=mask)
         self.offset = start + len(chunk)
         if self.offset < len(self.prompt_tokens):
             # Nobody reads this chunk's logits. Compute its keys and values now: left lazy, every
@@ -443,9 +445,11 @@ class Scheduler:
     def log_stats(self) -> None:
         """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.
 
-        The first line says that chunked prefill is enabled (or that a chunk holds every prompt) and
-        the token budget of one iteration. Later lines give prompt and generation tokens/s since the
-        previous line, running and waiting requests, and KV cache use (tokens held / slot capacity).
+        The first line says "chunked prefill enabled" with the policy's `describe()`, or "chunked
+        prefill disabled" when `prefill_step >= max_seq_len` (a chunk then holds any prompt that fits),
+        and the token budget of one iteration. Later lines give prompt and generation tokens/s since
+        the previous line (not since the start), running and waiting requests, and KV cache use: the
+        tokens the decode slots hold (the sum of their requests' `offset`) / `batch_size * max_seq_len`.
         """
         now = self.clock()
         if self.last_log_time is None:

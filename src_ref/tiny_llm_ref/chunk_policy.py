@@ -75,7 +75,11 @@ class AdaptiveChunkPolicy:
         self.decode_seconds: float | None = None  # cost of one decode step (moving average)
 
     def next_chunk_size(self, num_decoding: int) -> int:
-        """The largest chunk that keeps `chunk time + decode time` within the target, clamped to `min_chunk .. max_chunk`."""
+        """The largest chunk that keeps `chunk time + decode time` within the target, clamped to `min_chunk .. max_chunk`.
+
+        Nobody decoding: `max_chunk`. No chunk measured yet: `initial_chunk`. A chunk measured but no
+        decode step yet: the decode time counts as 0, so the whole target goes to the chunk.
+        """
         if num_decoding == 0:
             return self.max_chunk  # nobody is waiting for a token: prefill as fast as possible
         if self.seconds_per_token is None:

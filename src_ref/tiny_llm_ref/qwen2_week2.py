@@ -212,15 +212,23 @@ class Qwen2ModelWeek2:
         self.norm = RMSNorm(args.hidden_size, inner.norm.weight, eps=args.rms_norm_eps)
         self.w_lm_head = None if args.tie_word_embeddings else weight(mlx_model.lm_head)
 
-    def __call__(self, inputs: mx.array, offset: int | list[int], cache: list[TinyKvCache]) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        offset: int | list[int],
+        cache: list[TinyKvCache],
+        mask: mx.array | str = "causal",
+    ) -> mx.array:
         """New token ids `B x L` after `offset` cached ones -> logits `B x L x vocab_size`.
 
         `offset` is an int, or a list with one start position per row (a batch); `cache` has one
         cache per layer (from `make_cache()` or `make_batch_cache(...)`) and is updated in place.
+        `mask` goes to every layer's attention: "causal", or an `L x S` array such as day 2.7's
+        chunk mask (a batching cache supplies its own).
         """
         h = self.embedding(inputs)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer(h, offset, layer_cache, mask="causal")
+            h = layer(h, offset, layer_cache, mask=mask)
         h = self.norm(h)
         if self.w_lm_head is None:
             return self.embedding.as_linear(h)

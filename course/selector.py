@@ -1,0 +1,384 @@
+"""Whose code runs: the one selector used by the tests, every command, every benchmark and the checks.
+
+The course's unit is the task. Every task body in the skeleton raises
+`NotImplementedError("Week W Day D Task N (book/src/<chapter>.md): <what>")`, and this module reads
+those markers with `ast` (it never calls the code). From them it builds a package whose modules are
+the student's files with some functions and methods swapped for the reference's:
+
+- `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
+  every other day's task, even one the student has written. So each day is graded on its own code.
+- `for_command("student")` (main, batch-main, compare, the benchmarks): the student's code for every
+  task written, the reference's for every task whose body still raises the marker. `describe()` says
+  which, in one line.
+- `for_command("student", strict=True)`: the student's package as it is (`tiny_llm`).
+- `reference()`: `tiny_llm_ref`.
+
+A swapped-in reference function runs in the student's module (same globals), so it calls the
+student's other functions, and the student's functions call it. Which function belongs to which task
+is read from the untouched skeleton once and kept in `course/tasks.json`
+(`pdm run python -m maint.check_skeleton --write-tasks` refreshes it), because a student's finished
+function carries no marker any more.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import re
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STUDENT_DIR = REPO_ROOT / "src" / "tiny_llm"
+REFERENCE_PACKAGE = "tiny_llm_ref"
+STUDENT_PACKAGE = "tiny_llm"
+TASKS_FILE = Path(__file__).resolve().parent / "tasks.json"
+MARKER = re.compile(r"Week (\d+) Day (\d+) Task (\d+) \((book/src/[^)\s]+)\)")
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    week: int
+    day: int
+    number: int
+    chapter: str = ""  # book/src/<chapter>.md, as the marker names it
+
+    @property
+    def day_key(self) -> tuple[int, int]:
+        return self.week, self.day
+
+    @property
+    def test_command(self) -> str:
+        return f"pdm run test --week {self.week} --day {self.day}"
+
+    def __str__(self) -> str:
+        return f"Week {self.week} Day {self.day} Task {self.number}"
+
+    def __hash__(self) -> int:
+        return hash((self.week, self.day, self.number))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Task) and (self.week, self.day, self.number) == (other.week, other.day, other.number)
+
+    @classmethod
+    def parse(cls, text: str) -> "Task | None":
+        found = MARKER.search(text)
+        return None if found is None else cls(int(found[1]), int(found[2]), int(found[3]), found[4])
+
+
+# ---------------------------------------------------------------- reading markers
+
+
+def _marker_of(function: ast.AST) -> Task | None:
+    for node in ast.walk(function):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                getattr(node.exc.func, "id", None) == "NotImplementedError" and node.exc.args and \
+                isinstance(node.exc.args[0], ast.Constant) and isinstance(node.exc.args[0].value, str):
+            task = Task.parse(node.exc.args[0].value)
+            if task is not None:
+                return task
+    return None
+
+
+def definitions(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level functions and class methods (nested classes too), by qualified name: `Request.try_prefill`."""
+    found = {}
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{scope}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(f"{scope}{child.name}", child)  # a property's setter keeps its getter's name
+
+    visit(tree, "")
+    return found
+
+
+def unwritten_in_source(source: str) -> dict[str, Task]:
+    """The functions of one module's source whose body still raises a task marker: qualified name -> task."""
+    tasks = {}
+    for name, node in definitions(ast.parse(source)).items():
+        task = _marker_of(node)
+        if task is not None:
+            tasks[name] = task
+    return tasks
+
+
+def unwritten(package_dir: Path = STUDENT_DIR) -> dict[str, dict[str, Task]]:
+    """module -> {qualified name -> task} for every function of a package that still raises its marker."""
+    found = {}
+    for path in sorted(package_dir.glob("*.py")):
+        tasks = unwritten_in_source(path.read_text())
+        if tasks:
+            found[path.stem] = tasks
+    return found
+
+
+def task_table_of(package_dir: Path = STUDENT_DIR) -> dict:
+    """What course/tasks.json holds, read from an untouched skeleton."""
+    return {module: {name: f"{t} ({t.chapter})" for name, t in tasks.items()}
+            for module, tasks in unwritten(package_dir).items()}
+
+
+def task_table() -> dict[str, dict[str, Task]]:
+    """module -> {qualified name -> task}: which task every function of the course belongs to."""
+    raw = json.loads(TASKS_FILE.read_text())
+    return {module: {name: Task.parse(marker) for name, marker in names.items()} for module, names in raw.items()}
+
+
+# ---------------------------------------------------------------- building a package
+
+
+def _rebind(function, module: types.ModuleType, owner: type | None):
+    """`function`'s code, running in `module`'s globals (and with `owner` as its class for super())."""
+    code, closure = function.__code__, function.__closure__
+    if closure and owner is not None and "__class__" in code.co_freevars:
+        cells = list(closure)
+        cells[code.co_freevars.index("__class__")] = types.CellType(owner)
+        closure = tuple(cells)
+    new = types.FunctionType(code, module.__dict__, function.__name__, function.__defaults__, closure)
+    new.__kwdefaults__, new.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
+    new.__qualname__, new.__doc__, new.__module__ = function.__qualname__, function.__doc__, module.__name__
+    new.__dict__.update(function.__dict__)
+    return new
+
+
+def _rebind_member(member, module, owner):
+    if isinstance(member, (staticmethod, classmethod)):
+        return type(member)(_rebind(member.__func__, module, owner))
+    if isinstance(member, property):
+        parts = [None if f is None else _rebind(f, module, owner) for f in (member.fget, member.fset, member.fdel)]
+        return property(*parts, doc=member.__doc__)
+    if isinstance(member, types.FunctionType):
+        return _rebind(member, module, owner)
+    return member
+
+
+def swap_in_reference(module: types.ModuleType, reference: types.ModuleType, names) -> None:
+    """Replace the functions and methods `names` (qualified) of `module` by the reference's, run in `module`."""
+    for global_name, value in vars(reference).items():
+        module.__dict__.setdefault(global_name, value)  # an import the reference body needs
+    for qualname in names:
+        *owners, name = qualname.split(".")
+        target, source = module, reference
+        for owner in owners:
+            target, source = getattr(target, owner, None), getattr(source, owner, None)
+        if target is None or source is None:
+            continue
+        member = vars(source).get(name) if isinstance(source, type) else getattr(source, name, None)
+        if member is None:
+            continue
+        setattr(target, name, _rebind_member(member, module, target if isinstance(target, type) else None))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Imports `<selection package>.<module>`: the student's file, then the reference's functions swapped in."""
+
+    def __init__(self):
+        self.selections: dict[str, "Selection"] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, module = fullname.rpartition(".")
+        selection = self.selections.get(package)
+        if selection is None or "." in module:
+            return None
+        source = STUDENT_DIR / f"{module}.py"
+        if not source.exists():
+            return None
+        return importlib.util.spec_from_file_location(fullname, source, loader=_Loader(fullname, str(source), selection))
+
+
+class _Loader(importlib.machinery.SourceFileLoader):
+    def __init__(self, fullname, path, selection):
+        super().__init__(fullname, path)
+        self.selection = selection
+
+    def exec_module(self, module):
+        super().exec_module(module)
+        self.selection._after_import(module)
+
+
+_FINDER = _Finder()
+
+
+class Selection:
+    """One package to run: attribute access to its modules (`sel.batch`), and what it took from the reference."""
+
+    def __init__(self, package: str, swaps: dict[str, set[str]] | None = None, borrowed_modules=()):
+        self.package = package
+        self.swaps = swaps or {}  # module -> qualified names to take from the reference
+        self.tasks = task_table()
+        self.borrowed_modules = set(borrowed_modules)  # whole modules served by the reference
+        self.used: set[Task] = set()  # tasks whose reference code a loaded module took
+
+    def __getattr__(self, module: str) -> types.ModuleType:
+        if module.startswith("_"):
+            raise AttributeError(module)
+        return importlib.import_module(f"{self.package}.{module}")
+
+    def _after_import(self, module: types.ModuleType) -> None:
+        name = module.__name__.rpartition(".")[2]
+        names = self.swaps.get(name, ())
+        if names:
+            swap_in_reference(module, importlib.import_module(f"{REFERENCE_PACKAGE}.{name}"), sorted(names))
+        known = {**self.tasks.get(name, {}), **unwritten_in_source(Path(module.__file__).read_text())}
+        self.used.update(known[n] for n in names if n in known)
+
+    def describe(self) -> str:
+        """One line: the tasks the loaded modules took from the reference ('' when none)."""
+        if not self.used:
+            return ""
+        return "using the reference for: " + describe_tasks(self.used)
+
+
+def describe_tasks(tasks) -> str:
+    """'Week 2 Day 6 Tasks 1-3, Week 2 Day 2 Task 3': later days first, task numbers as ranges."""
+    by_day: dict[tuple[int, int], list[int]] = {}
+    for task in tasks:
+        by_day.setdefault(task.day_key, []).append(task.number)
+    parts = []
+    for (week, day), numbers in sorted(by_day.items(), reverse=True):
+        numbers = sorted(set(numbers))
+        runs, start = [], numbers[0]
+        for previous, current in zip(numbers, numbers[1:] + [None]):
+            if current != previous + 1:
+                runs.append(f"{start}" if start == previous else f"{start}-{previous}")
+                start = current
+        label = "Tasks" if len(numbers) > 1 else "Task"
+        parts.append(f"Week {week} Day {day} {label} {' & '.join(runs)}")
+    return ", ".join(parts)
+
+
+def _make_package(name: str, selection: Selection, alias_modules) -> None:
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    package = types.ModuleType(name, f"The student's code, with reference code where {selection!r} says so.")
+    package.__path__ = []  # submodules come only from _FINDER or from the aliases below
+    package.__package__ = name
+    sys.modules[name] = package
+    _FINDER.selections[name] = selection
+    for module in alias_modules:
+        sys.modules[f"{name}.{module}"] = importlib.import_module(f"{REFERENCE_PACKAGE}.{module}")
+
+
+def _modules() -> list[str]:
+    return sorted(p.stem for p in (REPO_ROOT / "src_ref" / REFERENCE_PACKAGE).glob("*.py") if p.stem != "__init__")
+
+
+_CACHE: dict[str, Selection] = {}
+
+
+def for_day(week: int, day: int) -> Selection:
+    """The code under test for day W.D: the student's for that day's tasks, the reference's for every other task.
+
+    Modules with none of the day's tasks are the reference's modules themselves.
+    """
+    name = f"tiny_llm_week{week}_day{day}"
+    if name in _CACHE:
+        return _CACHE[name]
+    from course.course_map import find_day
+
+    table = task_table()
+    own = {m for m, names in table.items() if any(t.day_key == (week, day) for t in names.values())}
+    own |= set(find_day(week, day).modules)
+    current = unwritten()
+    swaps = {}
+    for module in own:
+        others = {n for n, t in table.get(module, {}).items() if t.day_key != (week, day)}
+        others |= {n for n, t in current.get(module, {}).items() if t.day_key != (week, day)}
+        swaps[module] = others
+    aliases = [m for m in _modules() if m not in own]
+    selection = Selection(name, swaps, aliases)
+    _make_package(name, selection, aliases)
+    _CACHE[name] = selection
+    return selection
+
+
+def for_student(name: str = "tiny_llm_selected", still_unwritten: dict | None = None) -> Selection:
+    """The student's code for every task written, the reference's for every task still raising its marker.
+
+    `still_unwritten` (module -> names, default: read from src/tiny_llm) is for tests of the selector.
+    """
+    if name not in _CACHE:
+        found = unwritten() if still_unwritten is None else still_unwritten
+        swaps = {module: set(names) for module, names in found.items()}
+        selection = Selection(name, swaps)
+        _make_package(name, selection, [m for m in _modules() if not (STUDENT_DIR / f"{m}.py").exists()])
+        _CACHE[name] = selection
+    return _CACHE[name]
+
+
+def reference() -> Selection:
+    return Selection(REFERENCE_PACKAGE)
+
+
+def for_command(solution: str = "student", strict: bool = False) -> Selection:
+    """What a command runs: "ref" -> the reference; "student" -> `for_student()`, or `tiny_llm` as it is when strict."""
+    if solution == "ref":
+        return reference()
+    if strict:
+        return Selection(STUDENT_PACKAGE)
+    return for_student()
+
+
+def add_arguments(parser, default: str = "ref") -> None:
+    """The `--solution` and `--strict` options every command that can run student code shares."""
+    parser.add_argument("--solution", choices=["ref", "student"], default=default,
+                        help=f"ref: src_ref/tiny_llm_ref; student: your src/tiny_llm, with the reference's code for "
+                             f"the tasks you have not written yet (default {default})")
+    parser.add_argument("--strict", action="store_true",
+                        help="with --solution student: your code only, no task taken from the reference")
+
+
+def from_arguments(args) -> Selection:
+    """The selection that parsed `--solution`/`--strict` ask for."""
+    return for_command(args.solution, strict=args.strict)
+
+
+def announce(selection: Selection, file=None) -> None:
+    """Print the selection's one line (to stderr), if it took anything from the reference."""
+    line = selection.describe()
+    if line:
+        print(f"[tiny-llm] {line} (--strict: your code only)", file=file or sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- commands meeting unfinished work
+
+
+def not_implemented_message(error: BaseException) -> str:
+    """The one line a command prints for an unfinished task: the task, its chapter, the test command."""
+    task = Task.parse(str(error))
+    if task is None:
+        return f"not implemented yet: {error}"
+    return (f"not implemented yet: {error}. Read {task.chapter}, then run `{task.test_command}`. "
+            f"(Without --strict, a command takes unwritten tasks from the reference.)")
+
+
+@contextlib.contextmanager
+def unfinished_work_exits():
+    """Turn a NotImplementedError anywhere inside into the one-line message and exit status 1 (no traceback)."""
+    try:
+        yield
+    except NotImplementedError as error:
+        while isinstance(error.__context__, NotImplementedError):
+            error = error.__context__  # clean-up code that is unwritten too: report what failed first
+        print(not_implemented_message(error), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def command(main):
+    """Decorator for an entry point's `main`: unfinished work ends in one line and exit status 1."""
+    def wrapped(*args, **kwargs):
+        with unfinished_work_exits():
+            return main(*args, **kwargs)
+
+    wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = main.__name__, main.__doc__, main
+    return wrapped

@@ -1,0 +1,136 @@
+"""The selector (course/selector.py): whose code runs, function by function.
+
+These tests hold whatever state src/tiny_llm is in (untouched, half done, finished): they compare the
+selector's choices with the markers it reads and with course/tasks.json.
+"""
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from course import selector
+from course.course_map import DAYS
+
+REFERENCE_DIR = selector.REPO_ROOT / "src_ref" / "tiny_llm_ref"
+
+
+def resolve(root, qualname):
+    *owners, name = qualname.split(".")
+    for owner in owners:
+        root = getattr(root, owner)
+    member = vars(root)[name] if isinstance(root, type) else getattr(root, name)
+    return member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+
+
+def code_file(function) -> str:
+    return Path(function.__code__.co_filename).resolve().as_posix()
+
+
+def test_task_table_agrees_with_the_skeleton_and_the_reference():
+    table = selector.task_table()
+    for module, names in selector.unwritten().items():
+        for name, task in names.items():
+            assert table[module][name] == task, f"{module}.{name}: refresh with maint.check_skeleton --write-tasks"
+    days = {(d.week, d.day): d for d in DAYS}
+    for module, names in table.items():
+        source = (REFERENCE_DIR / f"{module}.py").read_text()
+        defined = selector.definitions(__import__("ast").parse(source))
+        for name, task in names.items():
+            assert name in defined, f"course/tasks.json names {module}.{name}, which the reference lacks"
+            day = days[task.day_key]
+            assert task.number in day.points and task.chapter == f"book/src/{day.chapter}", (module, name, task)
+
+
+def test_a_days_selection_runs_that_days_tasks_only():
+    table = selector.task_table()
+    selection = selector.for_day(2, 7)
+    ref = selector.reference()
+    batch = selection.batch
+    for name, task in table["batch"].items():
+        chosen = resolve(batch, name)
+        if task.day_key == (2, 7):
+            assert code_file(chosen).endswith("src/tiny_llm/batch.py"), name
+        else:
+            assert chosen.__code__ is resolve(ref.batch, name).__code__, f"{name} must be the reference's"
+            assert chosen.__globals__ is batch.__dict__, "a swapped-in function runs in the student's module"
+    assert selection.qwen2_week2 is ref.qwen2_week2, "a module with none of the day's tasks is the reference's"
+
+
+def test_commands_take_only_unwritten_tasks_from_the_reference():
+    selection = selector.for_student()
+    ref = selector.reference()
+    unwritten = selector.unwritten()
+    for module, names in selector.task_table().items():
+        loaded = getattr(selection, module)
+        for name in names:
+            chosen = resolve(loaded, name)
+            if name in unwritten.get(module, {}):
+                assert chosen.__code__ is resolve(getattr(ref, module), name).__code__, f"{module}.{name}"
+            else:
+                assert code_file(chosen).endswith(f"src/tiny_llm/{module}.py"), f"{module}.{name} is the student's"
+
+
+def test_a_written_task_is_the_students_even_when_others_are_not():
+    """As if the student had written everything in batch.py but day 2.6's Task 2: only that task is swapped."""
+    table = selector.task_table()
+    pending = {name for name, task in table["batch"].items() if task.day_key == (2, 6) and task.number == 2}
+    selection = selector.for_student("tiny_llm_selected_for_test", {"batch": pending})
+    ref = selector.reference()
+    for name in table["batch"]:
+        chosen = resolve(selection.batch, name)
+        if name in pending:
+            assert chosen.__code__ is resolve(ref.batch, name).__code__, name
+        else:
+            assert code_file(chosen).endswith("src/tiny_llm/batch.py"), f"{name} is written: the student's"
+    assert selection.describe() == "using the reference for: Week 2 Day 6 Task 2"
+
+
+def test_reference_methods_keep_working_inside_the_student_class():
+    """A swapped-in method that calls super() or a sibling still finds them: it runs as part of the student class."""
+    selection = selector.for_day(2, 6)
+    request = selection.batch.Request
+    assert request.record_token.__qualname__ == "Request.record_token"
+    assert inspect.signature(request.try_prefill) == inspect.signature(selector.reference().batch.Request.try_prefill)
+
+
+def test_the_reference_line_names_tasks_as_ranges():
+    tasks = [selector.Task(2, 6, n) for n in (1, 2, 3)] + [selector.Task(2, 2, 3), selector.Task(2, 5, 1),
+                                                            selector.Task(2, 5, 3)]
+    assert selector.describe_tasks(tasks) == "Week 2 Day 6 Tasks 1-3, Week 2 Day 5 Tasks 1 & 3, Week 2 Day 2 Task 3"
+
+
+def test_markers_are_read_without_running_the_code():
+    source = '''
+class A:
+    def done(self):
+        return 1
+
+    def todo(self):
+        # TODO
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): "
+            "prefill one chunk"
+        )
+
+def helper():
+    raise NotImplementedError("not a task marker")
+'''
+    assert selector.unwritten_in_source(source) == {"A.todo": selector.Task(2, 7, 3)}
+    assert selector.unwritten_in_source(source)["A.todo"].chapter == "book/src/week2-07-chunked-prefill.md"
+
+
+def test_unfinished_work_ends_in_one_line_and_status_1(capsys):
+    @selector.command
+    def main():
+        try:
+            raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): admit")
+        finally:
+            raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): release")
+
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Week 2 Day 6 Task 2" in err[0], "the first failure is the one reported"
+    assert "book/src/week2-06-continuous-batching.md" in err[0] and "pdm run test --week 2 --day 6" in err[0]
