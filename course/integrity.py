@@ -108,7 +108,8 @@ class _Scanner(ast.NodeVisitor):
         if top.startswith("tiny_llm_"):
             self.flag(node, f"imports {name}: another solution package")
         else:
-            self.flag(node, f"{REASONS.get(top, 'imports ' + top + ': not a module the tasks need')} ({name})")
+            reason = REASONS.get(top, f"imports {top}: not a module the tasks need")
+            self.flag(node, reason if name == top else f"{reason} ({name})")
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:

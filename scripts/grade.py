@@ -48,7 +48,8 @@ from pathlib import Path
 
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
-from course.isolated_pytest import CaseResult, RunResult, child_env, collect, kill_descendants, run_test_file
+from course.isolated_pytest import (CaseResult, RunResult, child_env, collect, default_memory_mb, kill_descendants,
+                                    run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -57,9 +58,6 @@ TRUSTED_FOLDERS = ("tests", "course", "src_ref")  # what the test process needs 
 TASK_TEST = re.compile(r"^test_task_(\d+)_")
 UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
-# Measured: a day's test process peaks at about 1.3 GB of address space on Linux (mlx 0.32, CPU); the
-# limit leaves room for larger models on other machines and still stops a runaway allocation.
-DEFAULT_MEMORY_MB = 16_384
 STATUS_WORDS = {
     "passed": "passed", "xfailed": "passed", "failed": "failed", "error": "error in set-up",
     "skipped": "skipped", "timeout": "timed out", "crashed": "crashed the interpreter",
@@ -121,6 +119,7 @@ class Submission:
     ignored: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     findings: dict[str, list[Finding]] = field(default_factory=dict)  # module -> findings
+    review: list[str] = field(default_factory=list)  # files not graded that still deserve a look
 
 
 # ---------------------------------------------------------------- arguments and selection
@@ -142,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time budget of one day's tests (default 600); tests left when it runs out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
                         help="time budget of the whole run (default 3600); days left when it runs out score 0")
-    parser.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB, metavar="MB",
-                        help=f"address-space limit of each test process (default {DEFAULT_MEMORY_MB}; 0: none)")
+    parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
+                        help="address-space limit of each test process (default: the machine's memory, at most "
+                             "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
     parser.add_argument("--allow-flagged", action="store_true",
                         help="grade modules the integrity scan flagged (after a person has read them)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
@@ -173,29 +173,42 @@ def submission_dir(src: Path) -> Path:
     raise SystemExit(f"--src {src}: no Python modules found there (nor in {src}/tiny_llm or {src}/src/tiny_llm)")
 
 
-def stage_submission(modules_dir: Path, staged: Path, scan: bool) -> Submission:
-    """Copy the course's module files out of the submission (once), list the rest, scan what was copied."""
+RUNS_ON_ITS_OWN = {"sitecustomize.py", "usercustomize.py", "conftest.py"}  # Python or pytest would run these
+
+
+def stage_submission(root: Path, modules_dir: Path, staged: Path, scan: bool) -> Submission:
+    """Copy the course's module files out of the submission (once), list the rest, scan what was copied.
+
+    Files that are not graded are scanned too: they never run, but a flagged one is worth a look.
+    """
     staged.mkdir(parents=True)
     submission = Submission(staged)
     wanted = course_modules()
-    shown = "src/tiny_llm"
     trusted = {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
-    for path in sorted(modules_dir.rglob("*")):
-        relative = path.relative_to(modules_dir).as_posix()
-        if "__pycache__" in path.parts or path.is_dir():
+    for path in sorted(root.rglob("*")):
+        if {"__pycache__", ".git"} & set(path.parts) or path.is_dir():
             continue
-        if path.suffix == ".py" and path.parent == modules_dir and path.stem in wanted and path.is_file():
+        shown = path.relative_to(root).as_posix()
+        if path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted and path.is_file():
             target = staged / path.name
             shutil.copyfile(path, target)
             submission.modules[path.stem] = target
-        elif relative in trusted and path.is_file() and path.read_bytes() == trusted_file(relative).read_bytes():
+            continue
+        if path.parent == modules_dir and path.name in trusted and path.is_file() \
+                and path.read_bytes() == trusted_file(path.name).read_bytes():
             continue  # provided code, unchanged
-        else:
-            submission.ignored.append(relative)
+        submission.ignored.append(shown)
+        if not scan or path.is_symlink() or not path.is_file():
+            continue
+        if path.name in RUNS_ON_ITS_OWN or path.suffix == ".pth":
+            submission.review.append(f"{shown}: a file Python or pytest runs on its own (not graded, not run)")
+        elif path.suffix == ".py":
+            submission.review += [f"{finding} (not graded, not run)" for finding in scan_file(path, shown)]
     submission.missing = sorted(wanted - set(submission.modules))
     if scan:
         for module, path in submission.modules.items():
-            findings = scan_file(path, f"{shown}/{path.name}")
+            findings = scan_file(path, (modules_dir / path.name).relative_to(root).as_posix()
+                                 if modules_dir != root else f"src/tiny_llm/{path.name}")
             if findings:
                 submission.findings[module] = findings
     return submission
@@ -397,7 +410,8 @@ def points(units: int) -> str:
     return str(Decimal(units) / UNITS)
 
 
-def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str) -> str:
+def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str,
+           workspace_review: list[str] = ()) -> str:
     lines = [f"Grading the {'reference' if solution == 'ref' else 'student'} solution", "",
              f"{'week':>4} {'day':>4} {'task':>4}  {'points':>13}  status",
              f"{'-' * 4:>4} {'-' * 4:>4} {'-' * 4:>4}  {'-' * 13:>13}  {'-' * 40}"]
@@ -415,8 +429,11 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
                          f"{points(of):<4}  {status}")
     lines += ["", f"total: {points(total)} / {points(maximum)}"]
     reviewed = [r for r in reports if r.review]
-    if reviewed:
+    if reviewed or workspace_review:
         lines += ["", "NEEDS REVIEW (these days score 0 until a person has looked):"]
+        if workspace_review:
+            lines.append("  the submission's other files:")
+            lines += [f"    - {reason}" for reason in workspace_review]
         for report in reviewed:
             lines.append(f"  week {report.day.week} day {report.day.day}:")
             lines += [f"    - {reason}" for reason in report.review]
@@ -443,7 +460,8 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     return "\n".join(lines)
 
 
-def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
+def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict,
+                       workspace_review: list[str] = ()) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
     tests = []
     graded = [t for r in reports for t in r.tests if t.task is not None]
@@ -466,7 +484,8 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
         "tests": tests,
         "extra_data": {
             "max_score": sum(t.max_units for t in graded) / UNITS,
-            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review},
+            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review}
+            | ({"submission": list(workspace_review)} if workspace_review else {}),
             "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
             **extra,
         },
@@ -514,22 +533,25 @@ def grade(args: argparse.Namespace) -> int:
         print("grade: no day in the selection has tests yet", file=sys.stderr)
         return GRADER_FAILED
     json_path = Path(args.json).resolve() if args.json else None
+    workspace_review: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
     bar = None
     try:
         student = args.solution == "student"
-        modules_dir = submission_dir(Path(args.src).resolve()) if args.src else REPO_ROOT / SKELETON_DIR
-        submission = stage_submission(modules_dir, tmp / "submission", scan=student)
+        root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
         extra: dict = {}
         if student:
             if submission.ignored:
-                workspace_notes.append("not graded (only the course's module files are): "
-                                       + ", ".join(submission.ignored))
+                listed = submission.ignored[:20] + ([f"and {len(submission.ignored) - 20} more"]
+                                                    if len(submission.ignored) > 20 else [])
+                workspace_notes.append("not graded (only the course's module files are): " + ", ".join(listed))
             if args.src and submission.missing:
                 workspace_notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
                                        "the untouched skeleton's are graded")
             flags = [str(f) for findings in submission.findings.values() for f in findings]
             extra = {"ignored_files": submission.ignored, "integrity_flags": flags}
+            workspace_review = submission.review
             if flags and args.allow_flagged:
                 workspace_notes.append("graded with --allow-flagged: the integrity scan's findings were "
                                        "reviewed by a person: " + "; ".join(flags))
@@ -544,9 +566,9 @@ def grade(args: argparse.Namespace) -> int:
 
         def save() -> None:
             if json_path is not None:
-                summary = render(reports, False, workspace_notes, args.solution)
+                summary = render(reports, False, workspace_notes, args.solution, workspace_review)
                 write_atomically(json_path, json.dumps(gradescope_results(
-                    reports, summary, time.monotonic() - started, extra), indent=2) + "\n")
+                    reports, summary, time.monotonic() - started, extra, workspace_review), indent=2) + "\n")
 
         save()
         for index, day in enumerate(days):
@@ -571,7 +593,7 @@ def grade(args: argparse.Namespace) -> int:
                 day_dir = make_grading_dir(tmp / f"week{day.week}-day{day.day}", submission)
                 deadline = min(time.monotonic() + args.day_budget, run_deadline)
                 run = run_test_file(day.test_file, day_dir, child_env(args.solution), timeout=args.timeout,
-                                    expected=ids, deadline=deadline, memory_mb=args.memory_mb or None,
+                                    expected=ids, deadline=deadline, memory_mb=default_memory_mb() if args.memory_mb is None else args.memory_mb or None,
                                     on_result=(lambda _: bar.update(1)) if bar is not None else None)
                 kill_descendants()
                 reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
@@ -588,7 +610,7 @@ def grade(args: argparse.Namespace) -> int:
             bar.close()
         kill_descendants()
         remove_tree(tmp)
-    summary = render(reports, args.verbose, workspace_notes, args.solution)
+    summary = render(reports, args.verbose, workspace_notes, args.solution, workspace_review)
     print(summary)
     seconds = time.monotonic() - started
     print(f"\ngraded {len(reports)} day(s) in {seconds:.0f} s")
