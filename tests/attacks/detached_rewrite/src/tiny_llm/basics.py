@@ -29,13 +29,18 @@ def _rewrite_forever(path):
 
 def _detach():
     path = _report_path()
-    if path is None or os.fork() != 0:
-        return  # the test process carries on
+    if path is None:
+        return
+    child = os.fork()
+    if child != 0:
+        os.waitpid(child, 0)  # the test process carries on once the daemon is running
+        return
     os.setsid()
-    if os.fork() != 0:
+    daemon = os.fork()
+    if daemon != 0:
+        with open(path + ".attacker-pid", "w") as f:
+            f.write(str(daemon))
         os._exit(0)
-    with open(path + ".attacker-pid", "w") as f:
-        f.write(str(os.getpid()))
     _rewrite_forever(path)
     os._exit(0)
 
