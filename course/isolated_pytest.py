@@ -72,10 +72,9 @@ class RunResult:
 
 # ---------------------------------------------------------------- starting pytest
 
-def pytest_command(args: list[str], events: bool = True) -> list[str]:
-    """The command line of every pytest run of the course's tooling."""
-    plugin = ["-p", "course.pytest_events"] if events else []
-    return [sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider", *args]
+def pytest_command(args: list[str]) -> list[str]:
+    """The command line of every pytest run of the course's tooling (the plugin does nothing unless watched)."""
+    return [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider", *args]
 
 
 def child_env(solution: str = "student", paths: tuple[str, ...] = ("src", "src_ref", ".")) -> dict:
@@ -444,23 +443,24 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
     return state
 
 
-def run_test_file(test_file: str, cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
+def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
                   pytest_args: tuple[str, ...] = (), expected: list[str] | None = None,
                   deadline: float | None = None, memory_mb: int | None = None, on_result=None) -> RunResult:
-    """Run `test_file` (relative to `cwd`) with per-test time limits; see the module docstring.
+    """Run `test_file` (relative to `cwd`; or a list of files) with per-test time limits; see the module docstring.
 
     `expected`: the test ids the file must report, in order (None: whatever the first process collects).
     `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`.
     `on_result`: called with each CaseResult as it arrives (progress bars).
     """
     become_subreaper()
-    run = RunResult(test_file)
+    targets = [test_file] if isinstance(test_file, str) else list(test_file)
+    run = RunResult(" ".join(targets))
     protocol = _Protocol(run, list(expected) if expected is not None else None)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
         for index in range(10_000):
             done_before = len(run.results)
-            state = _one_process([*pytest_args, test_file], cwd, env, timeout, startup_timeout, deadline, memory_mb,
+            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, memory_mb,
                                  Path(tmp), run, protocol, index, on_result)
             if protocol.expected is None or (state.collected is None and index == 0):
                 break

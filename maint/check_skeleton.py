@@ -8,14 +8,11 @@ this on the committed skeleton:
 """
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from course.course_map import DAYS
+from course.isolated_pytest import RunResult, child_env, run_test_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,43 +22,37 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def run_student_tests(test_files: list[str], report: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINY_LLM_SOLUTION": "student"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *test_files]
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+def run_student_tests(test_files: list[str]) -> RunResult:
+    """The day tests against the student package, in one pytest process (restarted only after a crash)."""
+    return run_test_file(test_files, REPO_ROOT, child_env("student"), timeout=120.0)
 
 
-def classify(report: Path) -> dict[str, list[str]]:
-    """Test ids by outcome, read from pytest's JUnit XML report."""
+def classify(run: RunResult) -> dict[str, list[str]]:
+    """Test ids by outcome."""
     outcomes = {"passed": [], "not_implemented": [], "failed_otherwise": [], "error": [], "skipped": []}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
-        failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
-        if error is not None:
-            outcomes["error"].append(test_id)
-        elif skipped is not None:
-            outcomes["skipped"].append(test_id)
-        elif failure is None:
-            outcomes["passed"].append(test_id)
-        elif "not implemented yet" in (failure.get("message", "") + (failure.text or "")):
-            outcomes["not_implemented"].append(test_id)
-        else:
-            outcomes["failed_otherwise"].append(test_id)
+    for result in run.results.values():
+        if result.ok:
+            outcomes["passed"].append(result.nodeid)
+        elif result.outcome == "skipped":
+            outcomes["skipped"].append(result.nodeid)
+        elif result.outcome == "failed" and "not implemented yet" in result.output:
+            outcomes["not_implemented"].append(result.nodeid)
+        elif result.outcome == "failed":
+            outcomes["failed_otherwise"].append(result.nodeid)
+        else:  # an error in set-up, a time-out, a crash
+            outcomes["error"].append(f"{result.nodeid} ({result.outcome})")
     return outcomes
 
 
 def main(argv: list[str] | None = None) -> int:
     build_parser().parse_args(argv)
     test_files = [d.test_file for d in DAYS if (REPO_ROOT / d.test_file).exists()]
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        result = run_student_tests(test_files, report)
-        if not report.exists():
-            print(result.stdout[-4000:], result.stderr[-4000:])
-            print("check-skeleton: pytest produced no report")
-            return 1
-        outcomes = classify(report)
+    run = run_student_tests(test_files)
+    if run.problems or run.collect_errors:
+        print("\n".join(run.problems + run.collect_errors)[-4000:])
+        print("check-skeleton: pytest could not run the day tests")
+        return 1
+    outcomes = classify(run)
     total = sum(len(v) for v in outcomes.values())
     print(f"check-skeleton: {total} day tests in {len(test_files)} files against the untouched skeleton")
     for outcome, ids in outcomes.items():
@@ -69,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     if total == 0:
         problems.append("no day tests were collected")
-    if outcomes["error"] or result.returncode in (2, 3, 4):
-        problems.append("tests errored (import, collection or fixture errors): " + ", ".join(outcomes["error"][:10]))
+    if outcomes["error"] or run.review:
+        problems.append("tests errored (import, collection or fixture errors, time-outs, crashes): "
+                        + ", ".join(outcomes["error"][:10] + run.review))
     if outcomes["skipped"]:
         problems.append("tests were skipped: " + ", ".join(outcomes["skipped"][:10]))
     if outcomes["passed"]:
