@@ -77,9 +77,12 @@ def pytest_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider", *args]
 
 
+PLUGIN_VARIABLES = ("TINY_LLM_EVENTS", "TINY_LLM_TRACE", "TINY_LLM_TIMEOUT", "TINY_LLM_SKIP", "TINY_LLM_KEY")
+
+
 def child_env(solution: str = "student", paths: tuple[str, ...] = ("src", "src_ref", ".")) -> dict:
     """The environment for a test process: the chosen solution and the import paths (relative to its cwd)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TINY_LLM_")}
+    env = {k: v for k, v in os.environ.items() if k not in PLUGIN_VARIABLES}
     env["TINY_LLM_SOLUTION"] = solution
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.pop("PYTEST_ADDOPTS", None)
@@ -121,8 +124,16 @@ def _limit_memory(memory_mb: int | None):
 
 # ---------------------------------------------------------------- leaving nothing behind
 
+_reaper = {"on": False}
+
+
 def become_subreaper() -> bool:
-    """Make orphaned descendants (double-forked, detached) re-parent to this process, so they can be found."""
+    """Make orphaned descendants (double-forked, detached) re-parent to this process, so they can be found.
+
+    For a process that runs nothing else meanwhile (the grader, the checks): from then on, every process
+    that runs tests is followed by killing every descendant of this process.
+    """
+    _reaper["on"] = True
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -352,7 +363,8 @@ def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
             except (ProcessLookupError, PermissionError):
                 pass
-        kill_descendants()  # and whatever left the group (setsid, double fork)
+        if _reaper["on"]:
+            kill_descendants()  # and whatever left the group (setsid, double fork)
 
 
 def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, startup_timeout, deadline,
@@ -452,7 +464,6 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
     `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`.
     `on_result`: called with each CaseResult as it arrives (progress bars).
     """
-    become_subreaper()
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
     run = RunResult(" ".join(targets))
     protocol = _Protocol(run, list(expected) if expected is not None else None)
@@ -496,7 +507,6 @@ def collect(test_files: list[str], cwd: Path, env: dict,
 
     The grader runs this with no student code on the import path, so what it lists cannot be forged.
     """
-    become_subreaper()
     with tempfile.TemporaryDirectory(prefix="tiny-llm-collect-") as tmp:
         events, log = Path(tmp) / "events.jsonl", Path(tmp) / "log.txt"
         key = secrets.token_hex(16)
@@ -510,7 +520,6 @@ def collect(test_files: list[str], cwd: Path, env: dict,
             pass
         finally:
             _kill_group(proc)
-            kill_descendants()
         by_file: dict[str, list[str]] = {name: [] for name in test_files}
         errors: dict[str, str] = {}
         events_read = _EventReader(events, key.encode()).read()

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -48,8 +49,8 @@ from pathlib import Path
 
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
-from course.isolated_pytest import (CaseResult, RunResult, child_env, collect, default_memory_mb, kill_descendants,
-                                    run_test_file)
+from course.isolated_pytest import (CaseResult, RunResult, become_subreaper, child_env, collect, default_memory_mb,
+                                    kill_descendants, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -524,6 +525,7 @@ def flagged_reasons(day: Day, submission: Submission) -> list[str]:
 
 def grade(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    become_subreaper()  # detached processes the tests leave behind are re-parented here, and killed
     run_deadline = started + args.budget
     days = select_days(args.week, args.day)
     days = [d for d in days if (REPO_ROOT / d.test_file).exists()]
@@ -581,7 +583,7 @@ def grade(args: argparse.Namespace) -> int:
         save()
         for index, day in enumerate(days):
             label = f"week {day.week} day {day.day}"
-            if bar is not None:
+            if bar is not None and not bar.disable:
                 bar.set_description(label)
             else:
                 print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
@@ -627,10 +629,18 @@ def grade(args: argparse.Namespace) -> int:
     return GRADER_FAILED if any(r.problems for r in reports) else 0
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # so the test processes are killed on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
+    signal.signal(signal.SIGTERM, _stop)
     try:
         return grade(args)
+    except KeyboardInterrupt:
+        print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)
+        return 130
     except SystemExit as stop:
         if stop.code not in (None, 0):
             print(f"grade: {stop.code}", file=sys.stderr)
