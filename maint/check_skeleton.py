@@ -13,14 +13,11 @@ selector, course/selector.py, reads it): `--write-tasks` rewrites it from the un
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from course.course_map import DAYS
+from course.isolated_pytest import RunResult, become_subreaper, child_env, run_test_file
 from course.selector import TASKS_FILE, task_table_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,29 +35,26 @@ def tasks_json_text() -> str:
     return json.dumps(task_table_of(), indent=1, sort_keys=True) + "\n"
 
 
-def run_student_tests(test_files: list[str], report: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINY_LLM_SOLUTION": "student"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *test_files]
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+def run_student_tests(test_files: list[str]) -> RunResult:
+    """The day tests against the student package, in one pytest process (restarted only after a crash)."""
+    become_subreaper()
+    return run_test_file(test_files, REPO_ROOT, child_env("student"), timeout=120.0)
 
 
-def classify(report: Path) -> dict[str, list[str]]:
-    """Test ids by outcome, read from pytest's JUnit XML report."""
+def classify(run: RunResult) -> dict[str, list[str]]:
+    """Test ids by outcome."""
     outcomes = {"passed": [], "not_implemented": [], "failed_otherwise": [], "error": [], "skipped": []}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
-        failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
-        if error is not None:
-            outcomes["error"].append(test_id)
-        elif skipped is not None:
-            outcomes["skipped"].append(test_id)
-        elif failure is None:
-            outcomes["passed"].append(test_id)
-        elif "not implemented yet" in (failure.get("message", "") + (failure.text or "")):
-            outcomes["not_implemented"].append(test_id)
-        else:
-            outcomes["failed_otherwise"].append(test_id)
+    for result in run.results.values():
+        if result.ok:
+            outcomes["passed"].append(result.nodeid)
+        elif result.outcome == "skipped":
+            outcomes["skipped"].append(result.nodeid)
+        elif result.outcome == "failed" and "not implemented yet" in result.output:
+            outcomes["not_implemented"].append(result.nodeid)
+        elif result.outcome == "failed":
+            outcomes["failed_otherwise"].append(result.nodeid)
+        else:  # an error in set-up, a time-out, a crash
+            outcomes["error"].append(f"{result.nodeid} ({result.outcome})")
     return outcomes
 
 
@@ -70,14 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         TASKS_FILE.write_text(tasks_json_text())
         print(f"check-skeleton: wrote {TASKS_FILE.relative_to(REPO_ROOT)}")
     test_files = [d.test_file for d in DAYS if (REPO_ROOT / d.test_file).exists()]
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        result = run_student_tests(test_files, report)
-        if not report.exists():
-            print(result.stdout[-4000:], result.stderr[-4000:])
-            print("check-skeleton: pytest produced no report")
-            return 1
-        outcomes = classify(report)
+    run = run_student_tests(test_files)
+    if run.problems or run.collect_errors:
+        print("\n".join(run.problems + run.collect_errors)[-4000:])
+        print("check-skeleton: pytest could not run the day tests")
+        return 1
+    outcomes = classify(run)
     total = sum(len(v) for v in outcomes.values())
     print(f"check-skeleton: {total} day tests in {len(test_files)} files against the untouched skeleton")
     for outcome, ids in outcomes.items():
@@ -88,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(refresh: pdm run python -m maint.check_skeleton --write-tasks)")
     if total == 0:
         problems.append("no day tests were collected")
-    if outcomes["error"] or result.returncode in (2, 3, 4):
-        problems.append("tests errored (import, collection or fixture errors): " + ", ".join(outcomes["error"][:10]))
+    if outcomes["error"] or run.review:
+        problems.append("tests errored (import, collection or fixture errors, time-outs, crashes): "
+                        + ", ".join(outcomes["error"][:10] + run.review))
     if outcomes["skipped"]:
         problems.append("tests were skipped: " + ", ".join(outcomes["skipped"][:10]))
     if outcomes["passed"]:

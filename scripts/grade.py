@@ -1,51 +1,74 @@
 """Grade the student package: per week, day and task, a readable table and a machine-readable report.
 
     pdm run grade                          # every day that has tests, against src/tiny_llm
-    pdm run grade --week 1                 # one week
+    pdm run grade --week 2 --day 7         # one day: the score the day's chapter points to
     pdm run grade --week 2 --day 6 7       # some days of a week
     pdm run grade --json results.json      # also write Gradescope's results.json
-    pdm run grade --src path/to/submission # grade a submission without touching the repo
+    pdm run grade --src path/to/submission # grade a submission (a directory of module files)
     pdm run grade --solution ref           # grade the reference (every task at full points)
 
-Each day's test file runs in its own pytest process (course/isolated_pytest.py), each test under a
-time limit (--timeout). A test that hangs, crashes the interpreter, or meets a module that fails at
-import scores zero; every other test is still run and scored, and the report is always complete.
-This process never imports the code it grades.
+What is graded: only the course's module files (the modules course/course_map.py lists for its days),
+copied from the submission into a fresh grading directory beside fresh, read-only copies of the tests,
+the tooling and the reference; every other file of the submission is reported and ignored. Each module
+is scanned first (course/integrity.py); a day that would run a flagged module scores 0, "needs review",
+with the file and line (`--allow-flagged` grades it anyway).
+
+How: the tests expected are collected first in a process that imports no student code. Then each
+day's test file runs in its own pytest process in its own grading directory (course/isolated_pytest.py):
+a per-test time limit, a watchdog on the event stream, a memory limit, every descendant process killed
+when the day ends, and time budgets per day and for the whole run. A result counts only for an expected
+test reported in order with a start and a finish; anything else makes that day "needs review" at 0.
+results.json is rewritten (atomically) after each day, so an interrupted run leaves a valid report.
 
 Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
-split evenly across its test functions (`test_task_N_...`), and a parametrized test's share evenly
-across its cases, so partial work earns partial points.
+split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
+parametrized cases, in whole 1/10000 points, so every day's tests add up to exactly its points.
 
-Exit status: 0 when grading finished (whatever the score); 2 when the grader itself failed: bad
-arguments, an error in the grader, or a day whose tests could not be run at all (pytest did not start
-or could not collect the file: a course or environment problem, not the student's). With 2 the report
-is still written when possible, with those tests at zero.
+Exit status: 0 when grading finished (whatever the score, "needs review" included); 2 when the grader
+itself failed: bad arguments, an error in the grader, or a day whose tests could not be run at all (a
+course or environment problem, not the student's). With 2 the report is still written when possible.
 """
 
 import argparse
 import ast
 import json
+import os
 import re
 import shutil
+import signal
+import stat
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
+from math import floor
 from pathlib import Path
 
 from course.course_map import DAYS, Day
-from course.isolated_pytest import CaseResult, RunResult, child_env, run_test_file
+from course.integrity import Finding, scan_file
+from course.isolated_pytest import (CaseResult, RunResult, become_subreaper, child_env, collect, default_memory_mb,
+                                    kill_descendants, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
+REFERENCE_DIR = Path("src_ref") / "tiny_llm_ref"
+TRUSTED_FOLDERS = ("tests", "course", "src_ref")  # what the test process needs besides the package
 TASK_TEST = re.compile(r"^test_task_(\d+)_")
+UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
 STATUS_WORDS = {
     "passed": "passed", "xfailed": "passed", "failed": "failed", "error": "error in set-up",
     "skipped": "skipped", "timeout": "timed out", "crashed": "crashed the interpreter",
-    "not_run": "not run", "not_collected": "could not be collected",
+    "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
 }
+INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
+
+
+def course_modules() -> set[str]:
+    return {module for day in DAYS for module in day.modules}
 
 
 # ---------------------------------------------------------------- data
@@ -58,12 +81,20 @@ class CaseScore:
     nodeid: str
     outcome: str
     output: str
-    score: float
-    max_score: float
+    units: int  # earned, in 1/UNITS points
+    max_units: int
 
     @property
     def passed(self) -> bool:
         return self.outcome in ("passed", "xfailed")
+
+    @property
+    def score(self) -> float:
+        return self.units / UNITS
+
+    @property
+    def max_score(self) -> float:
+        return self.max_units / UNITS
 
     @property
     def name(self) -> str:
@@ -76,8 +107,20 @@ class DayReport:
     day: Day
     tests: list[CaseScore] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # grader-side problems (exit 2)
+    review: list[str] = field(default_factory=list)  # why the day needs a person to look (scored 0)
     notes: list[str] = field(default_factory=list)  # course configuration notes (printed)
     seconds: float = 0.0
+    pending: bool = False  # not graded (yet): a placeholder in a progressive report
+
+
+@dataclass
+class Submission:
+    staged: Path  # the course's module files of the submission, copied once: the files that are graded
+    modules: dict[str, Path] = field(default_factory=dict)  # module name -> staged file
+    ignored: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    findings: dict[str, list[Finding]] = field(default_factory=dict)  # module -> findings
+    review: list[str] = field(default_factory=list)  # files not graded that still deserve a look
 
 
 # ---------------------------------------------------------------- arguments and selection
@@ -90,11 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write Gradescope's results.json format to FILE")
     parser.add_argument("--src", metavar="DIR",
                         help="a submission to grade instead of src/tiny_llm: a directory holding the modules "
-                             "(or holding tiny_llm/ or src/tiny_llm/); graded in a temporary copy of the repo")
+                             "(or holding tiny_llm/ or src/tiny_llm/)")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="time limit of one test (default 60)")
+    parser.add_argument("--day-budget", type=float, default=600.0, metavar="SECONDS",
+                        help="time budget of one day's tests (default 600); tests left when it runs out score 0")
+    parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
+                        help="time budget of the whole run (default 3600); days left when it runs out score 0")
+    parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
+                        help="address-space limit of each test process (default: the machine's memory, at most "
+                             "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
+    parser.add_argument("--allow-flagged", action="store_true",
+                        help="grade modules the integrity scan flagged (after a person has read them)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
     return parser
 
@@ -112,7 +164,7 @@ def select_days(week: int | None, days: list[int] | None) -> list[Day]:
     return chosen
 
 
-# ---------------------------------------------------------------- workspace for --src
+# ---------------------------------------------------------------- the submission and the grading directories
 
 def submission_dir(src: Path) -> Path:
     """Where the modules are in a submission: DIR/src/tiny_llm, DIR/tiny_llm, or DIR itself."""
@@ -122,31 +174,106 @@ def submission_dir(src: Path) -> Path:
     raise SystemExit(f"--src {src}: no Python modules found there (nor in {src}/tiny_llm or {src}/src/tiny_llm)")
 
 
-def make_workspace(repo: Path, src: Path, dest: Path) -> list[str]:
-    """A copy of the repo at `dest` whose src/tiny_llm is the submission; returns notes for the report.
+RUNS_ON_ITS_OWN = {"sitecustomize.py", "usercustomize.py", "conftest.py"}  # Python or pytest would run these
 
-    Only the submission's module files are taken from it; a module it lacks is the untouched skeleton's,
-    so that module's tasks fail with "not implemented yet" rather than an import error.
+
+def stage_submission(root: Path, modules_dir: Path, staged: Path, scan: bool) -> Submission:
+    """Copy the course's module files out of the submission (once), list the rest, scan what was copied.
+
+    Files that are not graded are scanned too: they never run, but a flagged one is worth a look.
     """
-    modules_dir = submission_dir(src)
+    staged.mkdir(parents=True)
+    submission = Submission(staged)
+    wanted = course_modules()
+    trusted = {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
+    for path in sorted(root.rglob("*")):
+        if {"__pycache__", ".git"} & set(path.parts) or path.is_dir():
+            continue
+        shown = path.relative_to(root).as_posix()
+        if path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted and path.is_file():
+            target = staged / path.name
+            shutil.copyfile(path, target)
+            submission.modules[path.stem] = target
+            continue
+        if path.parent == modules_dir and path.name in trusted and path.is_file() \
+                and path.read_bytes() == trusted_file(path.name).read_bytes():
+            continue  # provided code, unchanged
+        submission.ignored.append(shown)
+        if not scan or path.is_symlink() or not path.is_file():
+            continue
+        if path.name in RUNS_ON_ITS_OWN or path.suffix == ".pth":
+            submission.review.append(f"{shown}: a file Python or pytest runs on its own (not graded, not run)")
+        elif path.suffix == ".py":
+            submission.review += [f"{finding} (not graded, not run)" for finding in scan_file(path, shown)]
+    submission.missing = sorted(wanted - set(submission.modules))
+    if scan:
+        for module, path in submission.modules.items():
+            findings = scan_file(path, (modules_dir / path.name).relative_to(root).as_posix()
+                                 if modules_dir != root else f"src/tiny_llm/{path.name}")
+            if findings:
+                submission.findings[module] = findings
+    return submission
+
+
+def trusted_file(name: str) -> Path:
+    """The trusted copy of a package file that is not a course module: provided code is the reference's."""
+    reference = REPO_ROOT / REFERENCE_DIR / name
+    return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
+
+
+def _copy_trusted(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in ("scripts", "course", "maint", "tests", "src_ref"):
-        shutil.copytree(repo / name, dest / name, ignore=ignore)
-    for name in ("pyproject.toml",):
-        shutil.copy2(repo / name, dest / name)
-    if (repo / "models").exists():
-        (dest / "models").symlink_to((repo / "models").resolve(), target_is_directory=True)
-    target = dest / SKELETON_DIR
-    shutil.copytree(repo / SKELETON_DIR, target, ignore=ignore)
-    skeleton_modules = {p.name for p in target.glob("*.py")}
-    submitted = {p.name for p in modules_dir.glob("*.py")}
-    for name in sorted(submitted):
-        shutil.copy2(modules_dir / name, target / name)
-    notes = []
-    missing = sorted(skeleton_modules - submitted - {"__init__.py"})
-    if missing:
-        notes.append(f"the submission has no {', '.join(missing)}: the untouched skeleton's are graded")
-    return notes
+    for name in TRUSTED_FOLDERS:
+        shutil.copytree(REPO_ROOT / name, dest / name, ignore=ignore)
+    shutil.copyfile(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
+    if (REPO_ROOT / "models").exists():
+        (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
+
+
+def make_grading_dir(dest: Path, submission: Submission | None) -> Path:
+    """A fresh, read-only directory: trusted tests, tooling and reference, and the package being graded.
+
+    The package holds the submission's course modules, the untouched skeleton's for a module it lacks, the
+    reference's provided code, and an `__init__.py` the grader writes. Without a submission (collection)
+    there is no package at all.
+    """
+    dest.mkdir(parents=True)
+    _copy_trusted(dest)
+    if submission is not None:
+        package = dest / SKELETON_DIR
+        package.mkdir(parents=True)
+        for path in sorted((REPO_ROOT / SKELETON_DIR).glob("*.py")):
+            if path.stem in submission.modules:
+                shutil.copyfile(submission.modules[path.stem], package / path.name)
+            elif path.name == "__init__.py":
+                (package / path.name).write_text(INIT_TEXT)
+            elif path.stem in course_modules():
+                shutil.copyfile(path, package / path.name)  # not submitted: the untouched skeleton
+            else:
+                shutil.copyfile(trusted_file(path.name), package / path.name)
+    read_only(dest)
+    return dest
+
+
+def read_only(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def remove_tree(root: Path) -> None:
+    """Delete a grading directory that was made read-only (and whatever a test wrote into it)."""
+    if not root.exists():
+        return
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            try:
+                path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR | stat.S_IXUSR)
+            except OSError:
+                pass
+    shutil.rmtree(root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scoring
@@ -158,7 +285,7 @@ def task_functions(test_file: Path) -> list[str]:
     """
     try:
         tree = ast.parse(test_file.read_text(), filename=str(test_file))
-    except SyntaxError:
+    except (SyntaxError, OSError):
         return []  # pytest reports the error when it collects the file
     scopes = [tree] + [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name.startswith("Test")]
     return [node.name for scope in scopes for node in scope.body
@@ -174,42 +301,60 @@ def task_of(function: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def score_day(day: Day, functions: list[str], run: RunResult) -> DayReport:
-    """Spread each task's points over its test functions, and each function's share over its cases."""
-    report = DayReport(day, seconds=run.seconds)
-    cases: dict[str, list[CaseResult]] = {}
-    for result in run.results.values():
-        cases.setdefault(function_of(result.nodeid), []).append(result)
-    for function in functions + [f for f in cases if f not in functions]:
+def apportion(total: int, weights: list[Fraction]) -> list[int]:
+    """Whole units for each weight (weights sum to 1), adding up to exactly `total` (largest remainders)."""
+    ideal = [total * w for w in weights]
+    units = [floor(x) for x in ideal]
+    by_remainder = sorted(range(len(ideal)), key=lambda i: (-(ideal[i] - units[i]), i))
+    for i in by_remainder[: total - sum(units)]:
+        units[i] += 1
+    return units
+
+
+def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str] | None = None,
+              review: list[str] | None = None) -> DayReport:
+    """Spread each task's points over its test functions, and each function's share over its cases.
+
+    `expected`: the test ids collected beforehand (their results come from `run`, missing ones score 0).
+    `review`: reasons the day cannot be trusted: every test then scores 0, "needs review".
+    """
+    report = DayReport(day, seconds=run.seconds, review=list(review or []) + run.review)
+    cases: dict[str, list[str]] = {}
+    for nodeid in expected:
+        cases.setdefault(function_of(nodeid), []).append(nodeid)
+    for function in functions or []:
         cases.setdefault(function, [])
     collect_output = "\n".join(run.collect_errors + run.problems)
     by_task: dict[int | None, list[str]] = {}
     for function in cases:
         by_task.setdefault(task_of(function), []).append(function)
+    review_text = "needs review: " + "; ".join(report.review) if report.review else ""
 
     for task, task_functions_ in sorted(by_task.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         points = day.points.get(task, 0) if task is not None else 0
         if task is not None and task not in day.points:
             report.notes.append(f"{day.test_file} has tests for Task {task}, which has no points in "
                                 f"course/course_map.py: scored 0")
-        share = points / len(task_functions_)
-        for function in task_functions_:
-            results = cases[function]
-            if not results:
-                # Never collected (the file did not import) or never reported: zero, with the reason.
-                results = [CaseResult(f"{day.test_file}::{function}", "not_collected",
-                                      collect_output or "pytest did not report this test")]
-            for result in results:
-                each = share / len(results)
-                earned = each if result.ok else 0.0
-                report.tests.append(CaseScore(day, task, function, result.nodeid, result.outcome, result.output,
-                                              earned, each))
+        ids = [(function, cases[function] or [f"{day.test_file}::{function}"]) for function in task_functions_]
+        weights = [Fraction(1, len(ids) * len(nodeids)) for _, nodeids in ids for _ in nodeids]
+        shares = iter(apportion(points * UNITS, weights))
+        for function, nodeids in ids:
+            for nodeid in nodeids:
+                share = next(shares)
+                result = run.results.get(nodeid) or CaseResult(
+                    nodeid, "not_collected" if not cases[function] or collect_output else "not_run",
+                    collect_output or "the test process did not report this test")
+                if review_text:
+                    result = CaseResult(nodeid, "needs_review", review_text)
+                report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, result.output,
+                                              share if result.ok else 0, share))
     broken = bool(run.problems or run.collect_errors)
     for task in sorted(set(day.points) - set(by_task)):
-        if broken:
+        if broken or review_text:
             # The file could not be read at all: its tasks count, at zero, with the reason.
             report.tests.append(CaseScore(day, task, f"test_task_{task}", f"{day.test_file}::test_task_{task}_*",
-                                          "not_collected", collect_output, 0.0, float(day.points[task])))
+                                          "needs_review" if review_text else "not_collected",
+                                          review_text or collect_output, 0, day.points[task] * UNITS))
             continue
         report.notes.append(f"Task {task} of week {day.week} day {day.day} has points but no tests "
                             f"named test_task_{task}_... in {day.test_file}: left out of the total")
@@ -218,11 +363,15 @@ def score_day(day: Day, functions: list[str], run: RunResult) -> DayReport:
     return report
 
 
-def grade_day(day: Day, root: Path, solution: str, timeout: float) -> DayReport:
-    test_file = root / day.test_file
-    functions = task_functions(test_file)
-    run = run_test_file(day.test_file, root, child_env(solution), timeout=timeout)
-    return score_day(day, functions, run)
+def placeholder(day: Day, expected: list[str], why: str, review: list[str] | None = None,
+                pending: bool = False) -> DayReport:
+    """A day that was not run: every expected test at 0 with the reason."""
+    run = RunResult(day.test_file)
+    for nodeid in expected:
+        run.results[nodeid] = CaseResult(nodeid, "not_run", why)
+    report = score_day(day, expected, run, task_functions(REPO_ROOT / day.test_file), review)
+    report.pending = pending
+    return report
 
 
 # ---------------------------------------------------------------- output
@@ -231,7 +380,7 @@ def first_lines(text: str, count: int = 3) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     # The most telling lines of a pytest failure are usually its last ones ("E   assert ...").
     telling = [line for line in lines if line.startswith("E ") or "not implemented yet" in line
-               or line.startswith(("timed out", "the test process died", "Fatal Python error"))]
+               or line.startswith(("timed out", "the test process died", "Fatal Python error", "needs review"))]
     chosen = (telling or lines)[:count]
     # Where it happened: the innermost frame in the student's package (a faulthandler "File" line first).
     where = [line for line in lines if line.strip().startswith("File ") and "tiny_llm" in line][:1]
@@ -251,27 +400,45 @@ def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
+    if all(t.outcome == "needs_review" for t in tests):
+        return "NEEDS REVIEW (see below)"
     kinds = sorted({status_word(t) for t in bad})
     return f"{len(bad)} of {len(tests)} not passed: {', '.join(kinds)}"
 
 
-def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str) -> str:
+def points(units: int) -> str:
+    """Exact: 2099999 units are "209.9999", never "209.99999999999966"."""
+    return str(Decimal(units) / UNITS)
+
+
+def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str,
+           workspace_review: list[str] = ()) -> str:
     lines = [f"Grading the {'reference' if solution == 'ref' else 'student'} solution", "",
              f"{'week':>4} {'day':>4} {'task':>4}  {'points':>13}  status",
              f"{'-' * 4:>4} {'-' * 4:>4} {'-' * 4:>4}  {'-' * 13:>13}  {'-' * 40}"]
-    total = maximum = 0.0
+    total = maximum = 0
     for report in reports:
         tasks: dict[int, list[CaseScore]] = {}
         for test in report.tests:
             if test.task is not None:
                 tasks.setdefault(test.task, []).append(test)
         for task, tests in sorted(tasks.items()):
-            got, of = sum(t.score for t in tests), sum(t.max_score for t in tests)
+            got, of = sum(t.units for t in tests), sum(t.max_units for t in tests)
             total, maximum = total + got, maximum + of
-            lines.append(f"{report.day.week:>4} {report.day.day:>4} {task:>4}  {got:>6.1f} / {of:<4g}  "
-                         f"{task_status(tests)}")
-    lines += ["", f"total: {total:.1f} / {maximum:g}"]
-    details = [t for r in reports for t in r.tests if not t.passed]
+            status = "not graded: the run stopped before this day" if report.pending else task_status(tests)
+            lines.append(f"{report.day.week:>4} {report.day.day:>4} {task:>4}  {got / UNITS:>6.1f} / "
+                         f"{points(of):<4}  {status}")
+    lines += ["", f"total: {points(total)} / {points(maximum)}"]
+    reviewed = [r for r in reports if r.review]
+    if reviewed or workspace_review:
+        lines += ["", "NEEDS REVIEW (these days score 0 until a person has looked):"]
+        if workspace_review:
+            lines.append("  the submission's other files:")
+            lines += [f"    - {reason}" for reason in workspace_review]
+        for report in reviewed:
+            lines.append(f"  week {report.day.week} day {report.day.day}:")
+            lines += [f"    - {reason}" for reason in report.review]
+    details = [t for r in reports if not r.review and not r.pending for t in r.tests if not t.passed]
     if details:
         lines += ["", "Tests not passed:"]
         # Cases of one test function that fail the same way are shown once.
@@ -294,72 +461,186 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     return "\n".join(lines)
 
 
-def gradescope_results(reports: list[DayReport], summary: str, seconds: float) -> dict:
+def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict,
+                       workspace_review: list[str] = ()) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
     tests = []
-    for report in reports:
-        for test in report.tests:
-            if test.task is None:
-                continue
-            tests.append({
-                "name": test.name,
-                "score": round(test.score, 4),
-                "max_score": round(test.max_score, 4),
-                "status": "passed" if test.passed else "failed",
-                "output": (f"{status_word(test)}\n{test.output}".strip()
-                           if not test.passed else "passed"),
-                "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
-                "visibility": "visible",
-            })
     graded = [t for r in reports for t in r.tests if t.task is not None]
+    for test in graded:
+        tests.append({
+            "name": test.name,
+            "score": test.score,
+            "max_score": test.max_score,
+            "status": "passed" if test.passed else "failed",
+            "output": f"{status_word(test)}\n{test.output}".strip() if not test.passed else "passed",
+            "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
+            "visibility": "visible",
+        })
     return {
-        "score": round(sum(t.score for t in graded), 3),
+        "score": sum(t.units for t in graded) / UNITS,
         "execution_time": round(seconds),
         "output": summary,
         "visibility": "visible",
         "stdout_visibility": "visible",
         "tests": tests,
-        "extra_data": {"max_score": round(sum(t.max_score for t in graded), 3)},
+        "extra_data": {
+            "max_score": sum(t.max_units for t in graded) / UNITS,
+            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review}
+            | ({"submission": list(workspace_review)} if workspace_review else {}),
+            "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
+            **extra,
+        },
     }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old report or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 # ---------------------------------------------------------------- main
 
+def progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the report does not depend on it
+        return None
+    return tqdm(total=total, unit="test", file=sys.stderr, disable=None, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} tests [{elapsed}<{remaining}]")
+
+
+def flagged_reasons(day: Day, submission: Submission) -> list[str]:
+    return [str(f) for module in day.modules for f in submission.findings.get(module, [])]
+
+
 def grade(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    become_subreaper()  # detached processes the tests leave behind are re-parented here, and killed
+    run_deadline = started + args.budget
     days = select_days(args.week, args.day)
-    with tempfile.TemporaryDirectory(prefix="tiny-llm-grade-") as tmp:
-        root, workspace_notes = REPO_ROOT, []
-        if args.src:
-            root = Path(tmp) / "repo"
-            root.mkdir()
-            workspace_notes = make_workspace(REPO_ROOT, Path(args.src).resolve(), root)
-        reports = []
-        for day in days:
-            if not (root / day.test_file).exists():
-                workspace_notes.append(f"week {day.week} day {day.day}: no tests yet ({day.test_file}), not graded")
-                continue
-            print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
-            reports.append(grade_day(day, root, args.solution, args.timeout))
-    if not reports:
+    days = [d for d in days if (REPO_ROOT / d.test_file).exists()]
+    workspace_notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded"
+                       for d in select_days(args.week, args.day) if d not in days]
+    if not days:
         print("grade: no day in the selection has tests yet", file=sys.stderr)
         return GRADER_FAILED
-    summary = render(reports, args.verbose, workspace_notes, args.solution)
+    json_path = Path(args.json).resolve() if args.json else None
+    workspace_review: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
+    bar = None
+    try:
+        student = args.solution == "student"
+        root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
+        extra: dict = {}
+        if student:
+            if submission.ignored:
+                listed = submission.ignored[:20] + ([f"and {len(submission.ignored) - 20} more"]
+                                                    if len(submission.ignored) > 20 else [])
+                workspace_notes.append("not graded (only the course's module files are): " + ", ".join(listed))
+            if args.src and submission.missing:
+                workspace_notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
+                                       "the untouched skeleton's are graded")
+            flags = [str(f) for findings in submission.findings.values() for f in findings]
+            extra = {"ignored_files": submission.ignored, "integrity_flags": flags}
+            workspace_review = submission.review
+            if flags and args.allow_flagged:
+                workspace_notes.append("graded with --allow-flagged: the integrity scan's findings were "
+                                       "reviewed by a person: " + "; ".join(flags))
+
+        # The tests expected, from a process that imports no student code (there is no package at all).
+        # A flagged day does not run: its tests are listed by function, read from the file.
+        flagged = {d.key: [] if args.allow_flagged or not student else flagged_reasons(d, submission) for d in days}
+        to_run = [d.test_file for d in days if not flagged[d.key]]
+        expected, collect_errors = {}, {}
+        if to_run:
+            collect_dir = make_grading_dir(tmp / "collect", None)
+            expected, collect_errors = collect(to_run, collect_dir, child_env("ref", ("src_ref", ".")))
+        for d in days:
+            if flagged[d.key]:
+                expected[d.test_file] = [f"{d.test_file}::{f}" for f in task_functions(REPO_ROOT / d.test_file)]
+        bar = progress_bar(sum(len(expected.get(d.test_file, [])) for d in days))
+
+        reports: list[DayReport] = [placeholder(d, expected.get(d.test_file, []), "not graded yet", pending=True)
+                                    for d in days]
+
+        def save() -> None:
+            if json_path is not None:
+                summary = render(reports, False, workspace_notes, args.solution, workspace_review)
+                write_atomically(json_path, json.dumps(gradescope_results(
+                    reports, summary, time.monotonic() - started, extra, workspace_review), indent=2) + "\n")
+
+        save()
+        for index, day in enumerate(days):
+            label = f"week {day.week} day {day.day}"
+            if bar is not None and not bar.disable:
+                bar.set_description(label)
+            else:
+                print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
+            ids = expected.get(day.test_file, [])
+            flags = flagged[day.key]
+            error = collect_errors.get(day.test_file) or (collect_errors.get("collection") if not ids else None)
+            if error:
+                run = RunResult(day.test_file, collect_errors=[error])
+                reports[index] = score_day(day, [], run, task_functions(REPO_ROOT / day.test_file))
+            elif flags:
+                reports[index] = placeholder(day, ids, "not run: the integrity scan flagged this day's code",
+                                             review=[f"flagged by the integrity scan: {f}" for f in flags]
+                                             + ["grade it anyway, after reading it, with --allow-flagged"])
+            elif time.monotonic() >= run_deadline:
+                reports[index] = placeholder(day, ids, "not run: the run's time budget ran out before this day")
+            else:
+                day_dir = make_grading_dir(tmp / f"week{day.week}-day{day.day}", submission)
+                deadline = min(time.monotonic() + args.day_budget, run_deadline)
+                run = run_test_file(day.test_file, day_dir, child_env(args.solution), timeout=args.timeout,
+                                    expected=ids, deadline=deadline, memory_mb=default_memory_mb() if args.memory_mb is None else args.memory_mb or None,
+                                    on_result=(lambda _: bar.update(1)) if bar is not None else None)
+                kill_descendants()
+                reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
+                if run.out_of_time:
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out "
+                                                f"(--day-budget {args.day_budget:g} s, --budget {args.budget:g} s)")
+                remove_tree(day_dir)
+            if bar is not None:
+                bar.n = sum(len(expected.get(d.test_file, [])) for d in days[: index + 1])
+                bar.refresh()
+            save()
+    finally:
+        if bar is not None:
+            bar.close()
+        kill_descendants()
+        remove_tree(tmp)
+    summary = render(reports, args.verbose, workspace_notes, args.solution, workspace_review)
     print(summary)
     seconds = time.monotonic() - started
     print(f"\ngraded {len(reports)} day(s) in {seconds:.0f} s")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(gradescope_results(reports, summary, seconds), indent=2) + "\n")
-        print(f"wrote {path}")
+    if json_path is not None:
+        print(f"wrote {json_path}")
     return GRADER_FAILED if any(r.problems for r in reports) else 0
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # so the test processes are killed on the way out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
+    signal.signal(signal.SIGTERM, _stop)
     try:
         return grade(args)
+    except KeyboardInterrupt:
+        print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)
+        return 130
     except SystemExit as stop:
         if stop.code not in (None, 0):
             print(f"grade: {stop.code}", file=sys.stderr)

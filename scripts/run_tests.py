@@ -7,11 +7,12 @@
 """
 
 import argparse
-import os
+import subprocess
 import sys
 from pathlib import Path
 
 from course.course_map import DAYS, find_day
+from course.isolated_pytest import child_env, pytest_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,16 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     solution = "ref" if args.ref else args.solution
     pytest_args = args.pytest_args
     targets = test_targets(args.week, args.day)
-    os.environ["TINY_LLM_SOLUTION"] = solution
-    os.chdir(REPO_ROOT)
-    from course import fast_mlx
-
-    fast_mlx.setup()
-    import pytest
-
     print(f"[tiny-llm] testing the {'reference' if solution == 'ref' else 'student'} solution: "
           f"{' '.join(targets)}", flush=True)
-    return int(pytest.main([*targets, *pytest_args]))
+    # The same pytest command as the grader's, in its own process; its output goes straight to the terminal.
+    process = subprocess.Popen(pytest_command([*targets, *pytest_args]), cwd=REPO_ROOT, env=child_env(solution))
+    try:
+        return process.wait()
+    except KeyboardInterrupt:  # pytest got the Ctrl-C too: let it print its summary
+        return process.wait()
 
 
 if __name__ == "__main__":

@@ -230,7 +230,8 @@ def test_grade_survives_a_hang_a_crash_and_an_import_error(tmp_path):
     submission = tmp_path / "submission"
     write_modules(submission, BROKEN_STUDENT)
     report = tmp_path / "out" / "results.json"
-    done = run_tool(root, "scripts.grade", "--src", str(submission), "--timeout", "2", "--json", str(report))
+    done = run_tool(root, "scripts.grade", "--src", str(submission), "--timeout", "2", "--json", str(report),
+                    "--allow-flagged")  # alpha.py imports os to abort on purpose
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(report.read_text())
     assert gradescope_problems(results) == []
@@ -557,3 +558,147 @@ def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
     plain = next(d for d in DAYS if not d.compare)
     done = run_tool(tmp_path, "scripts.compare", "--week", str(plain.week), "--day", str(plain.day))
     assert done.returncode == 0 and f"pdm run test --week {plain.week} --day {plain.day}" in done.stdout
+
+
+# ---------------------------------------------------------------- the grader against a dishonest student (issue 11)
+
+ATTACKS = REPO_ROOT / "tests" / "attacks"
+# attack -> the file its "needs review" reason must name (None: no finding; the limits end it)
+ATTACK_FILES = {
+    "reexport": "src/tiny_llm/attention.py", "patch_outcome": "src/tiny_llm/speedups.py",
+    "patch_outcome_module": "src/tiny_llm/basics.py", "forge_events": "src/tiny_llm/attention.py",
+    "detached_rewrite": "src/tiny_llm/basics.py", "rewrite_tests": "src/tiny_llm/attention.py",
+    "sitecustomize": "src/sitecustomize.py", "block_start": "src/tiny_llm/basics.py",
+    "hang": None, "memory": None,
+}
+BUDGET = 60  # seconds for a whole grading run of day 1.1 (--budget); the run may take a little more to start
+
+
+def attack_submission(tmp_path: Path, attack: str) -> Path:
+    """The untouched skeleton with the attack's files laid over it."""
+    submission = tmp_path / "submission"
+    shutil.copytree(REPO_ROOT / "src" / "tiny_llm", submission / "src" / "tiny_llm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ATTACKS / attack, submission, dirs_exist_ok=True)
+    return submission
+
+
+def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+    import time
+
+    report = tmp_path / "results.json"
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--json", str(report),
+                           "--budget", str(BUDGET), "--day-budget", "40", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - began
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(report.read_text())
+    assert gradescope_problems(results) == []
+    return done, results, seconds
+
+
+def test_every_attack_fixture_is_in_the_table_and_never_collected():
+    assert sorted(p.name for p in ATTACKS.iterdir() if p.is_dir()) == sorted(ATTACK_FILES)
+    assert not list(ATTACKS.rglob("test_*.py")) and not list(ATTACKS.rglob("*_test.py"))
+    assert not list(ATTACKS.rglob("conftest.py"))
+
+
+def test_integrity_scan_passes_the_reference_and_the_skeleton_and_flags_each_attack():
+    from course.integrity import scan_file
+
+    for folder in ("src_ref/tiny_llm_ref", "src/tiny_llm"):
+        for path in sorted((REPO_ROOT / folder).glob("*.py")):
+            assert scan_file(path, str(path)) == [], path
+    for attack, named in ATTACK_FILES.items():
+        findings = [f for p in (ATTACKS / attack).rglob("*.py") for f in scan_file(p, str(p.relative_to(ATTACKS / attack)))]
+        if named is None:
+            assert findings == [], (attack, findings)
+        else:
+            assert any(f.path == named and f.line > 0 for f in findings), (attack, findings)
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACK_FILES))
+def test_grade_gives_no_marks_to_an_attack_and_says_why(tmp_path, attack):
+    extra = {"hang": ["--day-budget", "10"], "memory": ["--memory-mb", "2560"]}.get(attack, [])
+    done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
+                                              "--week", "1", "--day", "1", "--timeout", "3", *extra)
+    assert results["score"] == 0 and results["extra_data"]["max_score"] == 10
+    assert seconds < BUDGET + 30, seconds
+    named = ATTACK_FILES[attack]
+    reasons = [r for reasons in results["extra_data"]["needs_review"].values() for r in reasons]
+    if named is not None:
+        assert any(named in r for r in reasons), (reasons, done.stdout)
+        assert "NEEDS REVIEW" in done.stdout and named in done.stdout
+    if attack == "hang":
+        assert "time budget" in done.stdout
+    if attack in ("sitecustomize", "patch_outcome"):  # the extra files are not graded: the day runs as the skeleton
+        assert "not implemented yet" in done.stdout and "not graded" in done.stdout
+        assert "GRADER PROBLEMS" not in done.stdout
+
+
+@pytest.mark.parametrize("attack, reason", [
+    ("forge_events", "did not write"),  # unsigned lines in the event stream
+    ("block_start", "stopped reporting"),  # the watchdog on the event stream
+])
+def test_grade_catches_an_attack_at_run_time_when_the_scan_is_overridden(tmp_path, attack, reason):
+    done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack), "--week", "1", "--day",
+                                              "1", "--timeout", "3", "--allow-flagged")
+    assert results["score"] == 0
+    assert any(reason in r for r in results["extra_data"]["needs_review"]["1.1"]), done.stdout
+    assert seconds < BUDGET + 30, seconds
+
+
+def test_grade_kills_a_detached_process_before_writing_the_report(tmp_path):
+    import os
+    import time
+
+    done, results, _ = grade_submission(tmp_path, attack_submission(tmp_path, "detached_rewrite"),
+                                        "--week", "1", "--day", "1", "--timeout", "3", "--allow-flagged")
+    pid_file = tmp_path / "results.json.attacker-pid"
+    assert pid_file.exists(), "the attack did not start: the test proves nothing"
+    time.sleep(1.0)  # the attacker rewrites within 50 ms, if it still lives
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["score"] == 0 and "total: 0 / 10" in done.stdout
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the detached process outlived the grader"
+
+
+def test_grade_honest_and_untouched_submissions(tmp_path):
+    honest = tmp_path / "honest"
+    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", honest, ignore=shutil.ignore_patterns("__pycache__"))
+    done, results, _ = grade_submission(tmp_path, honest, "--week", "1", "--day", "1")
+    assert results["score"] == 10 and results["extra_data"]["max_score"] == 10, done.stdout
+    assert results["extra_data"]["needs_review"] == {} and results["extra_data"]["integrity_flags"] == []
+    done, results, _ = grade_submission(tmp_path, REPO_ROOT / "src" / "tiny_llm", "--week", "1", "--day", "1")
+    assert results["score"] == 0 and results["extra_data"]["needs_review"] == {}
+    assert all("not implemented yet" in t["output"] for t in results["tests"])
+
+
+def test_points_add_up_exactly_for_every_day():
+    """Every day's per-test points add up to exactly its points, in the report's own decimal numbers."""
+    from fractions import Fraction
+
+    from course.course_map import DAYS
+    from course.isolated_pytest import CaseResult, RunResult, child_env, collect
+    from scripts.grade import gradescope_results, score_day
+
+    days = [d for d in DAYS if (REPO_ROOT / d.test_file).exists()]
+    expected, errors = collect([d.test_file for d in days], REPO_ROOT, child_env("ref", ("src_ref", ".")))
+    assert errors == {}
+    reports = []
+    for day in days:
+        run = RunResult(day.test_file, {n: CaseResult(n, "passed") for n in expected[day.test_file]})
+        reports.append(score_day(day, expected[day.test_file], run))
+    results = gradescope_results(reports, "", 0.0, {})
+    for day in days:
+        tag = f"day {day.week}.{day.day}"
+        tests = [t for t in results["tests"] if tag in t["tags"]]
+        assert sum(Fraction(str(t["max_score"])) for t in tests) == sum(day.points.values()), tag
+        assert sum(Fraction(str(t["score"])) for t in tests) == sum(day.points.values()), tag
+    total = sum(sum(d.points.values()) for d in days)
+    assert results["score"] == results["extra_data"]["max_score"] == total
