@@ -49,6 +49,7 @@ DAYS: list[Day] = [
         compare="batch"),
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
         {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}, compare="chunked-prefill"),
+    Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
 ]
 
 
