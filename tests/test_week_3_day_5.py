@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.harness import reference, solution
-from tests.serve_fakes import FakeEngine, fake_generate, parse_prometheus, running_server, wait_until
+from tests.serve_fakes import parse_prometheus, running_server, wait_until
 
 sol = solution(week=3, day=5)
 ref = reference()
@@ -22,19 +22,39 @@ ref = reference()
 MODEL = "tiny-test-model"
 
 
+@pytest.fixture(scope="module")
+def model(model32):
+    """(week-3 model, tokenizer) on the embedded model's weights, float32."""
+    mlx_model, tokenizer = model32
+    week3_model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    # MLX streams are thread-local: arrays the model left lazy on this thread cannot be evaluated on the
+    # server's engine thread. One tiny generation here materializes them.
+    ref.engine.generate(week3_model, tokenizer, [[1]], ref.sequence.SamplingParams(max_tokens=1))
+    return week3_model, tokenizer
+
+
 @pytest.fixture
-def tokenizer(embedded_model):
-    return embedded_model[1]
+def tokenizer(model):
+    return model[1]
 
 
-def make_engine(tokenizer):
-    return FakeEngine(tokenizer)
+def make_engine(model):
+    return ref.engine.LLMEngine(model[0], model[1], max_num_batched_tokens=64, max_num_seqs=16, block_size=8)
 
 
-def in_process(tokenizer, prompt_text: str, max_tokens: int) -> str:
+def in_process(model, prompt_text: str, max_tokens: int) -> str:
     """What the engine alone generates for this prompt (greedy): the oracle for the server's text."""
-    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
-    return fake_generate(tokenizer, [prompt], ref.sequence.SamplingParams(max_tokens=max_tokens))[0]
+    prompt = model[1].encode(prompt_text, add_special_tokens=False)
+    return ref.engine.generate(model[0], model[1], [prompt], ref.sequence.SamplingParams(max_tokens=max_tokens))[0]
+
+
+def in_process_tokens(model, prompt_text: str, max_tokens: int) -> list[int]:
+    """The token ids the engine alone generates for this prompt (greedy), EOS excluded."""
+    engine = make_engine(model)
+    seq = engine.add_request(prompt_text, ref.sequence.SamplingParams(max_tokens=max_tokens))
+    while engine.has_work():
+        engine.step()
+    return seq.output_token_ids
 
 
 def chat_text(tokenizer, content: str) -> str:
@@ -129,37 +149,41 @@ def test_task_3_render_prometheus():
     assert samples[("t_latency_seconds_sum", None)] == pytest.approx(3.65)
 
 
-def test_task_3_metrics_endpoint(tokenizer):
-    engine = make_engine(tokenizer)
+def test_task_3_metrics_endpoint(model, tokenizer):
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         for max_tokens in (3, 5):
-            response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": max_tokens})
-            assert response.status_code == 200
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "temperature": 0}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         response = httpx.get(f"{url}/metrics")
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         families = parse_prometheus(response.text)
+    lengths = [len(in_process_tokens(model, "hi", n)) for n in (3, 5)]
     value = {name: family["samples"][0][2] for name, family in families.items() if family["type"] != "histogram"}
-    assert value["tiny_llm_generation_tokens_total"] == 8
+    assert value["tiny_llm_generation_tokens_total"] == sum(lengths)
+    assert value["tiny_llm_prompt_tokens_total"] == 2 * len(tokenizer.encode("hi", add_special_tokens=False))
     assert value["tiny_llm_num_requests_running"] == 0 and value["tiny_llm_num_requests_waiting"] == 0
-    assert 0 <= value["tiny_llm_kv_cache_usage_ratio"] <= 1
+    assert value["tiny_llm_kv_cache_usage_ratio"] == 0 and value["tiny_llm_requests_finished_total"] == 2
     counts = {name: next(s[2] for s in f["samples"] if s[0] == f"{name}_count")
               for name, f in families.items() if f["type"] == "histogram"}
     assert counts["tiny_llm_time_to_first_token_seconds"] == 2
-    assert counts["tiny_llm_inter_token_latency_seconds"] == 2 + 4  # n - 1 gaps per request
+    assert counts["tiny_llm_inter_token_latency_seconds"] == sum(n - 1 for n in lengths)  # n - 1 gaps per request
     assert counts["tiny_llm_e2e_request_latency_seconds"] == 2
 
 
 # ---------------------------------------------------------------- task 4: the engine thread, over HTTP
 
 
-def test_task_4_openai_client_streams_chat(tokenizer):
+def test_task_4_openai_client_streams_chat(model, tokenizer):
     from openai import OpenAI
 
-    engine = make_engine(tokenizer)
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     content = "Tell me about the sea."
-    expected = in_process(tokenizer, chat_text(tokenizer, content), max_tokens=12)
+    expected = in_process(model, chat_text(tokenizer, content), max_tokens=12)
+    expected_tokens = in_process_tokens(model, chat_text(tokenizer, content), max_tokens=12)
+    expected_finish = "length" if len(expected_tokens) == 12 else "stop"
     with running_server(app) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == [MODEL]
@@ -173,18 +197,18 @@ def test_task_4_openai_client_streams_chat(tokenizer):
         whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                                max_tokens=12, temperature=0)
     assert text == expected
-    assert finish == ["length"]
-    assert usage.completion_tokens == 12
+    assert finish == [expected_finish]
+    assert usage.completion_tokens == len(expected_tokens)
     assert usage.prompt_tokens == len(tokenizer.encode(chat_text(tokenizer, content), add_special_tokens=False))
-    assert whole.choices[0].message.content == expected and whole.usage.completion_tokens == 12
+    assert whole.choices[0].message.content == expected and whole.usage.completion_tokens == len(expected_tokens)
 
 
-def test_task_4_concurrent_streams(tokenizer):
-    engine = make_engine(tokenizer)
+def test_task_4_concurrent_streams(model, tokenizer):
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     prompts = [f"request number {i}: " + "word " * (i % 5) for i in range(32)]
     lengths = [4 + i % 7 for i in range(32)]
-    expected = [in_process(tokenizer, p, n) for p, n in zip(prompts, lengths)]
+    expected = [in_process(model, p, n) for p, n in zip(prompts, lengths)]
 
     async def one(client, url, prompt, max_tokens):
         pieces = []
@@ -210,8 +234,8 @@ def test_task_4_concurrent_streams(tokenizer):
     assert free_blocks(engine) == all_blocks(engine)
 
 
-def test_task_4_disconnect_frees_blocks(tokenizer):
-    engine = make_engine(tokenizer)
+def test_task_4_disconnect_frees_blocks(model, tokenizer):
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True}
     with running_server(app) as url:
@@ -228,16 +252,17 @@ def test_task_4_disconnect_frees_blocks(tokenizer):
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
-def test_task_4_stop_strings(tokenizer):
-    engine = make_engine(tokenizer)
+def test_task_4_stop_strings(model, tokenizer):
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     prompt = "stop test"
-    full = in_process(tokenizer, prompt, max_tokens=20)
+    full = in_process(model, prompt, max_tokens=20)
     stop = full.split()[3]  # a word from the middle of the output
     expected = full[:full.find(stop)]
     with running_server(app) as url:
         for stream in (False, True):
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "stop": [stop], "stream": stream}
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "stop": [stop], "stream": stream,
+                    "temperature": 0}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             if stream:
                 events = [json.loads(line[6:]) for line in response.text.splitlines()
@@ -278,8 +303,8 @@ BAD_REQUESTS = [
 ]
 
 
-def test_task_4_bad_requests_get_4xx(tokenizer):
-    engine = make_engine(tokenizer)
+def test_task_4_bad_requests_get_4xx(model, tokenizer):
+    engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         for path, body, status, param in BAD_REQUESTS:
