@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a short run: head-of-line only, 2 shorts of 32 tokens, a 512-token long prompt, 16 outputs")
     parser.add_argument("--our-args", default="--max-num-batched-tokens 128",
                         help="with --launch: extra arguments for `pdm run serve` (default: a 128-token step budget)")
+    parser.add_argument("--their-args", default="",
+                        help="with --launch: extra arguments for mlx_lm.server (default: none, its defaults)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take (default 900)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where results go (default {RESULTS_DIR})")
     return parser
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model or BENCH
         path = str(resolve_model(args.model))
         ours_cmd = [sys.executable, "-m", "scripts.serve", "--model", args.model, *args.our_args.split()]
-        theirs_cmd = [sys.executable, "-m", "benches.mlx_lm_peer", "--model", path]
+        theirs_cmd = [sys.executable, "-m", "benches.mlx_lm_peer", "--model", path, *args.their_args.split()]
         args.out.mkdir(parents=True, exist_ok=True)
         for name, command in (("tiny-llm", ours_cmd), ("mlx_lm.server", theirs_cmd)):
             log = args.out / f"serve_{name}.log"
