@@ -17,8 +17,9 @@ token throughput, and goodput (requests per second meeting the SLO: TTFT <= --sl
 TPOT <= --slo-tpot). ITL is the gap between two streamed chunks that carry text; TPOT is
 (e2e - TTFT) / (output tokens - 1), output tokens as the server's `usage` reports them.
 
---launch starts our server (`pdm run serve`) and `mlx_lm.server` on the same model, one after the
-other on the same machine, measures both and prints ours / theirs. Results: benches/results/serve.json
+--launch starts our server (`pdm run serve`) and `mlx_lm.server` on the same model and machine, runs
+each workload on one, then the other (only one is ever busy; with --rounds, alternating), and prints
+ours / theirs. Results: benches/results/serve.json
 and one plot per workload, benches/results/serve_<workload>.png.
 """
 
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-tokens", type=int, default=512, help="shared-prefix's common prefix (default 512)")
     parser.add_argument("--slo-ttft", type=float, default=10.0, help="goodput SLO on TTFT, seconds (default 10)")
     parser.add_argument("--slo-tpot", type=float, default=1.0, help="goodput SLO on TPOT, seconds (default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each workload this many times per server, servers alternating (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: head-of-line only, 2 shorts of 32 tokens, a 512-token long prompt, 16 outputs")
@@ -379,19 +382,36 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def measure(server: str, base_url: str, model: str | None, args) -> dict:
-    # One small request first: the first call of a fresh server pays one-time costs.
+def warm_up(base_url: str, model: str | None, args) -> None:
+    """One small request: the first call of a fresh server pays one-time costs."""
     asyncio.run(run_workload(base_url, model, [Planned(" hello", 2, "warm-up")], None, args.timeout, "warm-up"))
-    summaries = {}
+
+
+def run_once(server: str, base_url: str, model: str | None, workload: str, args) -> tuple[list[Result], float]:
+    plan = plan_workload(workload, args, random.Random(args.seed))
+    concurrency = None if args.request_rate else (args.concurrency or 4)
+    if workload == "head-of-line":
+        concurrency = None  # everybody at once; the long one waits for the shorts' first tokens
+    return asyncio.run(run_workload(base_url, model, plan, concurrency, args.timeout, f"{server} {workload}"))
+
+
+def measure(servers: dict[str, tuple[str, str | None]], args) -> dict[str, dict]:
+    """Every workload on every server, `--rounds` times, servers alternating (so drift in the machine's
+    load hits both alike); each server's results of all rounds are pooled into one summary per workload."""
+    for base_url, model in servers.values():
+        warm_up(base_url, model, args)
+    summaries: dict[str, dict] = {name: {} for name in servers}
     for workload in args.workload:
-        plan = plan_workload(workload, args, random.Random(args.seed))
-        concurrency = None if args.request_rate else (args.concurrency or 4)
-        if workload == "head-of-line":
-            concurrency = None  # everybody at once; the long one waits for the shorts' first tokens
-        results, duration = asyncio.run(run_workload(base_url, model, plan, concurrency, args.timeout,
-                                                     f"{server} {workload}"))
-        summaries[workload] = summarize(results, duration, args)
-        print_summary(server, workload, summaries[workload])
+        pooled = {name: ([], 0.0) for name in servers}
+        for round_index in range(args.rounds):
+            order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+            for name in order:
+                base_url, model = servers[name]
+                results, duration = run_once(name, base_url, model, workload, args)
+                pooled[name] = (pooled[name][0] + results, pooled[name][1] + duration)
+        for name, (results, duration) in pooled.items():
+            summaries[name][workload] = summarize(results, duration, args)
+            print_summary(name, workload, summaries[name][workload])
     return summaries
 
 
@@ -407,7 +427,7 @@ def machine_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("num_requests", "shorts", "short_tokens", "long_tokens", "output_tokens", "prefix_tokens",
+    for name in ("rounds", "num_requests", "shorts", "short_tokens", "long_tokens", "output_tokens", "prefix_tokens",
                  "concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -423,26 +443,31 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     if args.base_url:
         base_url = args.base_url.rstrip("/")
-        model = args.model or discover_model(base_url)
-        results["servers"][base_url] = measure(base_url, base_url, model, args)
+        results["servers"] = measure({base_url: (base_url, args.model or discover_model(base_url))}, args)
     else:
         from course.models import BENCH, resolve_model
 
         args.model = args.model or BENCH
         path = str(resolve_model(args.model))
-        ours_cmd = [sys.executable, "-m", "scripts.serve", "--model", args.model, *args.our_args.split()]
-        theirs_cmd = [sys.executable, "-m", "benches.mlx_lm_peer", "--model", path, *args.their_args.split()]
+        commands = {
+            "tiny-llm": [sys.executable, "-m", "scripts.serve", "--model", args.model, *args.our_args.split()],
+            "mlx_lm.server": [sys.executable, "-m", "benches.mlx_lm_peer", "--model", path, *args.their_args.split()],
+        }
         args.out.mkdir(parents=True, exist_ok=True)
-        for name, command in (("tiny-llm", ours_cmd), ("mlx_lm.server", theirs_cmd)):
-            log = args.out / f"serve_{name}.log"
-            print(f"[bench-serve] starting {name}: {' '.join(command[1:])} (log: {log})", file=sys.stderr)
-            process, base_url = launch(command, name, log)
-            try:
+        processes, servers = [], {}
+        try:
+            # Both run at once, but only one is ever loaded: the other idles while it waits for requests.
+            for name, command in commands.items():
+                log = args.out / f"serve_{name}.log"
+                print(f"[bench-serve] starting {name}: {' '.join(command[1:])} (log: {log})", file=sys.stderr)
+                process, base_url = launch(command, name, log)
+                processes.append(process)
                 # mlx_lm.server's /v1/models lists the Hugging Face cache: name no model, so it uses its own.
-                model = discover_model(base_url) if name == "tiny-llm" else None
-                results["servers"][name] = measure(name, base_url, model, args)
-            finally:
-                stop(process)  # one server at a time: they share the machine's cores
+                servers[name] = (base_url, discover_model(base_url) if name == "tiny-llm" else None)
+            results["servers"] = measure(servers, args)
+        finally:
+            for process in processes:
+                stop(process)
         results["ratios"] = {w: compare(w, results["servers"]["tiny-llm"][w], results["servers"]["mlx_lm.server"][w])
                              for w in args.workload}
     results["wall_s"] = time.perf_counter() - began

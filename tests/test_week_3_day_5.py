@@ -185,7 +185,7 @@ def test_task_4_openai_client_streams_chat(model, tokenizer):
     expected_tokens = in_process_tokens(model, chat_text(tokenizer, content), max_tokens=12)
     expected_finish = "length" if len(expected_tokens) == 12 else "stop"
     with running_server(app) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         assert [m.id for m in client.models.list().data] == [MODEL]
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                                 max_tokens=12, temperature=0, stream=True,
@@ -232,6 +232,7 @@ def test_task_4_concurrent_streams(model, tokenizer):
         assert wait_until(lambda: not engine.has_work())
     assert texts == expected
     assert free_blocks(engine) == all_blocks(engine)
+    assert not app.state.engine_thread.handles, "finished requests must be forgotten by the engine thread"
 
 
 def test_task_4_disconnect_frees_blocks(model, tokenizer):
@@ -247,6 +248,7 @@ def test_task_4_disconnect_frees_blocks(model, tokenizer):
             # Leaving the `with` closed the connection mid-stream.
         assert wait_until(lambda: not engine.has_work() and free_blocks(engine) == all_blocks(engine)), \
             "a client that disconnects must have its request aborted and its blocks freed"
+        assert engine.generation_tokens_total < 400, "the request ran to max_tokens: it was never aborted"
         # The server keeps serving.
         response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "again", "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
@@ -261,7 +263,8 @@ def test_task_4_stop_strings(model, tokenizer):
     expected = full[:full.find(stop)]
     with running_server(app) as url:
         for stream in (False, True):
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "stop": [stop], "stream": stream,
+            # A budget far beyond the stop string: the request must end at the stop, not at max_tokens.
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "stop": [stop], "stream": stream,
                     "temperature": 0}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             if stream:
@@ -273,6 +276,7 @@ def test_task_4_stop_strings(model, tokenizer):
                 text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
             assert (text, finish) == (expected, "stop")
         assert wait_until(lambda: not engine.has_work() and free_blocks(engine) == all_blocks(engine))
+    assert engine.generation_tokens_total < 300, "a request that hit a stop string must be aborted"
 
 
 BAD_REQUESTS = [
