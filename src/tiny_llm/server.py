@@ -19,6 +19,8 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), G
 GET /health, GET /metrics (Prometheus text format).
 """
 
+from __future__ import annotations
+
 import asyncio
 import json
 import math
