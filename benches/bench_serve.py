@@ -443,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     if args.base_url:
         base_url = args.base_url.rstrip("/")
+        try:
+            httpx.get(f"{base_url}/v1/models", timeout=30)
+        except httpx.HTTPError as error:
+            print(f"error: no server answers at {base_url} ({type(error).__name__}); start one, e.g. `pdm run serve`",
+                  file=sys.stderr)
+            return 2
         results["servers"] = measure({base_url: (base_url, args.model or discover_model(base_url))}, args)
     else:
         from course.models import BENCH, resolve_model
