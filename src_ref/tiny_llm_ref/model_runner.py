@@ -1,0 +1,98 @@
+"""The model runner: executes a `StepPlan` in one model call and picks each sampling sequence's next token.
+
+It owns the paged KV pool. For a plan it lays every chunk's tokens end to end (decodes first, then
+prefill chunks), works out for each token its position and its slot in the pool (through the
+sequence's block table), and for each sequence which slots hold its keys; that is the
+`RaggedBatch` the model runs. Then it samples: greedy rows all at once, the others each with its
+own sampler (temperature, top-k, top-p, seed), using week 1's `make_sampler`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .batch import chunk_causal_mask
+from .block_manager import slot_mapping
+from .qwen2_week3 import PrefillChunk, RaggedBatch
+from .sampler import make_sampler
+from .scheduler import ScheduledChunk, StepPlan
+from .sequence import Sequence
+
+
+class ModelRunner:
+    """Runs plans on a week-3 model over its own KV pool of `num_blocks` blocks of `block_size` positions."""
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        """Allocate the KV pool once (provided)."""
+        self.model = model
+        self.block_size = block_size
+        self.pool = model.make_kv_pool(num_blocks, block_size)
+
+    def run(self, plan: StepPlan) -> list[int]:
+        """Run the plan in one model call; return the next token of each chunk that samples, in plan order."""
+        sampling = [chunk for chunk in plan.chunks if chunk.samples]
+        batch = self.prepare(plan)
+        logits = self.model(batch, self.pool)
+        # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up.
+        mx.eval(logits, *self.pool.arrays())
+        return self.sample(logits, [chunk.seq for chunk in sampling])
+
+    def prepare(self, plan: StepPlan) -> RaggedBatch:
+        """The plan as a `RaggedBatch`: token ids, positions, pool slots, attention views, sampling rows."""
+        token_ids, positions, write_slots, sample_rows = [], [], [], []
+        for chunk in plan.chunks:
+            end = chunk.start + chunk.length
+            token_ids += chunk.token_ids
+            positions += range(chunk.start, end)
+            write_slots += slot_mapping(chunk.seq.block_table, chunk.start, end, self.block_size)
+            if chunk.samples:
+                sample_rows.append(len(token_ids) - 1)
+        decode_key_slots, decode_mask = self.decode_view(plan.decodes)
+        return RaggedBatch(
+            token_ids=mx.array(token_ids),
+            positions=mx.array(positions),
+            write_slots=mx.array(write_slots),
+            num_decodes=len(plan.decodes),
+            decode_key_slots=decode_key_slots,
+            decode_mask=decode_mask,
+            chunks=[self.chunk_view(chunk) for chunk in plan.prefills],
+            sample_rows=mx.array(sample_rows, dtype=mx.int32),
+        )
+
+    def decode_view(self, decodes: list[ScheduledChunk]) -> tuple[mx.array | None, mx.array | None]:
+        """Slots of every decoding sequence's keys, padded to the longest (`n x S`), and the mask hiding the padding."""
+        if not decodes:
+            return None, None
+        lengths = [chunk.start + 1 for chunk in decodes]  # the cached keys and the decode token's own
+        longest = max(lengths)
+        slots = [slot_mapping(chunk.seq.block_table, 0, n, self.block_size) + [0] * (longest - n)
+                 for chunk, n in zip(decodes, lengths)]
+        valid = mx.arange(longest)[None, :] < mx.array(lengths)[:, None]
+        mask = mx.where(valid, 0.0, -mx.inf).astype(self.model.dtype)
+        return mx.array(slots), mask[:, None, None, :]
+
+    def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
+        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and day 2.7's chunk mask."""
+        end = chunk.start + chunk.length
+        slots = slot_mapping(chunk.seq.block_table, 0, end, self.block_size)
+        return PrefillChunk(chunk.length, mx.array(slots), chunk_causal_mask(chunk.start, chunk.length, self.model.dtype))
+
+    def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
+        """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
+        if not seqs:
+            return []
+        tokens = mx.argmax(logits, axis=-1).tolist()
+        for row, seq in enumerate(seqs):
+            params = seq.sampling
+            if params.greedy:
+                continue
+            if params.seed is not None:
+                # Seeded by (seed, how many tokens it has): the same draw whatever else shares the batch,
+                # and again after a preemption recomputes it.
+                mx.random.seed(params.seed + len(seq.output_token_ids))
+            sampler = make_sampler(params.temperature, params.top_p if params.top_p < 1 else None,
+                                   params.top_k or None)
+            row_logits = logits[row : row + 1].astype(mx.float32)
+            logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+            tokens[row] = sampler(logprobs).item()
+        return tokens
