@@ -162,10 +162,16 @@ def _rebind_member(member, module, owner):
     return member
 
 
-def swap_in_reference(module: types.ModuleType, reference: types.ModuleType, names) -> None:
-    """Replace the functions and methods `names` (qualified) of `module` by the reference's, run in `module`."""
+def swap_in_reference(module: types.ModuleType, reference: types.ModuleType, names, tasks=()) -> None:
+    """Replace the functions and methods `names` (qualified) of `module` by the reference's, run in `module`.
+
+    `tasks` are the module's task names (qualified); a task of the student's own that their file lacks
+    stays missing (its tests fail), it is never filled in from the reference.
+    """
+    students_own = {qualname.split(".")[0] for qualname in tasks if qualname not in names}
     for global_name, value in vars(reference).items():
-        module.__dict__.setdefault(global_name, value)  # an import the reference body needs
+        if global_name not in students_own:
+            module.__dict__.setdefault(global_name, value)  # an import the reference body needs
     for qualname in names:
         *owners, name = qualname.split(".")
         target, source = module, reference
@@ -228,7 +234,8 @@ class Selection:
         name = module.__name__.rpartition(".")[2]
         names = self.swaps.get(name, ())
         if names:
-            swap_in_reference(module, importlib.import_module(f"{REFERENCE_PACKAGE}.{name}"), sorted(names))
+            swap_in_reference(module, importlib.import_module(f"{REFERENCE_PACKAGE}.{name}"), sorted(names),
+                              tasks=self.tasks.get(name, {}))
         known = {**self.tasks.get(name, {}), **unwritten_in_source(Path(module.__file__).read_text())}
         self.used.update(known[n] for n in names if n in known)
 
