@@ -46,7 +46,9 @@ class AdaptiveTokenBudget:
     It keeps two moving averages: `base_seconds`, the time of a step that runs only decode tokens,
     and `seconds_per_token`, what each prefill token adds to a step. The budget is then
     `num_decoding + (target_itl - base_seconds) / seconds_per_token`, clamped to
-    `min_tokens .. max_num_batched_tokens`. Before anything is measured it answers `initial_tokens`.
+    `min_tokens .. max_num_batched_tokens`. While the base is unknown it answers `num_decoding` (a
+    decode-only step, the only kind that measures it); then `initial_tokens` until a prefill token is
+    measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
     measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
@@ -76,7 +78,7 @@ class AdaptiveTokenBudget:
 
     def budget(self, num_decoding: int) -> int:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
-        # TODO: nobody decoding: the full budget; nothing measured: initial_tokens; else num_decoding + (target() - base) / per token, clamped
+        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens; else num_decoding + (target() - base) / per token, clamped
         raise NotImplementedError("Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target")
 
     def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
