@@ -47,16 +47,22 @@ class AdaptiveTokenBudget:
     and `seconds_per_token`, what each prefill token adds to a step. The budget is then
     `num_decoding + (target_itl - base_seconds) / seconds_per_token`, clamped to
     `min_tokens .. max_num_batched_tokens`. Before anything is measured it answers `initial_tokens`.
+
+    The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
+    measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
+    and a slow (or busy) one alike.
     """
 
-    def __init__(self, target_itl: float = 0.4, max_num_batched_tokens: int = 2048, min_tokens: int = 16,
-                 initial_tokens: int = 64, smoothing: float = 0.5):
-        """A latency target in seconds; budgets within `min_tokens .. max_num_batched_tokens`."""
+    def __init__(self, target_itl: float | None = 0.4, max_num_batched_tokens: int = 2048, min_tokens: int = 16,
+                 initial_tokens: int = 64, smoothing: float = 0.5, decode_multiple: float = 2.5):
+        """A latency target (seconds, or a multiple of a decode step); budgets within `min_tokens .. max_num_batched_tokens`."""
         if not 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens:
             raise ValueError("need 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens, got "
                              f"{min_tokens}, {initial_tokens}, {max_num_batched_tokens}")
-        if target_itl <= 0:
-            raise ValueError(f"target_itl must be > 0 seconds, got {target_itl}")
+        if target_itl is not None and target_itl <= 0:
+            raise ValueError(f"target_itl must be > 0 seconds (or None), got {target_itl}")
+        if decode_multiple <= 1:
+            raise ValueError(f"decode_multiple must be > 1, got {decode_multiple}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.target_itl = target_itl
@@ -64,6 +70,7 @@ class AdaptiveTokenBudget:
         self.min_tokens = min_tokens
         self.initial_tokens = initial_tokens
         self.smoothing = smoothing
+        self.decode_multiple = decode_multiple
         self.base_seconds: float | None = None  # a decode-only step
         self.seconds_per_token: float | None = None  # what one prefill token adds to a step
 
@@ -71,11 +78,11 @@ class AdaptiveTokenBudget:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
         if num_decoding == 0:
             return self.max_num_batched_tokens
-        if self.seconds_per_token is None:
+        if self.seconds_per_token is None or (self.target_itl is None and self.base_seconds is None):
             return self.initial_tokens
         if self.seconds_per_token <= 0:
             return self.max_num_batched_tokens  # prefill tokens measured as free: nothing to hold back
-        spare = self.target_itl - (self.base_seconds or 0.0)
+        spare = self.target() - (self.base_seconds or 0.0)
         tokens = num_decoding + int(spare / self.seconds_per_token)
         return max(self.min_tokens, min(self.max_num_batched_tokens, tokens))
 
@@ -88,10 +95,18 @@ class AdaptiveTokenBudget:
         extra = seconds - (self.base_seconds or 0.0)
         self.seconds_per_token = self._average(self.seconds_per_token, max(extra, 0.0) / prefill_tokens)
 
+    def target(self) -> float:
+        """The step time to aim for, in seconds (provided)."""
+        if self.target_itl is not None:
+            return self.target_itl
+        return self.decode_multiple * (self.base_seconds or 0.0)
+
     def describe(self) -> str:
         """One line for the engine's start-up log."""
+        target = (f"{self.target_itl * 1000:.0f} ms" if self.target_itl is not None
+                  else f"{self.decode_multiple:g} decode steps")
         return (f"an adaptive token budget of {self.min_tokens}-{self.max_num_batched_tokens} tokens for a "
-                f"decode latency target of {self.target_itl * 1000:.0f} ms")
+                f"decode latency target of {target}")
 
     def _average(self, old: float | None, new: float) -> float:
         """Exponential moving average; the first measurement is taken as it is (provided)."""
