@@ -49,6 +49,9 @@ DAYS: list[Day] = [
         compare="batch"),
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
         {1: 10, 2: 10, 3: 10, 4: 5, 5: 5, 6: 5}, compare="chunked-prefill"),
+    Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5}),
+    Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler",),
+        {1: 5, 2: 10, 3: 10}),
 ]
 
 
