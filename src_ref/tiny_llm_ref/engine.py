@@ -114,7 +114,8 @@ class LLMEngine:
             request_id = self.num_requests_added()
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        longest = len(tokens) + sampling.max_tokens
+        # The KV cache holds every token but the last output (which is never fed back).
+        longest = len(tokens) + sampling.max_tokens - 1
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if longest > min(capacity, self.model.max_position):
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) can never fit: "

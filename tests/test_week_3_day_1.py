@@ -1,0 +1,331 @@
+"""Week 3 Day 1: one forward pass under a token budget (book/src/week3-01-token-budget.md).
+
+Oracles: a fake runner that simulates the paged pool and predicts tokens by hashing the whole
+sequence (tests/week3_fakes.py), for plans, budgets and outputs without a model; mlx-lm's own Qwen2,
+one request at a time, for the fused call's logits and the engine's greedy outputs; MLX's argmax
+and random draws for sampling; hand-made measurements for the budget policy.
+
+Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from tests.harness import reference, solution
+from tests.scheduler_fakes import borrow
+from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
+
+sol = solution(week=3, day=1)
+ref = reference()
+
+DAY_2_PARTS = {"Scheduler": ["preempt"]}
+
+
+@pytest.fixture
+def engine_module(monkeypatch):
+    borrow(monkeypatch, sol.scheduler, ref.scheduler, DAY_2_PARTS)
+    return sol.engine
+
+
+@pytest.fixture(scope="module")
+def real(model32):
+    """(Qwen2ModelWeek3 under test, mlx-lm model, tokenizer) on the embedded weights, float32."""
+    mlx_model, tokenizer = model32
+    return sol.qwen2_week3.Qwen2ModelWeek3(mlx_model), mlx_model, tokenizer
+
+
+def fake_engine(engine_module, **kwargs):
+    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), **kwargs)
+    engine.runner = FakeRunner(engine)
+    return engine
+
+
+def random_prompts(n, seed, longest=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, EOS) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- Task 1: the token budget
+
+
+def test_task_1_fixed_budget():
+    policy = sol.token_budget.FixedTokenBudget(48)
+    assert policy.budget(0) == policy.budget(7) == 48
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        sol.token_budget.FixedTokenBudget(0)
+
+
+def test_task_1_adaptive_budget_holds_the_target():
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=8,
+                                                  initial_tokens=32, smoothing=1.0)
+    assert policy.budget(0) == 512  # nobody decodes: nobody waits
+    assert policy.budget(4) == 32  # nothing measured yet
+    policy.observe_step(4, 4, 0.2)  # decode-only: the base cost of a step
+    policy.observe_step(104, 4, 1.2)  # 100 prefill tokens added 1.0 s
+    assert policy.base_seconds == pytest.approx(0.2)
+    assert policy.seconds_per_token == pytest.approx(0.01)
+    assert policy.budget(4) == 4 + 30  # (0.5 - 0.2) / 0.01 prefill tokens beside the 4 decodes
+    policy.observe_step(4, 4, 0.6)  # a slow decode step leaves less room: the floor
+    assert policy.budget(4) == 8
+    policy.observe_step(4, 4, 0.0)
+    policy.observe_step(14, 4, 0.001)
+    assert policy.budget(4) == 512  # the ceiling
+
+
+def test_task_1_adaptive_budget_relative_target_and_smoothing():
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=None, decode_multiple=3.0, max_num_batched_tokens=1000,
+                                                  min_tokens=1, initial_tokens=10, smoothing=0.5)
+    policy.observe_step(2, 2, 0.1)
+    policy.observe_step(2, 2, 0.3)  # moving average: 0.2
+    assert policy.base_seconds == pytest.approx(0.2)
+    policy.observe_step(42, 2, 0.6)  # 40 tokens added 0.4 s
+    assert policy.budget(2) == 2 + 40  # target 3 x 0.2 = 0.6 s: 0.4 s of room at 0.01 s per token
+    for bad in (dict(target_itl=-1.0), dict(min_tokens=0), dict(min_tokens=50, initial_tokens=10),
+                dict(smoothing=0.0), dict(decode_multiple=1.0)):
+        with pytest.raises(ValueError):
+            sol.token_budget.AdaptiveTokenBudget(**bad)
+
+
+# ---------------------------------------------------------------- Task 2: the planner
+
+
+@pytest.mark.parametrize("budget", [4, 5, 9, 16, 64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_task_2_budget_never_exceeded_decodes_never_starved(engine_module, budget, seed):
+    engine = fake_engine(engine_module, max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
+    prompts = random_prompts(7, seed)
+    rng = random.Random(seed)
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work():
+        if pending and rng.random() < 0.4:  # requests arrive while others run
+            i, prompt = pending.pop(0)
+            engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=rng.randint(1, 9)), request_id=i)
+        decoding = [s for s in engine.scheduler.running if s.is_decoding]
+        plan = engine.scheduler.schedule()
+        assert plan.num_tokens <= budget
+        assert [c.seq for c in plan.decodes] == decoding, "every decoding sequence gets its token, first"
+        assert all(c.length == 1 for c in plan.decodes)
+        assert all(not c.seq.is_decoding for c in plan.prefills)
+        assert len({id(c.seq) for c in plan.chunks}) == len(plan.chunks), "one chunk per sequence"
+        if not pending and engine.has_work():
+            assert not plan.is_empty
+        if not plan.is_empty:
+            engine.apply(plan, engine.runner.run(plan))
+    for seq in engine.scheduler.waiting:
+        raise AssertionError(f"{seq} never ran")
+
+
+def test_task_2_fills_the_budget_with_several_prefills(engine_module):
+    engine = fake_engine(engine_module, max_num_batched_tokens=16, max_num_seqs=8, block_size=4)
+    for i, n in enumerate([5, 6, 7]):
+        engine.add_request(list(range(1, n + 1)), ref.sequence.SamplingParams(max_tokens=3), request_id=i)
+    plan = engine.scheduler.schedule()
+    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(0, 0, 5), (1, 0, 6), (2, 0, 5)]
+    assert not plan.decodes and plan.num_tokens == 16
+    assert [c.samples for c in plan.prefills] == [True, True, False]
+    engine.apply(plan, engine.runner.run(plan))
+    plan = engine.scheduler.schedule()  # two decodes first, then the rest of prompt 2
+    assert [(c.seq.request_id, c.start, c.length) for c in plan.decodes] == [(0, 5, 1), (1, 6, 1)]
+    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(2, 5, 2)]
+
+
+def test_task_2_respects_max_num_seqs(engine_module):
+    engine = fake_engine(engine_module, max_num_batched_tokens=64, max_num_seqs=2)
+    for i in range(4):
+        engine.add_request([1, 2, 3], ref.sequence.SamplingParams(max_tokens=4), request_id=i)
+    plan = engine.scheduler.schedule()
+    assert len(plan.prefills) == 2 and engine.num_running == 2 and engine.num_waiting == 2
+
+
+@pytest.mark.parametrize("budget", [3, 8, 200])
+def test_task_2_outputs_equal_one_at_a_time(engine_module, budget):
+    engine = fake_engine(engine_module, max_num_batched_tokens=budget, max_num_seqs=3, block_size=2)
+    prompts = random_prompts(6, seed=budget)
+    seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=12)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    for prompt, seq in zip(prompts, seqs):
+        assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, 12)
+
+
+# ---------------------------------------------------------------- Task 3: the ragged model
+
+
+def run_plan(model, plan_chunks, pool_blocks=64, block_size=4, pool=None):
+    """Run one ragged step of (seq, start, length) chunks through `model` with the reference runner's layout."""
+    runner = ref.model_runner.ModelRunner.__new__(ref.model_runner.ModelRunner)
+    runner.model, runner.block_size = model, block_size
+    runner.pool = pool or model.make_kv_pool(pool_blocks, block_size)
+    plan = ref.scheduler.StepPlan()
+    for seq, start, length in plan_chunks:
+        chunk = ref.scheduler.ScheduledChunk(seq, start, length)
+        (plan.decodes if length == 1 and start > 0 else plan.prefills).append(chunk)
+    logits = model(runner.prepare(plan), runner.pool)
+    mx.eval(logits)
+    return plan, logits, runner.pool
+
+
+def make_seq(request_id, tokens, first_block):
+    seq = ref.sequence.Sequence(request_id, tokens)
+    seq.block_table = list(range(first_block, first_block + 8))
+    return seq
+
+
+def test_task_3_fused_logits_equal_separate_calls(real):
+    model, mlx_model, _ = real
+    rng = random.Random(3)
+    a, b, c = ([rng.randrange(100, 5000) for _ in range(n)] for n in (9, 13, 6))
+    seq_a, seq_b, seq_c = make_seq("a", a, 0), make_seq("b", b, 8), make_seq("c", c, 16)
+    # Step 1: a's whole prompt but its last token, b's first 10 tokens (neither samples).
+    _, logits, pool = run_plan(model, [(seq_a, 0, 8), (seq_b, 0, 10)])
+    assert logits.shape[0] == 0, "chunks that do not reach their sequence's end produce no logits"
+    # Step 2, one call: a's last token (a decode), b's last 3 tokens (a chunk), c's whole prompt.
+    plan, logits, _ = run_plan(model, [(seq_a, 8, 1), (seq_b, 10, 3), (seq_c, 0, 6)], pool=pool)
+    assert logits.shape == (3, mlx_model.args.vocab_size)
+    for row, tokens in enumerate((a, b, c)):
+        alone = mlx_model(mx.array([tokens]))[0, -1]
+        assert mx.allclose(logits[row], alone, atol=2e-4, rtol=1e-4).item(), f"row {row}"
+
+
+def test_task_3_no_attention_bias_means_zero(model32):
+    """A Llama-family checkpoint has no q/k/v biases: the model must run it as zero biases."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    mlx_model, _ = model32
+    zeroed = mlx_qwen2.Model(mlx_model.args)
+    zeroed.update(tree_map(lambda p: p, mlx_model.parameters()))
+    for layer in zeroed.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias = mx.zeros_like(proj.bias)
+    no_bias = sol.qwen2_week3.Qwen2ModelWeek3(zeroed)
+    for layer in zeroed.model.layers:  # now drop them altogether, as a Llama checkpoint has none
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            del proj["bias"]
+    without = sol.qwen2_week3.Qwen2ModelWeek3(zeroed)
+    tokens = [5, 17, 300, 42, 9]
+    _, expected, _ = run_plan(no_bias, [(make_seq("x", tokens, 0), 0, 5)])
+    _, got, _ = run_plan(without, [(make_seq("x", tokens, 0), 0, 5)])
+    assert mx.allclose(expected, got, atol=1e-5).item()
+
+
+# ---------------------------------------------------------------- Task 4: the model runner
+
+
+def test_task_4_prepare_lays_out_the_plan(real):
+    model, _, _ = real
+    runner = sol.model_runner.ModelRunner(model, num_blocks=16, block_size=4)
+    seq_a = make_seq("a", list(range(10, 16)), 0)  # 6 tokens, 5 computed: a decode at position 5
+    seq_a.block_table = [7, 3]
+    seq_b = make_seq("b", list(range(20, 30)), 0)  # a chunk of 3 at positions 4..6 (does not sample)
+    seq_b.block_table = [1, 9]
+    plan = ref.scheduler.StepPlan(decodes=[ref.scheduler.ScheduledChunk(seq_a, 5, 1)],
+                                  prefills=[ref.scheduler.ScheduledChunk(seq_b, 4, 3)])
+    batch = runner.prepare(plan)
+    assert batch.token_ids.tolist() == [15, 24, 25, 26]
+    assert batch.positions.tolist() == [5, 4, 5, 6]
+    assert batch.write_slots.tolist() == [3 * 4 + 1, 9 * 4 + 0, 9 * 4 + 1, 9 * 4 + 2]
+    assert batch.num_decodes == 1
+    assert batch.decode_key_slots.tolist() == [[28, 29, 30, 31, 12, 13]]
+    assert batch.decode_mask.shape == (1, 1, 1, 6) and batch.decode_mask.max().item() == 0
+    assert batch.sample_rows.tolist() == [0]
+    (chunk,) = batch.chunks
+    assert chunk.length == 3 and chunk.key_slots.tolist() == [4, 5, 6, 7, 36, 37, 38]
+    assert mx.array_equal(chunk.mask, ref.batch.chunk_causal_mask(4, 3, chunk.mask.dtype)).item()
+
+
+def test_task_4_decode_view_masks_padding(real):
+    model, _, _ = real
+    runner = sol.model_runner.ModelRunner(model, num_blocks=16, block_size=4)
+    short, long = make_seq("s", [1, 2], 0), make_seq("l", [1, 2, 3, 4, 5], 8)
+    slots, mask = runner.decode_view([ref.scheduler.ScheduledChunk(short, 1, 1),
+                                      ref.scheduler.ScheduledChunk(long, 4, 1)])
+    assert slots.shape == (2, 5) and slots[1].tolist() == [32, 33, 34, 35, 36] and slots[0, :2].tolist() == [0, 1]
+    assert mask.shape == (2, 1, 1, 5)
+    assert mask[0, 0, 0].tolist() == [0, 0, -float("inf"), -float("inf"), -float("inf")]
+    assert mask[1].max().item() == 0
+
+
+def test_task_4_sampling_per_sequence(real):
+    model, _, _ = real
+    runner = sol.model_runner.ModelRunner(model, num_blocks=4, block_size=4)
+    logits = mx.random.normal((3, 50), key=mx.random.key(1))
+    greedy = ref.sequence.Sequence("g", [1])
+    top1 = ref.sequence.Sequence("k", [1], ref.sequence.SamplingParams(temperature=1.0, top_k=1))
+    seeded = ref.sequence.Sequence("s", [1], ref.sequence.SamplingParams(temperature=1.0, seed=7))
+    tokens = runner.sample(logits, [greedy, top1, seeded])
+    assert tokens[:2] == mx.argmax(logits[:2], axis=-1).tolist()  # top_k 1 is greedy whatever the temperature
+    again = runner.sample(logits[::-1], [seeded, top1, greedy])
+    assert again[0] == tokens[2], "a seeded sequence draws the same token whatever shares its batch"
+
+
+# ---------------------------------------------------------------- Task 5: the engine
+
+
+@pytest.mark.parametrize("budget,order", [(4, "forward"), (7, "reverse"), (32, "staggered"), (512, "forward")])
+def test_task_5_outputs_equal_one_at_a_time_mlx_lm(engine_module, real, budget, order):
+    model, mlx_model, tokenizer = real
+    rng = random.Random(budget)
+    prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (3, 17, 9, 30)]
+    expected = [mlx_lm_greedy(mlx_model, p, 6, tokenizer.eos_token_ids) for p in prompts]
+    engine = engine_module.LLMEngine(model, tokenizer, max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
+    indices = list(range(len(prompts)))[::-1] if order == "reverse" else list(range(len(prompts)))
+    seqs = {}
+    for i in indices:
+        seqs[i] = engine.add_request(prompts[i], ref.sequence.SamplingParams(max_tokens=6), request_id=i)
+        if order == "staggered":
+            engine.step()  # the next request arrives while this one runs
+    while engine.has_work():
+        engine.step()
+    assert [seqs[i].output_token_ids for i in range(len(prompts))] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_task_5_step_outputs(engine_module):
+    engine = fake_engine(engine_module, max_num_batched_tokens=64)
+    prompt = [3, 1, 4, 1, 5]
+    expected, reason = fake_expected(prompt, 5)
+    engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=5), request_id="r")
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert all(o.request_id == "r" for o in outputs)
+    assert [o.token for o in outputs if o.token is not None] == expected
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].finish_reason == reason
+    assert engine.generation_tokens_total == len(expected) and engine.prompt_tokens_total == len(prompt)
+
+
+def test_task_5_eos_ends_a_sequence_without_a_token(engine_module):
+    engine = fake_engine(engine_module)
+    for i in range(40):  # find a prompt whose generation meets EOS
+        prompt = [i, i + 1]
+        expected, reason = fake_expected(prompt, 30)
+        if reason == "eos":
+            break
+    seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=30))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert seq.output_token_ids == expected and seq.finish_reason == "eos"
+    assert (outputs[-1].token, outputs[-1].finished, outputs[-1].finish_reason) == (None, True, "eos")
+
+
+def test_task_5_bad_requests_rejected_before_the_model_runs(engine_module):
+    engine = fake_engine(engine_module, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request([])
+    with pytest.raises(TypeError, match="prompt"):
+        engine.add_request(3.5)
+    with pytest.raises(TypeError, match="sampling"):
+        engine.add_request([1], sampling={"max_tokens": 3})
+    with pytest.raises(ValueError, match="max_tokens"):
+        ref.sequence.SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="never fit"):
+        engine.add_request([1] * 10, ref.sequence.SamplingParams(max_tokens=8))  # 17 positions > 16 slots
+    engine.add_request([1], request_id="x")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request([1], request_id="x")
+    assert engine.runner.plans == []

@@ -1,0 +1,221 @@
+"""Week 3 Day 2: a paged KV cache, admission by memory, preemption (book/src/week3-02-paged-kv-cache.md).
+
+Oracles: plain arithmetic for slots and block counts; MLX indexing for the pool; a fake runner that
+simulates the pool slot by slot and checks every sampled sequence reads back its own tokens
+(tests/week3_fakes.py); a hypothesis property test of the pool's accounting after every step of
+random workloads; mlx-lm's own Qwen2, one request at a time, for outputs with and without paging
+and with forced preemptions.
+
+Day 3.1's parts of scheduler.py (the planner) come from the reference here.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.harness import reference, solution
+from tests.scheduler_fakes import borrow
+from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
+
+sol = solution(week=3, day=2)
+ref = reference()
+
+DAY_1_PARTS = {"Scheduler": ["schedule", "schedule_decodes", "schedule_prefills", "plan_chunk"]}
+
+
+@pytest.fixture
+def scheduler_module(monkeypatch):
+    borrow(monkeypatch, sol.scheduler, ref.scheduler, DAY_1_PARTS)
+    return sol.scheduler
+
+
+def make_engine(model, tokenizer, scheduler_module, **kwargs):
+    """The reference engine on the block manager and scheduler under test."""
+    engine = ref.engine.LLMEngine(model, tokenizer, **{"block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
+    engine.block_manager = sol.block_manager.BlockManager(engine.block_manager.num_blocks,
+                                                          engine.block_manager.block_size)
+    old = engine.scheduler
+    engine.scheduler = scheduler_module.Scheduler(engine.block_manager, old.max_num_batched_tokens,
+                                                  old.max_num_seqs, old.policy, engine.log)
+    return engine
+
+
+def fake_engine(scheduler_module, **kwargs):
+    engine = make_engine(FakeWeek3Model(), FakeTokenizer(), scheduler_module, **kwargs)
+    engine.runner = FakeRunner(engine)
+    return engine
+
+
+def check_pool(engine):
+    """The pool's accounting: every block free or held by exactly one running sequence, and enough of them."""
+    manager = engine.block_manager
+    held = [b for seq in engine.scheduler.running for b in seq.block_table]
+    assert len(held) == len(set(held)), "a block is held twice"
+    assert not set(held) & set(manager.free_blocks), "a held block is also free"
+    assert len(held) + manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+    for seq in engine.scheduler.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for seq in engine.scheduler.running:
+        assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
+
+
+# ---------------------------------------------------------------- Task 1: blocks
+
+
+def test_task_1_block_manager_allocates_as_sequences_grow():
+    manager = sol.block_manager.BlockManager(num_blocks=5, block_size=4)
+    seq = ref.sequence.Sequence("a", [1] * 6)
+    assert manager.num_free_blocks == 5
+    assert manager.blocks_needed(seq, 6) == 2 and manager.can_allocate(seq, 6)
+    manager.allocate(seq, 6)
+    assert len(seq.block_table) == 2 and manager.num_free_blocks == 3
+    manager.allocate(seq, 8)  # still within its second block
+    assert len(seq.block_table) == 2
+    manager.allocate(seq, 9)
+    assert len(seq.block_table) == 3 and manager.num_free_blocks == 2
+    other = ref.sequence.Sequence("b", [1] * 9)
+    assert manager.blocks_needed(other, 9) == 3 and not manager.can_allocate(other, 9)
+    with pytest.raises(RuntimeError):
+        manager.allocate(other, 9)
+    assert other.block_table == [] and manager.num_free_blocks == 2, "a failed allocation takes nothing"
+    manager.allocate(other, 8)
+    assert not set(other.block_table) & set(seq.block_table)
+    manager.free(seq)
+    assert seq.block_table == [] and manager.num_free_blocks == 3
+    assert manager.usage == pytest.approx(2 / 5)
+    with pytest.raises(ValueError):
+        sol.block_manager.BlockManager(0, 4)
+
+
+# ---------------------------------------------------------------- Task 2: reading through the block table
+
+
+def test_task_2_slot_mapping():
+    table = [7, 2, 5]
+    assert sol.block_manager.slot_mapping(table, 0, 10, 4) == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    assert sol.block_manager.slot_mapping(table, 5, 6, 4) == [9]
+    assert sol.block_manager.slot_mapping(table, 3, 3, 4) == []
+
+
+def test_task_2_pool_write_and_gather():
+    pool = sol.block_manager.KvPool(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=3)
+    keys = mx.arange(12, dtype=mx.float32).reshape(4, 1, 3)
+    pool.write(1, mx.array([6, 7, 0, 3]), keys, -keys)
+    got_keys, got_values = pool.gather(1, mx.array([[0, 6], [3, 7]]))
+    assert got_keys.shape == (2, 2, 1, 3)
+    assert mx.array_equal(got_keys[0, 1], keys[0]).item() and mx.array_equal(got_keys[1, 0], keys[3]).item()
+    assert mx.array_equal(got_values[0, 0], -keys[2]).item()
+    assert mx.array_equal(pool.keys[0], mx.zeros_like(pool.keys[0])).item(), "other layers untouched"
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 64])
+def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_module, block_size):
+    """block_size 64 holds every sequence in one contiguous block: no paging at all."""
+    mlx_model, tokenizer = model32
+    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (11, 4, 23)]
+    expected = [mlx_lm_greedy(mlx_model, p, 8, tokenizer.eos_token_ids) for p in prompts]
+    engine = make_engine(model, tokenizer, scheduler_module, block_size=block_size, num_blocks=256 // block_size,
+                         max_num_batched_tokens=8)
+    seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=8)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        check_pool(engine)
+    assert [s.output_token_ids for s in seqs] == expected
+
+
+# ---------------------------------------------------------------- Task 3: admission and preemption
+
+
+def test_task_3_admission_by_free_blocks(scheduler_module):
+    engine = fake_engine(scheduler_module, block_size=4, num_blocks=3, max_num_batched_tokens=64, max_num_seqs=8)
+    for i in range(3):
+        engine.add_request([1, 2, 3, 4, 5, 6], ref.sequence.SamplingParams(max_tokens=2), request_id=i)
+    plan = engine.scheduler.schedule()
+    # 3 blocks: request 0 takes 2, request 1 gets its first 4 tokens into the last one; 2 waits.
+    assert [(c.seq.request_id, c.length) for c in plan.prefills] == [(0, 6), (1, 4)]
+    assert engine.num_waiting == 1 and engine.block_manager.num_free_blocks == 0
+
+
+def test_task_3_preemption_recomputes_to_the_same_output(scheduler_module):
+    lines = []
+    engine = fake_engine(scheduler_module, block_size=2, num_blocks=8, max_num_batched_tokens=32, max_num_seqs=4,
+                         log=lines.append)
+    prompts = [[i + 1] * 5 for i in range(4)]
+    seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
+    preempted = 0
+    while engine.has_work():
+        preempted += len(engine.step() and engine.runner.plans[-1].preempted)
+        check_pool(engine)
+    assert engine.num_preemptions > 0 and any("preempt" in line for line in lines)
+    for prompt, seq in zip(prompts, seqs):
+        assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, 10)
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_task_3_forced_preemption_real_model(model32, scheduler_module):
+    mlx_model, tokenizer = model32
+    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (7, 12, 5)]
+    expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
+    engine = make_engine(model, tokenizer, scheduler_module, block_size=2, num_blocks=12, max_num_batched_tokens=16)
+    seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+        check_pool(engine)
+    assert engine.num_preemptions > 0
+    assert [s.output_token_ids for s in seqs] == expected
+
+
+def test_task_3_no_leaks_on_abort_and_error(scheduler_module):
+    engine = fake_engine(scheduler_module, block_size=2, num_blocks=16)
+    for i in range(3):
+        engine.add_request([1, 2, 3], ref.sequence.SamplingParams(max_tokens=6), request_id=i)
+    engine.step()
+    engine.abort(1)
+    engine.abort(1)  # already gone: nothing happens
+    check_pool(engine)
+    engine.runner.fail_on_step = len(engine.runner.plans) + 1
+    with pytest.raises(RuntimeError, match="model failed"):
+        engine.step()
+    assert not engine.has_work() and engine.block_manager.num_free_blocks == 16
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    max_tokens=st.integers(1, 8),
+    budget=st.integers(3, 20),
+    block_size=st.integers(1, 4),
+    spare_blocks=st.integers(0, 6),
+    abort_at=st.integers(0, 30),
+)
+def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths, max_tokens, budget, block_size,
+                                                        spare_blocks, abort_at):
+    # Just enough blocks for the longest request alone, plus a few: preemption is common.
+    longest = max(lengths) + max_tokens
+    num_blocks = -(-longest // block_size) + spare_blocks
+    engine = fake_engine(scheduler_module, block_size=block_size, num_blocks=num_blocks,
+                         max_num_batched_tokens=budget, max_num_seqs=3)
+    prompts = [[(7 * i + j) % EOS for j in range(n)] for i, n in enumerate(lengths)]
+    seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    steps = 0
+    while engine.has_work():
+        plan_count = len(engine.runner.plans)
+        engine.step()
+        steps += 1
+        assert len(engine.runner.plans) == plan_count + 1, "a step with work ran nothing"
+        assert engine.runner.plans[-1].num_tokens <= budget
+        check_pool(engine)
+        if steps == abort_at:
+            engine.abort(0)
+        assert steps < 2000, "no progress"
+    assert engine.block_manager.num_free_blocks == num_blocks
+    for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        if seq.finish_reason != "abort":
+            assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, max_tokens)

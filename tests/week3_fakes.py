@@ -1,0 +1,84 @@
+"""Fakes and oracles for week 3's engine tests (days 3.1 and 3.2).
+
+`FakeRunner` replaces the engine's model runner: instead of running a model it keeps, for every pool
+slot, which (sequence, position, token) was written there, and when a chunk samples it first checks
+that the sequence's block table reads back exactly its own tokens 0 .. n-1 (a block freed while in
+use, shared by two sequences, or a wrong slot fails at once). Its next token is a hash of the whole
+sequence (`next_token_of`), so `expected_tokens` gives one-request-at-a-time generation with no
+scheduler at all. Runs in microseconds, so property tests can run many workloads.
+
+`mlx_lm_greedy` is the model-level oracle: mlx-lm's own model, one request at a time, greedy.
+"""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401
+
+
+class FakeWeek3Model:
+    """What LLMEngine needs of a model when the runner is a FakeRunner."""
+
+    args = SimpleNamespace(vocab_size=VOCAB)
+    max_position = 10**6
+
+    def make_kv_pool(self, num_blocks, block_size):
+        return None
+
+
+class FakeRunner:
+    """Runs plans without a model; checks every plan against the pool it simulates."""
+
+    def __init__(self, engine, eos: bool = True, fail_on_step: int | None = None):
+        self.engine = engine
+        self.eos = eos
+        self.fail_on_step = fail_on_step
+        self.slots: dict[int, tuple] = {}
+        self.plans = []
+
+    def run(self, plan):
+        self.plans.append(plan)
+        if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
+            raise RuntimeError("the model failed")
+        block_size = self.engine.block_manager.block_size
+        tokens = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            for position in range(chunk.start, chunk.start + chunk.length):
+                slot = seq.block_table[position // block_size] * block_size + position % block_size
+                self.slots[slot] = (seq.request_id, position, seq.token_ids[position])
+            if chunk.samples:
+                for position, token in enumerate(seq.token_ids):
+                    slot = seq.block_table[position // block_size] * block_size + position % block_size
+                    assert self.slots.get(slot) == (seq.request_id, position, token), \
+                        f"{seq.request_id!r} position {position}: its block holds {self.slots.get(slot)}"
+                tokens.append(next_token_of(seq.token_ids, self.eos))
+        return tokens
+
+
+def fake_expected(prompt: list[int], max_tokens: int, eos: bool = True) -> tuple[list[int], str]:
+    """One-request-at-a-time generation under the fake runner: (output tokens, finish reason)."""
+    history, output = list(prompt), []
+    while len(output) < max_tokens:
+        token = next_token_of(history, eos)
+        if token == EOS:
+            return output, "eos"
+        output.append(token)
+        history.append(token)
+    return output, "length"
+
+
+def mlx_lm_greedy(mlx_model, prompt: list[int], max_tokens: int, eos_ids) -> list[int]:
+    """mlx-lm's own model, one request alone, greedy: the oracle for the engine's outputs."""
+    cache = make_prompt_cache(mlx_model)
+    tokens, output = list(prompt), []
+    for _ in range(max_tokens):
+        logits = mlx_model(mx.array([tokens]), cache=cache)
+        token = mx.argmax(logits[0, -1]).item()
+        if token in eos_ids:
+            break
+        output.append(token)
+        tokens = [token]
+    return output
