@@ -41,6 +41,9 @@ def drive(engine, arrivals: list[Arrival], progress=None) -> dict:
     """Run `arrivals` through `engine` to the end; per-request TTFT/ITLs, and the run's figures."""
     clock = engine.clock
     pending = sorted(enumerate(arrivals), key=lambda item: item[1].at)
+    # Machine-independent waits: the steps, and the tokens the model ran, between arrival and first token.
+    work = {"steps": 0, "tokens": 0}
+    added, first = {}, {}
     start = clock()
     while pending or engine.has_work():
         while pending and pending[0][1].at <= clock() - start:
@@ -48,8 +51,15 @@ def drive(engine, arrivals: list[Arrival], progress=None) -> dict:
             engine.add_request(arrival.prompt, SamplingParams(max_tokens=arrival.max_tokens), request_id=idx,
                                priority=arrival.priority)
             engine.metrics.requests[idx].arrival = start + arrival.at
+            added[idx] = dict(work)
         if engine.has_work():
-            for output in engine.step():
+            before = engine.prompt_tokens_total + engine.generation_tokens_total
+            outputs = engine.step()
+            work["steps"] += 1
+            work["tokens"] += engine.prompt_tokens_total + engine.generation_tokens_total - before
+            for output in outputs:
+                if output.token is not None and output.request_id not in first:
+                    first[output.request_id] = dict(work)
                 if output.finished and progress is not None:
                     progress.update(1)
         elif pending:
@@ -57,7 +67,9 @@ def drive(engine, arrivals: list[Arrival], progress=None) -> dict:
     requests = engine.metrics.requests
     return {
         "requests": [{"kind": arrivals[idx].kind, "ttft_s": r.ttft, "itls_s": r.itls, "arrival_s": r.arrival - start,
-                      "finish_s": r.finish - start, "output_tokens": r.output_tokens}
+                      "finish_s": r.finish - start, "output_tokens": r.output_tokens,
+                      "ttft_steps": first[idx]["steps"] - added[idx]["steps"] if idx in first else None,
+                      "ttft_tokens": first[idx]["tokens"] - added[idx]["tokens"] if idx in first else None}
                      for idx, r in requests.items()],
         "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
         "num_preemptions": engine.num_preemptions,

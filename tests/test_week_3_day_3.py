@@ -55,10 +55,15 @@ def run(engine, prompts, max_tokens=6, one_at_a_time=False):
     seqs = []
     for prompt in prompts:
         seqs.append(engine.add_request(prompt, params))
-        while one_at_a_time and engine.has_work():
+        for _ in range(1000 if one_at_a_time else 0):
+            if not engine.has_work():
+                break
             engine.step()
-    while engine.has_work():
+    for _ in range(1000):  # a bound, so a scheduler that makes no progress fails instead of hanging
+        if not engine.has_work():
+            break
         engine.step()
+    assert not engine.has_work(), "the engine made no progress"
     return [seq.output_token_ids for seq in seqs]
 
 

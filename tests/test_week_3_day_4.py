@@ -129,9 +129,11 @@ def test_task_2_waiting_queue_served_by_priority():
 
 def test_task_2_decodes_in_priority_order():
     s = make_scheduler(budget=32)
-    for i, p in enumerate([0, 3, 1]):
+    s.add(seq("p0", 4, priority=0))
+    complete(s.schedule())  # p0 is admitted first...
+    for i, p in enumerate([3, 1], start=1):
         s.add(seq(f"p{p}", 4, priority=p, seed=i))
-    complete(s.schedule())
+    complete(s.schedule())  # ...then p3 and p1
     plan = s.schedule()
     assert [c.seq.request_id for c in plan.decodes] == ["p3", "p1", "p0"]
 
@@ -169,6 +171,17 @@ def test_task_3_blocks_taken_from_lower_priority():
     plan = s.schedule()
     assert urgent not in plan.preempted, "a sequence is never preempted for one of the same priority"
     assert urgent.status == ref.sequence.SequenceStatus.RUNNING
+
+
+def test_task_3_no_preemption_among_equals():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = seq("a", 8, priority=1), seq("b", 8, priority=1, seed=1)
+    s.add(a)
+    s.add(b)  # same priority, same step, one slot: b waits for a, it does not push it out
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan.preempted == [] and a in s.running and b in s.waiting
+        complete(plan)
 
 
 def test_task_3_high_priority_ttft_bounded_regardless_of_low_load(engine_factory):
