@@ -6,8 +6,9 @@
     pdm run bench-batching --solution student  # your src/tiny_llm/batch.py schedules
 
 The same workload (every request arrives at the start, greedy, the same token budget) runs through
-our scheduler (reference Qwen2ModelWeek2 + batch.Scheduler) and through mlx-lm's BatchGenerator on
-the same weights, at each batch size, in the same process. Throughput is generated tokens per second
+our day 2.6 scheduler (reference Qwen2ModelWeek2 + batch.Scheduler), week 3's engine (LLMEngine with
+at most `batch` sequences running, one model call per step) and mlx-lm's BatchGenerator on the same
+weights, at each batch size, in the same process. Throughput is generated tokens per second
 of the whole run (prefill included). Ours is written from mlx.core operations for teaching; mlx-lm
 uses fused kernels (mx.fast.*), so the ratio ours / mlx-lm shows what those are worth.
 Results: benches/results/batching.json.
@@ -59,6 +60,21 @@ def run_ours(batch_module, model, tokenizer, prompts, batch_size, args) -> dict:
             "outputs": [result.outputs[i] for i in range(len(prompts))]}
 
 
+def run_week3(model3, tokenizer, prompts, batch_size, args) -> dict:
+    from tiny_llm_ref.engine import LLMEngine
+    from tiny_llm_ref.sequence import SamplingParams
+
+    engine = LLMEngine(model3, tokenizer, max_num_batched_tokens=max(256, batch_size), max_num_seqs=batch_size)
+    start = time.perf_counter()
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=args.output_tokens)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(s.output_token_ids) for s in seqs)
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "outputs": [s.output_token_ids for s in seqs]}
+
+
 def run_mlx_lm(mlx_model, tokenizer, prompts, batch_size, args) -> dict:
     from mlx_lm.generate import BatchGenerator
 
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_module = importlib.import_module(f"{package}.batch")
     mlx_model, tokenizer = load_model(str(path) if args.model not in ("embedded", BENCH) else args.model)
     model = importlib.import_module("tiny_llm_ref.qwen2_week2").Qwen2ModelWeek2(mlx_model)
+    model3 = importlib.import_module("tiny_llm_ref.qwen2_week3").Qwen2ModelWeek3(mlx_model)
     machine = (f"{platform.system()} {platform.machine()}, {mx.default_device()}, {os.cpu_count()} cores, "
                f"BLAS: {fast_mlx.blas_in_use()}")
     print(f"model {args.model}; scheduler {package}.batch; {machine}")
@@ -100,26 +117,32 @@ def main(argv: list[str] | None = None) -> int:
     # Warm up both paths once, so no first-call cost lands on the first batch size.
     run_ours(batch_module, model, tokenizer, prompts[:1], 1, argparse.Namespace(**{**vars(args), "output_tokens": 2}))
     run_mlx_lm(mlx_model, tokenizer, prompts[:1], 1, argparse.Namespace(**{**vars(args), "output_tokens": 2}))
+    run_week3(model3, tokenizer, prompts[:1], 1, argparse.Namespace(**{**vars(args), "output_tokens": 2}))
 
     rows = []
-    print(f"\n{'batch':>5s} {'ours tok/s':>11s} {'mlx-lm tok/s':>13s} {'ours/mlx-lm':>12s} {'same tokens':>12s}")
+    print(f"\n{'batch':>5s} {'day2.6 tok/s':>12s} {'week3 tok/s':>12s} {'mlx-lm tok/s':>13s} {'day2.6/mlx':>11s} "
+          f"{'week3/mlx':>10s} {'same tokens':>12s}")
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        # mlx-lm runs between our two engines, so a machine that gets busier or quieter hits all three alike.
         ours = run_ours(batch_module, model, tokenizer, prompts, batch_size, args)
         theirs = run_mlx_lm(mlx_model, tokenizer, prompts, batch_size, args)
-        same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
+        week3 = run_week3(model3, tokenizer, prompts, batch_size, args)
+        same = sum(a == b for a, b in zip(week3["outputs"], theirs["outputs"]))
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        week3_ratio = week3["tokens_per_s"] / theirs["tokens_per_s"]
         rows.append({"batch_size": batch_size, "ours": {k: v for k, v in ours.items() if k != "outputs"},
+                     "week3": {k: v for k, v in week3.items() if k != "outputs"},
                      "mlx_lm": {k: v for k, v in theirs.items() if k != "outputs"}, "ratio": ratio,
-                     "same_outputs": f"{same}/{len(prompts)}"})
-        print(f"{batch_size:5d} {ours['tokens_per_s']:11.2f} {theirs['tokens_per_s']:13.2f} {ratio:12.2f} "
-              f"{same:>8d}/{len(prompts)}", flush=True)
+                     "week3_ratio": week3_ratio, "same_outputs": f"{same}/{len(prompts)}"})
+        print(f"{batch_size:5d} {ours['tokens_per_s']:12.2f} {week3['tokens_per_s']:12.2f} {theirs['tokens_per_s']:13.2f} "
+              f"{ratio:11.2f} {week3_ratio:10.2f} {same:>8d}/{len(prompts)}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine, "model": args.model, "solution": args.solution,
               "workload": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
                            "output_tokens": args.output_tokens, "prefill_step": args.prefill_step},
               "rows": rows, "wall_s": time.perf_counter() - began}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n'same tokens': greedy outputs identical to mlx-lm's (float32 sums in another order may flip a near-tie).")
+    print(f"\n'same tokens': week 3's greedy outputs identical to mlx-lm's (float32 sums in another order may flip a near-tie).")
     print(f"wrote {args.out}; the whole run took {report['wall_s']:.0f} s")
     return 0
 

@@ -49,6 +49,17 @@ def fake_engine(scheduler_module, **kwargs):
     return engine
 
 
+def run_to_end(engine, check=True, max_steps=2000):
+    """Step until done, checking the pool after every step; a scheduler that stops making progress fails."""
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+        if check:
+            check_pool(engine)
+    raise AssertionError(f"no progress after {max_steps} steps: {engine.scheduler.running} {engine.scheduler.waiting}")
+
+
 def check_pool(engine):
     """The pool's accounting: every block free or held by exactly one running sequence, and enough of them."""
     manager = engine.block_manager
@@ -122,9 +133,7 @@ def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_mod
     engine = make_engine(model, tokenizer, scheduler_module, block_size=block_size, num_blocks=256 // block_size,
                          max_num_batched_tokens=8)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=8)) for p in prompts]
-    while engine.has_work():
-        engine.step()
-        check_pool(engine)
+    run_to_end(engine)
     assert [s.output_token_ids for s in seqs] == expected
 
 
@@ -147,10 +156,7 @@ def test_task_3_preemption_recomputes_to_the_same_output(scheduler_module):
                          log=lines.append)
     prompts = [[i + 1] * 5 for i in range(4)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
-    preempted = 0
-    while engine.has_work():
-        preempted += len(engine.step() and engine.runner.plans[-1].preempted)
-        check_pool(engine)
+    run_to_end(engine)
     assert engine.num_preemptions > 0 and any("preempt" in line for line in lines)
     for prompt, seq in zip(prompts, seqs):
         assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, 10)
@@ -165,9 +171,7 @@ def test_task_3_forced_preemption_real_model(model32, scheduler_module):
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
     engine = make_engine(model, tokenizer, scheduler_module, block_size=2, num_blocks=12, max_num_batched_tokens=16)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
-    while engine.has_work():
-        engine.step()
-        check_pool(engine)
+    run_to_end(engine)
     assert engine.num_preemptions > 0
     assert [s.output_token_ids for s in seqs] == expected
 

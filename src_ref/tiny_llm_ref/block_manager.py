@@ -91,7 +91,7 @@ class BlockManager:
 
 
 class KvPool:
-    """Keys and values of every layer, `num_blocks * block_size x num_kv_heads x head_dim` each (provided).
+    """Keys and values of every layer, `num_blocks * block_size x num_kv_heads x head_dim` each.
 
     `write` stores new keys/values at their slots; `gather` reads any list of slots back, which is
     how attention sees one sequence's cache through its block table.

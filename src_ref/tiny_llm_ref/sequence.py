@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued (new or preempted), admitted, or done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

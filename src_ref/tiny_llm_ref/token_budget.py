@@ -46,7 +46,9 @@ class AdaptiveTokenBudget:
     It keeps two moving averages: `base_seconds`, the time of a step that runs only decode tokens,
     and `seconds_per_token`, what each prefill token adds to a step. The budget is then
     `num_decoding + (target_itl - base_seconds) / seconds_per_token`, clamped to
-    `min_tokens .. max_num_batched_tokens`. Before anything is measured it answers `initial_tokens`.
+    `min_tokens .. max_num_batched_tokens`. While the base is unknown it answers `num_decoding` (a
+    decode-only step, the only kind that measures it); then `initial_tokens` until a prefill token is
+    measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
     measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
@@ -78,7 +80,9 @@ class AdaptiveTokenBudget:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
         if num_decoding == 0:
             return self.max_num_batched_tokens
-        if self.seconds_per_token is None or (self.target_itl is None and self.base_seconds is None):
+        if self.base_seconds is None:
+            return num_decoding  # one decode-only step measures the base; no other step can
+        if self.seconds_per_token is None:
             return self.initial_tokens
         if self.seconds_per_token <= 0:
             return self.max_num_batched_tokens  # prefill tokens measured as free: nothing to hold back

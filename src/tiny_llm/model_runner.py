@@ -1,0 +1,58 @@
+"""The model runner: executes a `StepPlan` in one model call and picks each sampling sequence's next token.
+
+It owns the paged KV pool. For a plan it lays every chunk's tokens end to end (decodes first, then
+prefill chunks), works out for each token its position and its slot in the pool (through the
+sequence's block table), and for each sequence which slots hold its keys; that is the
+`RaggedBatch` the model runs. Then it samples: greedy rows all at once, the others each with its
+own sampler (temperature, top-k, top-p, seed), using week 1's `make_sampler`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .batch import chunk_causal_mask
+from .block_manager import slot_mapping
+from .qwen2_week3 import PrefillChunk, RaggedBatch
+from .sampler import make_sampler
+from .scheduler import ScheduledChunk, StepPlan
+from .sequence import Sequence
+
+
+class ModelRunner:
+    """Runs plans on a week-3 model over its own KV pool of `num_blocks` blocks of `block_size` positions."""
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        """Allocate the KV pool once (provided)."""
+        self.model = model
+        self.block_size = block_size
+        self.pool = model.make_kv_pool(num_blocks, block_size)
+
+    def run(self, plan: StepPlan) -> list[int]:
+        """Run the plan in one model call; return the next token of each chunk that samples, in plan order."""
+        sampling = [chunk for chunk in plan.chunks if chunk.samples]
+        batch = self.prepare(plan)
+        logits = self.model(batch, self.pool)
+        # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up.
+        mx.eval(logits, *self.pool.arrays())
+        return self.sample(logits, [chunk.seq for chunk in sampling])
+
+    def prepare(self, plan: StepPlan) -> RaggedBatch:
+        """The plan as a `RaggedBatch`: token ids, positions, pool slots, attention views, sampling rows."""
+        # TODO: token ids, positions, write slots (slot_mapping), sample rows, decode view, chunk views
+        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): lay the plan out as a RaggedBatch")
+
+    def decode_view(self, decodes: list[ScheduledChunk]) -> tuple[mx.array | None, mx.array | None]:
+        """Slots of every decoding sequence's keys, padded to the longest (`n x S`), and the mask hiding the padding."""
+        # TODO: slots of positions 0..start per decode, padded with slot 0 to the longest; mask 0 / -inf, n x 1 x 1 x S
+        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): the decode rows' key slots and padding mask")
+
+    def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
+        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and day 2.7's chunk mask."""
+        # TODO: slots of positions 0 .. start+length-1 and chunk_causal_mask(start, length)
+        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): a prefill chunk's key slots and chunk mask")
+
+    def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
+        """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
+        # TODO: argmax for all rows; a sampled sequence uses make_sampler (seed: mx.random.seed(seed + outputs so far))
+        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): pick each sequence's next token")

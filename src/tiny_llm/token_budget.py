@@ -1,0 +1,104 @@
+"""How many tokens one engine step may run: the token budget (`max_num_batched_tokens`).
+
+A step runs every decode token plus as many prefill tokens as the budget leaves. Since the step is
+one model call, its time grows with its tokens: roughly `base + tokens * per_token`, where `base` is
+what a step costs even for a few tokens (reading all the weights once) and `per_token` the compute
+of one more row. The budget is the knob between the decoding requests' inter-token latency (every
+decode waits for the whole step) and how fast prompts get prefilled.
+
+- `FixedTokenBudget`: always the same budget.
+- `AdaptiveTokenBudget`: while requests decode, the largest budget whose predicted step time stays
+  within a latency target; with nobody decoding, the full budget (nobody waits on the step). A long
+  prompt is then spread over the decode steps that have to run anyway, each one filled up to the
+  target, instead of stalling them.
+
+The engine asks `budget(num_decoding)` before planning a step and reports each step with
+`observe_step(num_tokens, num_decoding, seconds)`.
+"""
+
+from __future__ import annotations
+
+
+class FixedTokenBudget:
+    """Every step may run up to `max_num_batched_tokens` tokens (provided)."""
+
+    def __init__(self, max_num_batched_tokens: int = 256):
+        """`max_num_batched_tokens` >= 1."""
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def budget(self, num_decoding: int) -> int:
+        """The token budget of the next step: always `max_num_batched_tokens`."""
+        return self.max_num_batched_tokens
+
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
+        """A step ran `num_tokens` tokens, `num_decoding` of them decodes, in `seconds` (ignored)."""
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return f"a fixed token budget of {self.max_num_batched_tokens} tokens per step"
+
+
+class AdaptiveTokenBudget:
+    """A budget that holds a step near `target_itl` seconds while requests decode.
+
+    It keeps two moving averages: `base_seconds`, the time of a step that runs only decode tokens,
+    and `seconds_per_token`, what each prefill token adds to a step. The budget is then
+    `num_decoding + (target_itl - base_seconds) / seconds_per_token`, clamped to
+    `min_tokens .. max_num_batched_tokens`. While the base is unknown it answers `num_decoding` (a
+    decode-only step, the only kind that measures it); then `initial_tokens` until a prefill token is
+    measured.
+
+    The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
+    measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
+    and a slow (or busy) one alike.
+    """
+
+    def __init__(self, target_itl: float | None = 0.4, max_num_batched_tokens: int = 2048, min_tokens: int = 16,
+                 initial_tokens: int = 64, smoothing: float = 0.5, decode_multiple: float = 2.5):
+        """A latency target (seconds, or a multiple of a decode step); budgets within `min_tokens .. max_num_batched_tokens`."""
+        if not 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens:
+            raise ValueError("need 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens, got "
+                             f"{min_tokens}, {initial_tokens}, {max_num_batched_tokens}")
+        if target_itl is not None and target_itl <= 0:
+            raise ValueError(f"target_itl must be > 0 seconds (or None), got {target_itl}")
+        if decode_multiple <= 1:
+            raise ValueError(f"decode_multiple must be > 1, got {decode_multiple}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.target_itl = target_itl
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_tokens = min_tokens
+        self.initial_tokens = initial_tokens
+        self.smoothing = smoothing
+        self.decode_multiple = decode_multiple
+        self.base_seconds: float | None = None  # a decode-only step
+        self.seconds_per_token: float | None = None  # what one prefill token adds to a step
+
+    def budget(self, num_decoding: int) -> int:
+        """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
+        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens; else num_decoding + (target() - base) / per token, clamped
+        raise NotImplementedError("Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target")
+
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
+        """Update the averages from one step: decode-only steps give the base, the others the per-token cost."""
+        # TODO: decode-only step: base_seconds; otherwise seconds_per_token from (seconds - base) / prefill tokens
+        raise NotImplementedError("Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages")
+
+    def target(self) -> float:
+        """The step time to aim for, in seconds (provided)."""
+        if self.target_itl is not None:
+            return self.target_itl
+        return self.decode_multiple * (self.base_seconds or 0.0)
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        target = (f"{self.target_itl * 1000:.0f} ms" if self.target_itl is not None
+                  else f"{self.decode_multiple:g} decode steps")
+        return (f"an adaptive token budget of {self.min_tokens}-{self.max_num_batched_tokens} tokens for a "
+                f"decode latency target of {target}")
+
+    def _average(self, old: float | None, new: float) -> float:
+        """Exponential moving average; the first measurement is taken as it is (provided)."""
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
