@@ -15,10 +15,7 @@ from course.course_map import DAYS, Day
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 BEGIN, END = "<!-- roadmap:begin -->", "<!-- roadmap:end -->"
-LATER = [
-    ("3.x", "Serving: mixed prefill/decode batches under a token budget, paged KV cache, prefix caching, "
-            "preemption, an OpenAI-compatible server"),
-]
+LATER: list[tuple[str, str]] = []  # days planned but not written yet: (number, title)
 
 
 def _mark(present: bool) -> str:

@@ -17,18 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.harness import reference, solution
-from tests.scheduler_fakes import borrow
 from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
 
 sol = solution(week=3, day=2)
 ref = reference()
 
-DAY_1_PARTS = {"Scheduler": ["schedule", "schedule_decodes", "schedule_prefills", "plan_chunk"]}
-
-
 @pytest.fixture
-def scheduler_module(monkeypatch):
-    borrow(monkeypatch, sol.scheduler, ref.scheduler, DAY_1_PARTS)
+def scheduler_module():
+    """The scheduler module under test (day 3.1's parts come from the reference: the selector)."""
     return sol.scheduler
 
 

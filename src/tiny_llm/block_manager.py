@@ -77,6 +77,18 @@ class BlockManager:
         # TODO: extend the free list with seq.block_table; empty the table
         raise NotImplementedError("Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): give a sequence's blocks back")
 
+    # Day 3.3's prefix cache (prefix_cache.py) overrides these three hooks; without it they do nothing.
+
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """Hand a sequence being admitted the cached blocks of its leading tokens; no cache here: 0 tokens (provided)."""
+        return 0
+
+    def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
+        """Count an admission's cache lookup; no cache here (provided)."""
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Make the newly computed full blocks of `seq` findable; no cache here (provided)."""
+
 
 class KvPool:
     """Keys and values of every layer, `num_blocks * block_size x num_kv_heads x head_dim` each.

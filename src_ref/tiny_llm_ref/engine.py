@@ -16,6 +16,8 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
+from .prefix_cache import PrefixCachingBlockManager
+from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityScheduler
 from .scheduler import Scheduler, StepPlan
 from .sequence import SamplingParams, Sequence
 
@@ -43,13 +45,18 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, policy=None,
                  metrics: MetricsRecorder | None = None, clock: Callable[[], float] = time.perf_counter,
                  log: Callable[[str], None] | None = None, log_interval: float = 5.0,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs",
+                 aging_steps: int = DEFAULT_AGING_STEPS):
         """Build the block manager, the scheduler and the runner (provided).
 
         `model` is a `Qwen2ModelWeek3`; `num_blocks` defaults to a pool of 8192 tokens; `policy` is a
         token-budget policy (default: fixed at `max_num_batched_tokens`). `metrics` records every
         request's token times, `log` gets a line every `log_interval` seconds and on preemption.
+        `enable_prefix_caching` shares the KV blocks of common prompt prefixes (day 3.3);
+        `scheduling_policy` "priority" serves requests by `priority`, aged every `aging_steps` steps (day 3.4).
         """
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
@@ -61,8 +68,13 @@ class LLMEngine:
         self.log = log or (lambda line: None)
         self.log_interval = log_interval
         self.metrics = metrics or MetricsRecorder(clock=clock)
-        self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy, self.log)
+        manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = manager_class(num_blocks, block_size)
+        if scheduling_policy == "priority":
+            self.scheduler = PriorityScheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
+                                               self.log, aging_steps)
+        else:
+            self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy, self.log)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.sequences: dict[object, Sequence] = {}  # unfinished ones, by request id
@@ -151,6 +163,7 @@ class LLMEngine:
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.length
+            self.block_manager.cache_computed_blocks(seq)  # day 3.3: its new full blocks become shareable
             prompt_end = len(seq.prompt_token_ids)
             self.prompt_tokens_total += max(0, min(chunk.start + chunk.length, prompt_end) - chunk.start)
             if chunk.samples:
@@ -205,7 +218,20 @@ class LLMEngine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """The fraction of prompt tokens served from cached blocks (0 without prefix caching; day 3.3)."""
-        return 0.0
+        return self.block_manager.hit_rate if self.enable_prefix_caching else 0.0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and zero the hit counters (a no-op without prefix caching) (provided)."""
+        if self.enable_prefix_caching:
+            self.block_manager.reset()
+
+    def summary(self) -> dict:
+        """The metrics summary plus the engine's counters: prefix-cache hit rate, preemptions, token totals (provided)."""
+        summary = self.metrics.summary()
+        summary.update(prefix_cache_hit_rate=self.prefix_cache_hit_rate, num_preemptions=self.num_preemptions,
+                       prompt_tokens_total=self.prompt_tokens_total,
+                       generation_tokens_total=self.generation_tokens_total)
+        return summary
 
     @property
     def num_preemptions(self) -> int:
@@ -225,7 +251,8 @@ class LLMEngine:
         self.log(f"prompt {(self.prompt_tokens_total - prompt_then) / elapsed:.1f} tokens/s, generation "
                  f"{(self.generation_tokens_total - generated_then) / elapsed:.1f} tokens/s, running "
                  f"{self.num_running}, waiting {self.num_waiting}, KV cache {100 * self.kv_cache_usage:.1f}%, "
-                 f"preemptions {self.num_preemptions}")
+                 f"preemptions {self.num_preemptions}"
+                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.enable_prefix_caching else ""))
         self.last_log = (now, self.prompt_tokens_total, self.generation_tokens_total)
 
 

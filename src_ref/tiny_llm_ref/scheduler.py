@@ -141,9 +141,15 @@ class Scheduler:
             budget -= self.plan_chunk(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self.block_manager.reuse_cached_prefix(seq)  # day 3.3: tokens already in cached blocks
             length = self.plan_chunk(seq, budget, plan)
             if length == 0:
-                return  # admission by memory: its first chunk does not fit in the free blocks
+                # Admission by memory: its first chunk does not fit in the free blocks. It holds no
+                # blocks while it waits (any cached ones go back), so it can never block the pool.
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                return
+            self.block_manager.record_lookup(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -1,0 +1,226 @@
+"""Week 3 day 4: priorities and preemption (book/src/week3-04-priorities.md).
+
+Time is counted in engine steps (an injected clock that ticks once per step), never in seconds.
+Oracles: the same requests under first-come-first-served give the same greedy tokens (preemption by
+recompute changes when a token comes, never which); every block is back in the pool at the end.
+"""
+
+import random
+
+import pytest
+
+from tests.harness import reference, solution
+
+sol = solution(week=3, day=4)
+ref = reference()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 150_000) for _ in range(n)]
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000):
+    bm = ref.block_manager.BlockManager(num_blocks, block_size)
+    return sol.priority_scheduler.PriorityScheduler(bm, budget, max_num_seqs, aging_steps=aging_steps)
+
+
+def seq(request_id, n, priority=0, seed=0):
+    return ref.sequence.Sequence(request_id, tokens(n, seed), priority=priority)
+
+
+def complete(plan):
+    """Pretend the plan ran: every chunk's tokens are computed; sampling ones get a token."""
+    for chunk in plan.chunks:
+        chunk.seq.num_computed_tokens += chunk.length
+        if chunk.samples:
+            chunk.seq.output_token_ids.append(7)
+
+
+@pytest.fixture
+def engine_factory(model32, monkeypatch):
+    """Engines whose priority scheduler is the solution's (the rest of the engine is the reference's)."""
+    monkeypatch.setattr(sol.engine, "PriorityScheduler", sol.priority_scheduler.PriorityScheduler)
+    mlx_model, tokenizer = model32
+    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+
+    def make(**kwargs):
+        now = [0]
+        options = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_blocks=64,
+                       scheduling_policy="priority", clock=lambda: now[0])
+        options.update(kwargs)
+        engine = sol.engine.LLMEngine(model, tokenizer, **options)
+        engine.tick = now  # the test advances the clock by one per step
+        return engine
+
+    return make
+
+
+def run_steps(engine, arrivals, max_steps=400):
+    """arrivals: {step: [(request_id, prompt, max_tokens, priority)]}. Returns the sequences by id."""
+    seqs, step = {}, 0
+    while step < max_steps and (engine.has_work() or any(s >= step for s in arrivals)):
+        for request_id, prompt, max_tokens, priority in arrivals.get(step, []):
+            params = ref.sequence.SamplingParams(max_tokens=max_tokens)
+            seqs[request_id] = engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        engine.step()
+        step += 1
+        engine.tick[0] = step
+    assert not engine.has_work(), "the engine did not finish"
+    return seqs
+
+
+# ---------------------------------------------------------------- Task 1: effective priority, aging
+
+
+def test_task_1_rank_orders_by_priority_then_arrival():
+    s = make_scheduler()
+    low, high, high_later = seq("low", 4, 0), seq("high", 4, 5), seq("high2", 4, 5)
+    for x in (low, high):
+        s.add(x)
+    s.num_steps += 1
+    s.add(high_later)
+    assert sorted([low, high_later, high], key=s.rank) == [high, high_later, low]
+    assert s.effective_priority(high) == 5 and s.effective_priority(low) == 0
+
+
+def test_task_1_priorities_age():
+    s = make_scheduler(aging_steps=10)
+    old = seq("old", 4, priority=0)
+    s.add(old)
+    s.num_steps = 25
+    young = seq("young", 4, priority=2)
+    s.add(young)
+    assert s.effective_priority(old) == 2, "one level per 10 steps waited"
+    assert s.rank(old) < s.rank(young), "same effective priority: the earlier arrival first"
+    s.num_steps = 45
+    assert s.effective_priority(old) == 4 and s.effective_priority(young) == 4
+    with pytest.raises(ValueError, match="aging_steps"):
+        make_scheduler(aging_steps=0)
+
+
+# ---------------------------------------------------------------- Task 2: the plan follows priority
+
+
+def test_task_2_urgent_prefill_goes_first_in_the_budget():
+    s = make_scheduler(budget=32)
+    batch = seq("batch", 100, priority=0)
+    s.add(batch)
+    complete(s.schedule())  # the long batch prompt is part-way through
+    assert batch.num_computed_tokens == 32
+    urgent = seq("urgent", 20, priority=1, seed=1)
+    s.add(urgent)
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.prefills] == ["urgent", "batch"]
+    assert plan.prefills[0].length == 20 and plan.prefills[1].length == 12
+
+
+def test_task_2_waiting_queue_served_by_priority():
+    s = make_scheduler(budget=16, max_num_seqs=4)
+    for i, p in enumerate([0, 2, 1]):
+        s.add(seq(f"p{p}", 16, priority=p, seed=i))
+    order = []
+    for _ in range(3):
+        plan = s.schedule()
+        order += [c.seq.request_id for c in plan.prefills]
+        complete(plan)
+    assert order == ["p2", "p1", "p0"]
+
+
+def test_task_2_decodes_in_priority_order():
+    s = make_scheduler(budget=32)
+    s.add(seq("p0", 4, priority=0))
+    complete(s.schedule())  # p0 is admitted first...
+    for i, p in enumerate([3, 1], start=1):
+        s.add(seq(f"p{p}", 4, priority=p, seed=i))
+    complete(s.schedule())  # ...then p3 and p1
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.decodes] == ["p3", "p1", "p0"]
+
+
+# ---------------------------------------------------------------- Task 3: preemption of lower priority
+
+
+def test_task_3_slot_taken_from_lower_priority():
+    s = make_scheduler(max_num_seqs=2)
+    lows = [seq(f"low{i}", 8, priority=0, seed=i) for i in range(2)]
+    for x in lows:
+        s.add(x)
+    complete(s.schedule())
+    urgent = seq("urgent", 8, priority=1, seed=9)
+    s.add(urgent)
+    plan = s.schedule()
+    assert [x.request_id for x in plan.preempted] == ["low1"], "the least urgent, most recent one goes"
+    assert urgent in s.running and lows[1] in s.waiting and lows[1].num_computed_tokens == 0
+    assert s.block_manager.num_free_blocks == 64 - 3 - 2  # low0 (8 tokens + 1 new), urgent's 8 tokens
+
+
+def test_task_3_blocks_taken_from_lower_priority():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=32, max_num_seqs=4)
+    low = seq("low", 20, priority=0)
+    s.add(low)
+    complete(s.schedule())
+    assert s.block_manager.num_free_blocks == 1
+    urgent = seq("urgent", 8, priority=2, seed=1)
+    s.add(urgent)
+    plan = s.schedule()
+    assert plan.preempted == [low] and plan.prefills[0].seq is urgent and plan.prefills[0].length == 8
+    complete(plan)
+    equal = seq("equal", 12, priority=2, seed=2)
+    s.add(equal)
+    plan = s.schedule()
+    assert urgent not in plan.preempted, "a sequence is never preempted for one of the same priority"
+    assert urgent.status == ref.sequence.SequenceStatus.RUNNING
+
+
+def test_task_3_no_preemption_among_equals():
+    s = make_scheduler(max_num_seqs=1)
+    a, b = seq("a", 8, priority=1), seq("b", 8, priority=1, seed=1)
+    s.add(a)
+    s.add(b)  # same priority, same step, one slot: b waits for a, it does not push it out
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan.preempted == [] and a in s.running and b in s.waiting
+        complete(plan)
+
+
+def test_task_3_high_priority_ttft_bounded_regardless_of_low_load(engine_factory):
+    def urgent_ttft(num_low):
+        engine = engine_factory()
+        arrivals = {0: [(f"low{i}", tokens(60, i), 12, 0) for i in range(num_low)],
+                    3: [("urgent", tokens(10, 99), 4, 5)]}
+        seqs = run_steps(engine, arrivals)
+        assert all(seqs[f"low{i}"].finish_reason == "length" for i in range(num_low)), "low priority finishes"
+        assert engine.block_manager.num_free_blocks == 64, "no block leaks"
+        return engine.metrics.requests["urgent"].ttft
+
+    alone = urgent_ttft(0)
+    assert alone == 0  # the clock reads the step index: its first token comes in the step it arrives
+    assert urgent_ttft(2) == alone and urgent_ttft(8) == alone, "low-priority load must not delay it"
+
+    engine = engine_factory(scheduling_policy="fcfs")  # the contrast: first come, first served
+    run_steps(engine, {0: [(f"low{i}", tokens(60, i), 12, 0) for i in range(8)], 3: [("urgent", tokens(10, 99), 4, 5)]})
+    assert engine.metrics.requests["urgent"].ttft > 5
+
+
+def test_task_3_preempted_requests_resume_identically(engine_factory):
+    lows = [(f"low{i}", tokens(30, 10 + i), 10, 0) for i in range(3)]
+    urgents = [(f"urgent{i}", tokens(20, 20 + i), 6, 3) for i in range(2)]
+    arrivals = {0: lows, 4: urgents}
+    plain = run_steps(engine_factory(scheduling_policy="fcfs", num_blocks=64), arrivals)
+    engine = engine_factory(num_blocks=24, max_num_seqs=3)  # tight: the urgent ones must preempt
+    seqs = run_steps(engine, arrivals)
+    assert engine.num_preemptions > 0
+    assert {k: s.output_token_ids for k, s in seqs.items()} == {k: s.output_token_ids for k, s in plain.items()}
+    assert engine.block_manager.num_free_blocks == 24 and not engine.scheduler.running
+
+
+def test_task_3_aging_bounds_starvation(engine_factory):
+    # A steady stream of urgent requests; the low one still finishes, within a bounded number of steps.
+    engine = engine_factory(max_num_seqs=1, aging_steps=8)
+    arrivals = {step: [(f"u{step}", tokens(6, step), 3, 1)] for step in range(0, 60, 2)}
+    arrivals[0].append(("low", tokens(6, 500), 3, 0))
+    seqs = run_steps(engine, arrivals)
+    low = engine.metrics.requests["low"]
+    assert seqs["low"].finish_reason == "length"
+    assert low.finish < 40, "aging lets it through long before the urgent stream ends"
