@@ -14,19 +14,19 @@ Then, from another shell:
 """
 
 import argparse
-import importlib
 import sys
 
-from course import fast_mlx
+from course import fast_mlx, selector
+from course.user_errors import OneLineParser, user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
-                        help="ref: src_ref/tiny_llm_ref (default); student: your src/tiny_llm")
-    parser.add_argument("--model", default="embedded",
-                        help="embedded (default), bench-0.5b, a checkpoint directory or a Hugging Face id")
+    parser = OneLineParser(prog="pdm run serve", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    selector.add_arguments(parser)
+    parser.add_argument("--model", default=None,
+                        help="default: smollm2-135m once fetched (`pdm run models fetch smollm2-135m`), else embedded; "
+                             "or bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--served-model-name", default=None,
                         help="the id clients send as \"model\" (default: the --model argument)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -47,6 +47,7 @@ def positive(parser, name: str, value) -> None:
         parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -56,15 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     import uvicorn
 
-    from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+    from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
 
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    path = resolve_model(args.model)
-    mlx_model, tokenizer = load_model(args.model)
-    qwen2_week3 = importlib.import_module(f"{package}.qwen2_week3")
-    engine_module = importlib.import_module(f"{package}.engine")
-    sequence = importlib.import_module(f"{package}.sequence")
-    server = importlib.import_module(f"{package}.server")
+    selection = selector.from_arguments(args)
+    try:
+        args.model = default_model() if args.model is None else args.model
+        path = resolve_model(args.model)
+        mlx_model, tokenizer = load_model(args.model)
+    except (ValueError, TypeError) as error:
+        return user_error(parser.prog, str(error))
+    qwen2_week3, engine_module, sequence, server = (selection.qwen2_week3, selection.engine, selection.sequence,
+                                                    selection.server)
     log = lambda line: print(f"[engine] {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         model = qwen2_week3.Qwen2ModelWeek3(mlx_model)
@@ -77,13 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=args.enable_prefix_caching)
         name = args.served_model_name or args.model
         app = server.create_app(engine, tokenizer, name)
-    except NotImplementedError as error:
-        print(f"not implemented yet: {error}. Read the chapter it names, then run that day's tests.", file=sys.stderr)
-        return 1
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"[tiny-llm] serving {path} as {name!r} with the {args.solution} solution ({package}) on "
+    except (ValueError, TypeError) as error:
+        return user_error(parser.prog, str(error))
+    selector.announce(selection)
+    print(f"[tiny-llm] model {describe_model(path)}", file=sys.stderr)
+    print(f"[tiny-llm] serving {path} as {name!r} with the {args.solution} solution ({selection.package}) on "
           f"http://{args.host}:{args.port}; device {mx.default_device()}{'; BLAS ' + blas if blas else ''}",
           file=sys.stderr)
     if is_embedded(path):

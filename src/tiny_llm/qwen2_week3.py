@@ -147,6 +147,8 @@ class Qwen2ModelWeek3:
         self.w_lm_head = None if args.tie_word_embeddings else dequantize_linear(mlx_model.lm_head)
         half = self.head_dim // 2
         self.inv_freq = args.rope_theta ** (-mx.arange(0, half, dtype=mx.float32) * 2.0 / self.head_dim)
+        # Computed now, on this thread: MLX streams are per thread, and a server steps the engine on another.
+        mx.eval(self.inv_freq)
         self.dtype = self.embedding.weight.dtype
 
     def make_kv_pool(self, num_blocks: int, block_size: int) -> KvPool:
