@@ -87,12 +87,13 @@ class Qwen2RaggedAttention:
 
     def decode_attention(self, q: mx.array, batch: RaggedBatch, pool: KvPool, layer: int) -> mx.array:
         """The decode rows (`n x H_q x D`), one per sequence, as one padded batch -> `n x H_q x D`."""
-        # TODO: gather decode_key_slots, transpose to n x H x S x D, grouped attention with decode_mask
+        # TODO: gather decode_key_slots, transpose to n x H x S x D (mx.contiguous: a transposed view makes
+        # the CPU matmul many times slower), grouped attention with decode_mask
         raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): the decode rows' attention as one padded batch")
 
     def chunk_attention(self, q: mx.array, chunk: PrefillChunk, pool: KvPool, layer: int) -> mx.array:
         """One sequence's prefill chunk (`L x H_q x D`) over its cached keys and its own -> `L x H_q x D`."""
-        # TODO: gather the chunk's key slots, H x S x D, grouped attention with the chunk mask
+        # TODO: gather the chunk's key slots, H x S x D (mx.contiguous), grouped attention with the chunk mask
         raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): one prefill chunk's attention")
 
 
