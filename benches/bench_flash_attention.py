@@ -25,12 +25,13 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+from course.user_errors import user_error  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64  # Qwen2-0.5B
@@ -61,12 +62,6 @@ def measure(attend, q, k, v) -> tuple[mx.array, float, int]:
     mx.eval(out)
     seconds = time.perf_counter() - start
     return out, seconds, mx.get_peak_memory() - before
-
-
-def usage_error(message: str) -> int:
-    """A user error: one line on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def machine_line() -> str:
@@ -102,7 +97,7 @@ def plot(rows: list[dict], path: Path, machine: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.lengths) < 1 or args.tile < 1:
-        return usage_error("--lengths and --tile must be positive")
+        return user_error("pdm run bench-flash-attention", "--lengths and --tile must be positive")
     package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
     flash = importlib.import_module(f"{package}.flash_attention").flash_attention
     plain = importlib.import_module("tiny_llm_ref.attention").scaled_dot_product_attention_grouped

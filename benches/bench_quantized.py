@@ -26,7 +26,6 @@ import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -35,6 +34,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from course.user_errors import user_error  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -127,12 +127,6 @@ def mlx_lm_decode(mlx_model, prompt: list[int], n: int) -> tuple[list[int], floa
     return out, time.perf_counter() - start
 
 
-def usage_error(message: str) -> int:
-    """A user error: one line on stderr, exit status 2."""
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
 def machine_line() -> str:
     blas = fast_mlx.blas_in_use().split(" (")[0]
     return f"{platform.system()} {platform.machine()}, {mx.default_device()}, BLAS {blas}"
@@ -165,9 +159,9 @@ def plot(rows: list[dict], path: Path, machine: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.decode_tokens < 2:
-        return usage_error("--decode-tokens must be at least 2 (decode speed counts the tokens after the first)")
+        return user_error("pdm run bench-quantized", "--decode-tokens must be at least 2 (decode speed counts the tokens after the first)")
     if args.prompt_tokens < 1:
-        return usage_error("--prompt-tokens must be at least 1")
+        return user_error("pdm run bench-quantized", "--prompt-tokens must be at least 1")
     path = resolve_model(args.model)
     if is_embedded(path):
         print(MEANINGLESS_NOTE)
@@ -176,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     qwen2_week2 = importlib.import_module(f"{package}.qwen2_week2")
     mlx_model, tokenizer = load_model(args.model)
     if any(hasattr(m, "scales") for _, m in mlx_model.named_modules()):
-        return usage_error(f"{args.model} is already quantized: give a float checkpoint, this bench quantizes it")
+        return user_error("pdm run bench-quantized", f"{args.model} is already quantized: give a float checkpoint, this bench quantizes it")
     text = "Decoding reads every weight once per token, so fewer bytes per weight mean faster steps. "
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = (ids * (args.prompt_tokens // len(ids) + 1))[: args.prompt_tokens]

@@ -39,6 +39,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from tiny_llm_ref.metrics import percentile  # day 2.2's: linear interpolation, as numpy
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("head-of-line", "mixed", "shared-prefix")
@@ -218,17 +220,6 @@ async def run_workload(base_url: str, model: str | None, plan: list[Planned], co
 
 
 # ---------------------------------------------------------------- figures
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """Linear interpolation between closest ranks, as numpy.percentile (and day 2.2's metrics)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = p / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def distribution(values: list[float]) -> dict:

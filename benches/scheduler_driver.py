@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from tiny_llm_ref.metrics import percentile  # day 2.2's: linear interpolation, as numpy
+
 
 @dataclass
 class Arrival:
@@ -84,17 +86,6 @@ def run_workload(batch_module, model, tokenizer, arrivals: list[Arrival], *, lab
     peak = mx.get_peak_memory() - baseline
     outputs = {r.prompt_idx: list(r.output_tokens) for r in scheduler.finished}
     return RunResult(label, kinds, metrics, scheduler.stats.to_dict(), start, wall, peak, outputs)
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile (as numpy.percentile); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = p / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize(result: RunResult, focus: str = "short") -> dict:
