@@ -59,6 +59,7 @@ DAYS: list[Day] = [
     Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler",),
         {1: 5, 2: 10, 3: 10}),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
+    Day(4, 2, "A quantized paged KV cache", "week4-02-quantized-kv-cache.md", ("quantized_kv",), {1: 10, 2: 10, 3: 10}),
 ]
 
 

@@ -17,6 +17,7 @@ from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCachingBlockManager
+from .quantized_kv import model_bytes_per_token, num_blocks_for_memory
 from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityScheduler
 from .scheduler import Scheduler, StepPlan
 from .sequence import SamplingParams, Sequence
@@ -46,7 +47,8 @@ class LLMEngine:
                  metrics: MetricsRecorder | None = None, clock: Callable[[], float] = time.perf_counter,
                  log: Callable[[str], None] | None = None, log_interval: float = 5.0,
                  enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs",
-                 aging_steps: int = DEFAULT_AGING_STEPS):
+                 aging_steps: int = DEFAULT_AGING_STEPS, kv_bits: int | None = None,
+                 kv_cache_bytes: int | None = None):
         """Build the block manager, the scheduler and the runner (provided).
 
         `model` is a `Qwen2ModelWeek3`; `num_blocks` defaults to a pool of 8192 tokens; `policy` is a
@@ -54,11 +56,17 @@ class LLMEngine:
         request's token times, `log` gets a line every `log_interval` seconds and on preemption.
         `enable_prefix_caching` shares the KV blocks of common prompt prefixes (day 3.3);
         `scheduling_policy` "priority" serves requests by `priority`, aged every `aging_steps` steps (day 3.4).
+        `kv_bits` 16, 8 or 4 stores the KV pool as float16 or quantized (day 4.2); `kv_cache_bytes`, in
+        place of `num_blocks`, sizes the pool by memory, so it holds more blocks the fewer bits they take.
         """
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_cache_bytes is not None:
+            if num_blocks is not None:
+                raise ValueError("give num_blocks or kv_cache_bytes, not both")
+            num_blocks = num_blocks_for_memory(kv_cache_bytes, block_size, model_bytes_per_token(model, kv_bits))
         if num_blocks is None:
             num_blocks = blocks_for(DEFAULT_KV_TOKENS, block_size)
         self.model = model
@@ -75,7 +83,7 @@ class LLMEngine:
                                                self.log, aging_steps)
         else:
             self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy, self.log)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_bits)
         self.enable_prefix_caching = enable_prefix_caching
         self.sequences: dict[object, Sequence] = {}  # unfinished ones, by request id
         self.prompt_tokens_total = 0
@@ -83,7 +91,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_log = None
         self.log(f"engine: {self.scheduler.policy.describe()}, up to {max_num_seqs} sequences, KV pool of "
-                 f"{num_blocks} blocks x {block_size} tokens")
+                 f"{num_blocks} blocks x {block_size} tokens"
+                 + (f", {kv_bits}-bit" if kv_bits else ""))
 
     # ------------------------------------------------------------ requests in
 
