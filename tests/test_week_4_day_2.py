@@ -90,10 +90,19 @@ def prefill_logits(model, pool, tokens: list[int], block_table: list[int], block
     return mx.concatenate(rows)
 
 
-def make_engine(model, tokenizer, **kwargs):
-    """The engine under test (the student's pool and sizing, the reference for the rest)."""
-    return sol.engine.LLMEngine(model, tokenizer, **{"block_size": 4, "max_num_seqs": 4,
-                                                     "max_num_batched_tokens": 16, **kwargs})
+def make_engine(model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None, **kwargs):
+    """The reference engine on the pool under test, sized by memory with the sizing under test.
+
+    The engine module is the reference's (the selector keeps modules without the day's tasks as they
+    are), so the pool and its size are put in here: the one place the tests build an engine.
+    """
+    qkv = sol.quantized_kv
+    options = {"block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **kwargs}
+    num_blocks = qkv.num_blocks_for_memory(kv_cache_bytes, options["block_size"],
+                                           qkv.model_bytes_per_token(model, kv_bits))
+    engine = ref.engine.LLMEngine(model, tokenizer, num_blocks=num_blocks, kv_bits=kv_bits, **options)
+    engine.runner.pool = qkv.make_kv_pool(model, num_blocks, options["block_size"], kv_bits)
+    return engine
 
 
 def oracle_engine(model, tokenizer, bits, num_blocks, **kwargs):
@@ -252,13 +261,15 @@ def test_task_2_model_over_quantized_pool_matches_mlx_round_trip(wide_model, bit
 def test_task_2_embedded_logits_within_tolerance_of_float_pool(model32):
     """The stated tolerance, 8-bit, on the embedded model (logits span about +-22; measured: 2.5 and 93.5%).
 
-    200 positions prefilled in chunks of 32, so most queries read keys that earlier chunks stored.
+    200 positions prefilled in chunks of 32, so most queries read keys that earlier chunks stored,
+    into blocks another sequence used before.
     """
     mlx_model, _ = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     tokens, table = prompt_of(200, 3, 5000), list(range(13))
     base = prefill_logits(model, model.make_kv_pool(13, 16), tokens, table, 16, chunk=32)
     pool = sol.quantized_kv.make_kv_pool(model, 13, 16, kv_bits=8)
+    prefill_logits(model, pool, prompt_of(200, 4, 5000), table, 16, chunk=200)  # an earlier sequence's blocks
     logits = prefill_logits(model, pool, tokens, table, 16, chunk=32)
     error = mx.abs(logits - base).max().item()
     agreement = (logits.argmax(axis=-1) == base.argmax(axis=-1)).mean().item()
@@ -292,14 +303,19 @@ def test_task_3_bytes_per_token_and_blocks_for_a_budget():
 
 
 def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
-    """The same bytes as 10 float32 blocks: the 8-bit engine holds 3.5x the blocks and never preempts here."""
+    """The same bytes as 10 float32 blocks: the 8-bit engine holds 3.5x the blocks and never preempts here.
+
+    Eight requests, four at a time: the later ones reuse the blocks of the finished ones.
+    """
     model, tokenizer = wide_model
     memory = 10 * 4 * sol.quantized_kv.model_bytes_per_token(model, None)
-    prompts, max_tokens = [prompt_of(12, 10 + i, 512) for i in range(4)], 12
+    prompts, max_tokens = [prompt_of(12, 10 + i, 512) for i in range(8)], 12
     float_engine = make_engine(model, tokenizer, kv_cache_bytes=memory)
     quantized = make_engine(model, tokenizer, kv_cache_bytes=memory, kv_bits=8)
     assert float_engine.block_manager.num_blocks == 10
     assert quantized.block_manager.num_blocks >= 3.5 * 10
+    knob = ref.engine.LLMEngine(model, tokenizer, block_size=4, kv_cache_bytes=memory, kv_bits=8)
+    assert knob.block_manager.num_blocks == quantized.block_manager.num_blocks, "the engine's kv_cache_bytes knob"
     assert ref.quantized_kv.pool_nbytes(quantized.runner.pool) <= memory
     run_to_end(float_engine, prompts, max_tokens)
     outputs = run_to_end(quantized, prompts, max_tokens)
