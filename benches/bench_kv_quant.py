@@ -36,6 +36,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from course import selector  # noqa: E402
+from course.user_errors import OneLineParser, user_error  # noqa: E402
 from scripts.main import build_prompt  # noqa: E402
 from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model  # noqa: E402
 
@@ -45,8 +46,8 @@ BLOCK_SIZE = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run bench-kv-quant", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="pdm run bench-kv-quant", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="'smollm2-135m' (default once fetched), 'embedded', a path")
     selector.add_arguments(parser)
     parser.add_argument("--memory-mb", type=float, default=24.0, help="KV memory every pool gets (default 24)")
@@ -60,12 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_arguments(args) -> None:
+def count_problem(args) -> str | None:
+    """A count below 1 or memory at or below 0, in one line; None if none."""
     for name in ("requests", "output_tokens", "max_num_seqs", "budget", "mlx_lm_requests"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.memory_mb <= 0:
-        raise SystemExit("--memory-mb must be > 0")
+            return f"--{name.replace('_', '-')} must be >= 1"
+    return "--memory-mb must be > 0" if args.memory_mb <= 0 else None
+
+
+def memory_problem(args, model, prompts) -> str | None:
+    """A `--memory-mb` too small for the float32 pool to hold one request, in one line; None if it fits."""
+    float32_tokens = int(args.memory_mb * 2**20) // selector.reference().quantized_kv.model_bytes_per_token(model)
+    longest = max(map(len, prompts)) + args.output_tokens
+    if float32_tokens < longest:
+        return (f"--memory-mb {args.memory_mb:g} holds {float32_tokens} float32 tokens of this model, less than one "
+                f"request ({longest}): the float32 pool could never run it")
+    return None
 
 
 TOPICS = ["the Roman Empire", "photosynthesis", "the printing press", "black holes", "the French Revolution",
@@ -211,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.output_tokens, args.memory_mb = 8, 48, 12.0
         args.max_num_seqs = min(args.max_num_seqs, 8)
         args.mlx_lm_requests = min(args.mlx_lm_requests, 2)
-    check_arguments(args)
+    if count_problem(args):
+        return user_error(build_parser().prog, count_problem(args))
     began = time.perf_counter()
     name = args.model or default_model()
     path = resolve_model(name)
@@ -230,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                f"{os.cpu_count()} cores, BLAS: {fast_mlx.blas_in_use()}, load average {os.getloadavg()[0]:.1f} at start")
     print(f"model: {describe_model(path)}\nmachine: {machine}")
     prompts = prompts_of(args, tokenizer)
+    problem = memory_problem(args, model, prompts)
+    if problem:
+        return user_error(build_parser().prog, problem)
     print(f"workload: {args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} + "
           f"{args.output_tokens} tokens, all at once, "
           f"greedy; up to {args.max_num_seqs} running; {args.memory_mb:g} MB of KV memory for every pool")
