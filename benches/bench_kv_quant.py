@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
     parser.add_argument("--output-tokens", type=int, default=64, help="tokens each request generates (default 64)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="the engine's cap on running sequences")
-    parser.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (default 512)")
+    parser.add_argument("--budget", type=int, default=512, help="the engine's token_budget (default 512)")
     parser.add_argument("--mlx-lm-requests", type=int, default=4, help="requests mlx-lm runs, one at a time")
     parser.add_argument("--quick", action="store_true", help="8 requests, 48 tokens each, 12 MB")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
@@ -96,9 +96,10 @@ def prompts_of(args, tokenizer) -> list[list[int]]:
 
 def make_engine(selection, model, tokenizer, kv_bits, args):
     """The engine under test with a pool of `--memory-mb` in the given format: the one place one is built."""
-    return selection.engine.LLMEngine(model, tokenizer, max_num_batched_tokens=args.budget,
-                                      max_num_seqs=args.max_num_seqs, block_size=BLOCK_SIZE, kv_bits=kv_bits,
-                                      kv_cache_bytes=int(args.memory_mb * 2**20))
+    config = selection.engine.EngineConfig(token_budget=args.budget, max_num_seqs=args.max_num_seqs,
+                                           block_size=BLOCK_SIZE, kv_bits=kv_bits,
+                                           kv_cache_bytes=int(args.memory_mb * 2**20))
+    return selection.engine.LLMEngine(model, tokenizer, config)
 
 
 def run_engine(selection, model, tokenizer, kv_bits, prompts, args) -> dict:

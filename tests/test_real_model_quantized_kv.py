@@ -34,7 +34,7 @@ def week3(smollm2):  # noqa: F811
 def float_greedy(week3):
     """(prompt, output) token ids of each question, greedy on the float32 pool, one engine, batched."""
     model, tokenizer = week3
-    engine = ref.engine.LLMEngine(model, tokenizer, max_num_seqs=4)
+    engine = ref.engine.LLMEngine(model, tokenizer, ref.engine.EngineConfig(max_num_seqs=4))
     prompts = [tokenizer.encode(chat_prompt(tokenizer, q), add_special_tokens=False) for q in QUESTIONS]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=OUTPUT_TOKENS)) for p in prompts]
     for _ in range(10 * OUTPUT_TOKENS):

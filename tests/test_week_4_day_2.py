@@ -23,6 +23,7 @@ from tests.harness import reference, solution
 sol = solution(week=4, day=2)
 ref = reference()
 
+BLOCK_SIZE = 4
 WIDE_EOS = 0  # the wide model's end token: a random model may emit it, which just ends a request early
 
 
@@ -90,27 +91,28 @@ def prefill_logits(model, pool, tokens: list[int], block_table: list[int], block
     return mx.concatenate(rows)
 
 
-def make_engine(model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None, **kwargs):
+def engine_config(**knobs):
+    """The tests' engine knobs: blocks of 4 tokens, 4 sequences, 16 tokens a step, and `knobs`."""
+    return ref.engine.EngineConfig(**{"block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16, **knobs})
+
+
+def make_engine(model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None):
     """The reference engine on the pool under test, sized by memory with the sizing under test.
 
     The engine module is the reference's (the selector keeps modules without the day's tasks as they
     are), so the pool and its size are put in here: the one place the tests build an engine.
     """
     qkv = sol.quantized_kv
-    options = {"block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **kwargs}
-    num_blocks = qkv.num_blocks_for_memory(kv_cache_bytes, options["block_size"],
-                                           qkv.model_bytes_per_token(model, kv_bits))
-    engine = ref.engine.LLMEngine(model, tokenizer, num_blocks=num_blocks, kv_bits=kv_bits, **options)
-    engine.runner.pool = qkv.make_kv_pool(model, num_blocks, options["block_size"], kv_bits)
+    num_blocks = qkv.num_blocks_for_memory(kv_cache_bytes, BLOCK_SIZE, qkv.model_bytes_per_token(model, kv_bits))
+    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(num_blocks=num_blocks, kv_bits=kv_bits))
+    engine.runner.pool = qkv.make_kv_pool(model, num_blocks, BLOCK_SIZE, kv_bits)
     return engine
 
 
-def oracle_engine(model, tokenizer, bits, num_blocks, **kwargs):
+def oracle_engine(model, tokenizer, bits, num_blocks):
     """The reference engine over `RoundTripPool`: what the quantized engine must generate, token for token."""
-    engine = ref.engine.LLMEngine(model, tokenizer, **{"block_size": 4, "max_num_seqs": 4,
-                                                       "max_num_batched_tokens": 16, "num_blocks": num_blocks,
-                                                       **kwargs})
-    engine.runner.pool = RoundTripPool(*pool_shape(model, num_blocks, engine.block_manager.block_size), bits=bits)
+    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(num_blocks=num_blocks))
+    engine.runner.pool = RoundTripPool(*pool_shape(model, num_blocks, BLOCK_SIZE), bits=bits)
     return engine
 
 
@@ -314,7 +316,7 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
     quantized = make_engine(model, tokenizer, kv_cache_bytes=memory, kv_bits=8)
     assert float_engine.block_manager.num_blocks == 10
     assert quantized.block_manager.num_blocks >= 3.5 * 10
-    knob = ref.engine.LLMEngine(model, tokenizer, block_size=4, kv_cache_bytes=memory, kv_bits=8)
+    knob = ref.engine.LLMEngine(model, tokenizer, engine_config(kv_cache_bytes=memory, kv_bits=8))
     assert knob.block_manager.num_blocks == quantized.block_manager.num_blocks, "the engine's kv_cache_bytes knob"
     assert ref.quantized_kv.pool_nbytes(quantized.runner.pool) <= memory
     run_to_end(float_engine, prompts, max_tokens)
