@@ -19,7 +19,8 @@ quantized from the first token, its default group of 64) on the same weights in 
 per token, tokens/s, and its own quantized outputs' agreement with its float ones. A last table
 times one decode step's attention over the pool three ways: float keys, dequantize then attend
 (what the pool does), and `mx.quantized_matmul` on the packed keys (what mlx-lm does).
-Results: benches/results/kv_quant.json.
+Results: benches/results/kv_quant.json and the plot book/src/images/week4-02-kv-quant.png
+(`--replot JSON` redraws it from saved results).
 """
 
 from course import fast_mlx
@@ -41,6 +42,7 @@ from scripts.main import build_prompt  # noqa: E402
 from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_quant.json"
+PLOT = Path(__file__).resolve().parent.parent / "book" / "src" / "images" / "week4-02-kv-quant.png"
 FORMATS = {"float32": None, "float16": 16, "8-bit": 8, "4-bit": 4}  # label -> the engine's kv_bits
 BLOCK_SIZE = 16
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mlx-lm-requests", type=int, default=4, help="requests mlx-lm runs, one at a time")
     parser.add_argument("--quick", action="store_true", help="8 requests, 48 tokens each, 12 MB")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
+    parser.add_argument("--replot", type=Path, help="redraw the chapter's plot from a saved JSON, run nothing")
     return parser
 
 
@@ -216,6 +219,28 @@ def attention_paths(model, num_seqs: int, keys_per_seq: int, bits: int = 8, repe
     return timings
 
 
+def plot(report: dict) -> None:
+    """Three panels, one bar per pool: tokens the memory holds, preemptions, generated tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pools = report["pools"]
+    labels = list(pools)
+    panels = (("tokens_held", "tokens held"), ("preemptions", "preemptions"), ("tokens_per_s", "generated tokens/s"))
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    for ax, (key, title) in zip(axes, panels):
+        ax.bar(labels, [pools[label][key] for label in labels], color=["#888", "#aaa", "#2a7", "#7b4"])
+        ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=8)
+    memory = report["args"]["memory_mb"]
+    fig.suptitle(f"{report['model']}: KV pools in the same {memory:g} MB, {report['args']['requests']} requests at once")
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+
+
 @selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -223,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.output_tokens, args.memory_mb = 8, 48, 12.0
         args.max_num_seqs = min(args.max_num_seqs, 8)
         args.mlx_lm_requests = min(args.mlx_lm_requests, 2)
+    if args.replot:
+        if not args.replot.is_file():
+            return user_error(build_parser().prog, f"--replot {args.replot}: no such file")
+        plot(json.loads(args.replot.read_text()))
+        print(f"wrote {PLOT}")
+        return 0
     if count_problem(args):
         return user_error(build_parser().prog, count_problem(args))
     began = time.perf_counter()
@@ -306,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
               "mlx_lm": {k: {f: v for f, v in row.items() if f != "outputs"} for k, row in theirs.items()},
               "attention_s": timings, "ratios": ratios, "wall_s": time.perf_counter() - began}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}; the whole run took {report['wall_s']:.0f} s (machine shared: ratios, not absolute times)")
+    plot(report)
+    print(f"wrote {args.out} and {PLOT}; the whole run took {report['wall_s']:.0f} s (machine shared: ratios, not absolute times)")
     return 0
 
 
