@@ -1,4 +1,4 @@
-"""A quantized paged KV cache: the same blocks, each holding 3.8x (8-bit) or 7x (4-bit) more tokens per byte.
+"""A quantized paged KV cache: the same memory holds 3.8x (8-bit) or 7x (4-bit) the tokens of float32 (SmolLM2).
 
 Day 3.2's pool keeps every key and value as a float: `num_kv_heads x head_dim` numbers per token per
 layer, 4 bytes each in float32. Here they are stored the way day 2.3 stored weights: cut into groups
@@ -42,7 +42,7 @@ def kv_group_size(head_dim: int, group_size: int = KV_GROUP_SIZE) -> int:
 def quantize_kv(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """`T x H x D` keys or values -> packed `T x H x D*bits/32` uint32, scales and biases `T x H x D/group_size`.
 
-    Each token's each head is cut into groups of `group_size` features along D and quantized with
+    Each head of each token is cut into groups of `group_size` features along D and quantized with
     day 2.3's `quantize`; scales and biases are stored as float16 (`SCALE_DTYPE`).
     """
     # BEGIN TASK Week 4 Day 2 Task 1: quantize keys or values in groups along head_dim
