@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.course_map import DAYS
-from course.selector import TASKS_FILE, unwritten_in_source
+from course.course_map import DAYS, Day
+from course.selector import TASKS_FILE, definitions, unwritten_in_source
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO_ROOT / "src_ref" / "tiny_llm_ref"
@@ -57,17 +57,17 @@ class TaskRegion:
         return f"Week {self.week} Day {self.day} Task {self.number} ({self.chapter}): {self.what}"
 
 
-def task_of(begin: re.Match, where: str) -> TaskRegion:
+def task_of(begin: re.Match, where: str, days: list[Day], book_dir: Path) -> TaskRegion:
     """The task a BEGIN line names, checked against the course map and the book."""
     week, day, number = int(begin["week"]), int(begin["day"]), int(begin["task"])
-    days = {(d.week, d.day): d for d in DAYS}
+    days = {(d.week, d.day): d for d in days}
     if (week, day) not in days:
         raise MarkerError(f"{where}: Week {week} Day {day} is not a day of course/course_map.py")
     course_day = days[week, day]
     if number not in course_day.points:
         raise MarkerError(f"{where}: Week {week} Day {day} has no Task {number} in course/course_map.py "
                           f"(its tasks: {sorted(course_day.points)})")
-    if not (BOOK_DIR / course_day.chapter).is_file():
+    if not (book_dir / course_day.chapter).is_file():
         raise MarkerError(f"{where}: the chapter of Week {week} Day {day}, book/src/{course_day.chapter}, does not exist")
     return TaskRegion(week, day, number, begin["what"].strip(), f"book/src/{course_day.chapter}")
 
@@ -79,7 +79,7 @@ def raise_lines(indent: str, task: TaskRegion) -> list[str]:
     return [f"{indent}raise NotImplementedError(", f'{indent}    "{task.marker}"', f"{indent})"]
 
 
-def skeleton_of(source: str, name: str) -> str:
+def skeleton_of(source: str, name: str, days: list[Day] = DAYS, book_dir: Path = BOOK_DIR) -> str:
     """The skeleton of one reference module's source; `name` (its path) is only for error messages."""
     out: list[str] = []
     lines = source.splitlines()
@@ -96,7 +96,7 @@ def skeleton_of(source: str, name: str) -> str:
             out.append(line)
             i += 1
             continue
-        task = task_of(begin, where)
+        task = task_of(begin, where, days, book_dir)
         i += 1
         while i < len(lines) and HINT.match(lines[i]):
             out.append(lines[i].rstrip())
@@ -112,18 +112,25 @@ def skeleton_of(source: str, name: str) -> str:
         i += 1
     text = "\n".join(out) + "\n"
     try:
-        ast.parse(text)
+        tree = ast.parse(text)
     except SyntaxError as error:
         raise MarkerError(f"{name}: the skeleton written from it is not valid Python "
                           f"(line {error.lineno}: {error.msg}); check where its task markers sit") from None
+    lost = sorted(set(definitions(ast.parse(source))) - set(definitions(tree)))
+    if lost:
+        raise MarkerError(f"{name}: a task region holds the definition of {', '.join(lost)}; keep the def "
+                          "line and docstring outside '# BEGIN TASK' .. '# END TASK', so the skeleton has them")
     return text
 
 
-def generate(reference_dir: Path = REFERENCE_DIR) -> dict[str, str]:
+def shown(path: Path) -> str:
+    """A path as messages name it: relative to the repository when it is inside it."""
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.as_posix()
+
+
+def generate(reference_dir: Path) -> dict[str, str]:
     """file name -> skeleton text, for every module of the reference."""
-    return {path.name: skeleton_of(path.read_text(), path.relative_to(REPO_ROOT).as_posix()
-                                   if path.is_relative_to(REPO_ROOT) else str(path))
-            for path in sorted(reference_dir.glob("*.py"))}
+    return {path.name: skeleton_of(path.read_text(), shown(path)) for path in sorted(reference_dir.glob("*.py"))}
 
 
 def tasks_json_text(skeleton: dict[str, str]) -> str:
@@ -136,18 +143,17 @@ def tasks_json_text(skeleton: dict[str, str]) -> str:
     return json.dumps(table, indent=1, sort_keys=True) + "\n"
 
 
-def stale_files(skeleton: dict[str, str], skeleton_dir: Path = SKELETON_DIR, tasks_file: Path = TASKS_FILE) -> list[str]:
+def stale_files(skeleton: dict[str, str], skeleton_dir: Path, tasks_file: Path) -> list[str]:
     """The files that differ from what the generator writes (missing, different, or not in the reference)."""
-    stale = [name for name, text in skeleton.items()
+    stale = [skeleton_dir / name for name, text in skeleton.items()
              if not (skeleton_dir / name).is_file() or (skeleton_dir / name).read_text() != text]
-    stale += [path.name for path in sorted(skeleton_dir.glob("*.py")) if path.name not in skeleton]
-    named = [(skeleton_dir / name).as_posix() for name in stale]
+    stale += [path for path in sorted(skeleton_dir.glob("*.py")) if path.name not in skeleton]
     if not tasks_file.is_file() or tasks_file.read_text() != tasks_json_text(skeleton):
-        named.append(tasks_file.as_posix())
-    return [Path(n).relative_to(REPO_ROOT).as_posix() if Path(n).is_relative_to(REPO_ROOT) else n for n in named]
+        stale.append(tasks_file)
+    return [shown(path) for path in stale]
 
 
-def write(skeleton: dict[str, str], skeleton_dir: Path = SKELETON_DIR, tasks_file: Path = TASKS_FILE) -> None:
+def write(skeleton: dict[str, str], skeleton_dir: Path, tasks_file: Path) -> None:
     for path in skeleton_dir.glob("*.py"):
         if path.name not in skeleton:
             path.unlink()  # a module the reference no longer has
@@ -167,19 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        skeleton = generate()
+        skeleton = generate(REFERENCE_DIR)
     except MarkerError as error:
         print(f"make-skeleton: error: {error}", file=sys.stderr)
         return 2
     if args.check:
-        stale = stale_files(skeleton)
+        stale = stale_files(skeleton, SKELETON_DIR, TASKS_FILE)
         if stale:
             print(f"make-skeleton: stale (refresh: pdm run python -m maint.make_skeleton): {', '.join(stale)}",
                   file=sys.stderr)
             return 1
         print(f"make-skeleton: OK: src/tiny_llm/ ({len(skeleton)} files) and course/tasks.json are up to date")
         return 0
-    write(skeleton)
+    write(skeleton, SKELETON_DIR, TASKS_FILE)
     print(f"make-skeleton: wrote src/tiny_llm/ ({len(skeleton)} files) and course/tasks.json")
     return 0
 
