@@ -35,7 +35,7 @@ BOOK_DIR = REPO_ROOT / "book" / "src"
 
 BEGIN = re.compile(r"(?P<indent>[ \t]*)# BEGIN TASK Week (?P<week>\d+) Day (?P<day>\d+) Task (?P<task>\d+): (?P<what>\S.*)")
 END = re.compile(r"[ \t]*# END TASK")
-HINT = re.compile(r"[ \t]*# TODO: ")
+HINT = re.compile(r"[ \t]*# TODO:")
 ANY_MARKER = re.compile(r"#\s*(BEGIN|END)\s+TASK")  # what a marker line looks like, well formed or not
 LINE_LIMIT = 120  # a longer raise is split over three lines
 
@@ -73,10 +73,11 @@ def task_of(begin: re.Match, where: str, days: list[Day], book_dir: Path) -> Tas
 
 
 def raise_lines(indent: str, task: TaskRegion) -> list[str]:
-    one_line = f'{indent}raise NotImplementedError("{task.marker}")'
+    message = '"' + task.marker.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    one_line = f"{indent}raise NotImplementedError({message})"
     if len(one_line) <= LINE_LIMIT:
         return [one_line]
-    return [f"{indent}raise NotImplementedError(", f'{indent}    "{task.marker}"', f"{indent})"]
+    return [f"{indent}raise NotImplementedError(", f"{indent}    {message}", f"{indent})"]
 
 
 def skeleton_of(source: str, name: str, days: list[Day] = DAYS, book_dir: Path = BOOK_DIR) -> str:

@@ -59,6 +59,12 @@ def test_a_task_region_becomes_its_hints_and_the_raise_that_names_the_chapter():
         '    raise NotImplementedError("Week 1 Day 1 Task 1 (book/src/week1-01-attention.md): softmax")\n')
 
 
+def test_a_quote_in_what_a_task_does_stays_inside_the_message():
+    source = 'def f():\n    # BEGIN TASK Week 1 Day 1 Task 1: the "causal" mask\n    return 1\n    # END TASK\n'
+    raised = ast.parse(gen.skeleton_of(source, "m.py")).body[0].body[0].exc.args[0].value
+    assert raised == 'Week 1 Day 1 Task 1 (book/src/week1-01-attention.md): the "causal" mask'
+
+
 BAD_MARKERS = {
     "no END": ("def f():\n    # BEGIN TASK Week 1 Day 1 Task 1: x\n    return 1\n",
                "bad.py:2: '# BEGIN TASK' without an '# END TASK' after it"),
