@@ -32,10 +32,8 @@ COLUMNS = [lab.Column("batch", "batch_size", "{}"), lab.Column("day2.6 tok/s", "
 def build_parser():
     parser = lab.parser(PROG, __doc__, out="batching.json")
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
-    parser.add_argument("--requests", type=int, default=8, help="requests in the workload (default 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
-    parser.add_argument("--output-tokens", type=int, default=16, help="tokens each request generates (default 16)")
-    parser.add_argument("--prefill-step", type=int, default=128, help="day 2.6's chunk size (default 128)")
+    lab.options(parser, requests=(8, "requests in the workload"), prompt_tokens=(32, "prompt length"),
+                output_tokens=(16, "tokens each request generates"), prefill_step=(128, "day 2.6's chunk size"))
     return parser
 
 
@@ -82,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     lab.print_table("generated tokens per second of the whole run (prefill included)", COLUMNS, rows,
                     caption="'tokens = mlx-lm's': week 3's greedy outputs identical to mlx-lm's "
                             "(float32 sums in another order may flip a near-tie)")
-    path = bench.save({"workload": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
-                                    "output_tokens": args.output_tokens, "prefill_step": args.prefill_step},
-                       "rows": rows})
-    print(f"wrote {path}")
-    return 0
+    return bench.save({"rows": rows})
 
 
 if __name__ == "__main__":

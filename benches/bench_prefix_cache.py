@@ -30,25 +30,9 @@ COLUMNS = [lab.Column("cache", "label", "{}"), lab.Column("TTFT p50 s", "user_tt
 
 def build_parser():
     parser = lab.parser(PROG, __doc__, out="prefix_cache.json")
-    parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--user-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=10)
-    parser.add_argument("--rate", type=float, default=0.5, help="mean arrivals per second")
-    parser.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    lab.options(parser, system_tokens=1024, user_tokens=32, max_tokens=8, requests=10,
+                rate=(0.5, "mean arrivals per second"), budget=(512, "max_num_batched_tokens"))
     return parser
-
-
-def plot(bench, runs: dict):
-    path = bench.figure_path("ttft")
-    with lab.figure(path, bench.machine, figsize=(7, 3.5)) as (fig, ax):
-        for label, run in runs.items():
-            points = sorted((r.arrival - run.start, r.ttft) for r in run.metrics.requests.values())
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
-        ax.set(xlabel="arrival (s)", ylabel="TTFT (s)", yscale="log",
-               title="Shared system prompt: TTFT per request, prefix cache off / on")
-        ax.legend()
-    return path
 
 
 @selector.command
@@ -75,10 +59,9 @@ def main(argv=None) -> int:
               "throughput_ratio": on["output_tokens_per_s"] / off["output_tokens_per_s"]}
     print(f"cache on vs off: TTFT p50 {ratios['ttft_p50_speedup']:.1f}x lower, p99 "
           f"{ratios['ttft_p99_speedup']:.1f}x lower, throughput {ratios['throughput_ratio']:.2f}x")
-    path = bench.save({"args": lab.arguments(args), "figures": rows, "ratios": ratios,
-                       "token_times": {label: runner.token_times(run) for label, run in runs.items()}})
-    print(f"wrote {path} and {plot(bench, runs)}")
-    return 0
+    plot = lab.ttft_plot(bench, runs, None, "Shared system prompt: TTFT per request, prefix cache off / on")
+    return bench.save({"figures": rows, "ratios": ratios,
+                       "token_times": {label: runner.token_times(run) for label, run in runs.items()}}, [plot])
 
 
 if __name__ == "__main__":

@@ -39,34 +39,15 @@ PLANS = [("interactive alone", "fcfs", False), ("FCFS", "fcfs", True), ("priorit
 
 def build_parser():
     parser = lab.parser(PROG, __doc__, out="priorities.json")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--batch-tokens", type=int, default=512)
-    parser.add_argument("--batch-output", type=int, default=32)
-    parser.add_argument("--interactive", type=int, default=10)
-    parser.add_argument("--interactive-tokens", type=int, default=24)
-    parser.add_argument("--interactive-output", type=int, default=8)
-    parser.add_argument("--rate", type=float, default=0.5, help="interactive arrivals per second")
-    parser.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
+    lab.options(parser, batch=4, batch_tokens=512, batch_output=32, interactive=10, interactive_tokens=24,
+                interactive_output=8, rate=(0.5, "interactive arrivals per second"),
+                budget=(64, "max_num_batched_tokens"))
     return parser
 
 
 def workload(args, with_batch: bool):
     return workloads.interactive_and_batch(args.batch, args.batch_tokens, args.batch_output, args.interactive,
                                            args.interactive_tokens, args.interactive_output, args.rate, with_batch)
-
-
-def plot(bench, runs: dict):
-    path = bench.figure_path("ttft")
-    with lab.figure(path, bench.machine, figsize=(7, 3.5)) as (fig, ax):
-        for label, run in runs.items():
-            timelines = run.metrics.requests
-            points = sorted((timelines[i].arrival - run.start, timelines[i].ttft)
-                            for i in runner.ids_of(run, "interactive"))
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
-        ax.set(xlabel="interactive request arrival (s)", ylabel="TTFT (s)", yscale="log",
-               title="Interactive TTFT: alone, under batch load (FCFS), under batch load (priority)")
-        ax.legend()
-    return path
 
 
 def ratio(a, b):
@@ -101,10 +82,10 @@ def main(argv=None) -> int:
           f"{ratios['priority_ttft_p99_s_vs_alone']:.1f}x (in model tokens run before the first token: FCFS "
           f"{ratios['fcfs_ttft_p99_tokens_vs_alone']:.1f}x, priority {ratios['priority_ttft_p99_tokens_vs_alone']:.1f}x); "
           f"batch throughput priority/FCFS {ratios['batch_throughput_priority_vs_fcfs']:.2f}")
-    path = bench.save({"args": lab.arguments(args), "figures": rows, "ratios": ratios,
-                       "token_times": {label: runner.token_times(run) for label, run in runs.items()}})
-    print(f"wrote {path} and {plot(bench, runs)}")
-    return 0
+    plot = lab.ttft_plot(bench, runs, "interactive",
+                         "Interactive TTFT: alone, under batch load (FCFS), under batch load (priority)")
+    return bench.save({"figures": rows, "ratios": ratios,
+                       "token_times": {label: runner.token_times(run) for label, run in runs.items()}}, [plot])
 
 
 if __name__ == "__main__":

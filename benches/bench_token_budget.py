@@ -41,18 +41,14 @@ COLUMNS = [lab.Column("engine", "label", "{}"), lab.Column("ITL p50", "short_itl
 
 def build_parser():
     parser = lab.parser(PROG, __doc__, out="week3_hol.json")
-    parser.add_argument("--short-tokens", type=int, default=64)
-    parser.add_argument("--short-output", type=int, default=64)
-    parser.add_argument("--long-tokens", type=int, default=1536)
-    parser.add_argument("--long-output", type=int, default=16)
-    parser.add_argument("--long-at", type=float, default=4.0, help="when the long prompt arrives (s, default 4)")
+    lab.options(parser, short_tokens=64, short_output=64, long_tokens=1536, long_output=16,
+                long_at=(4.0, "when the long prompt arrives (s)"), mixed_requests=10)
     parser.add_argument("--long-after-tokens", type=int, metavar="N",
                         help="instead: once every short request has N tokens (the same moment on a slow or busy machine)")
     parser.add_argument("--budgets", default="32,64,256", help="week 3's fixed token budgets (comma-separated)")
     parser.add_argument("--decode-multiple", type=float, default=2.5,
                         help="the adaptive budget's target: this many plain decode steps per step (default 2.5)")
     parser.add_argument("--mlx-steps", default="64,256,2048", help="mlx-lm's prefill_step_size values")
-    parser.add_argument("--mixed-requests", type=int, default=10)
     parser.add_argument("--skip", default="", help="'mixed', 'hol' (workloads) or 'day27' (engine), comma-separated")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",
                         help="'cpu': time in this process's CPU seconds (all threads), which other processes on a "
@@ -156,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.run(Week3(bench.selection, model3, bench.tokenizer, max_num_batched_tokens=64), warm, "warm")
     runner.run(MlxLm(bench.mlx_model, bench.tokenizer, prefill_step=64), warm, "warm")
 
-    results = {"args": lab.arguments(args)}
+    results = {}
     plots = []
     for name, arrivals in build_workloads(args).items():
         runs = {}
@@ -179,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             plots = plot(bench, runs, rows, ratios)
     results["targets"] = {"itl_p99_ratio_vs_mlx_lm_best": "<= 0.5", "throughput_ratio_vs_mlx_lm_best": ">= 1.1",
                           "ttft_p50_ratio_vs_mlx_lm_best": "<= 1.0"}
-    path = bench.save(results)
-    print(f"wrote {', '.join(map(str, [path, *plots]))}")
-    return 0
+    return bench.save(results, plots)
 
 
 if __name__ == "__main__":

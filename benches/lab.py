@@ -6,7 +6,7 @@
     bench.selection.engine, bench.week3_model(), bench.mlx_model, bench.machine
     lab.print_table(title, COLUMNS, rows)          # one rich table
     with lab.figure(bench.figure_path("itl"), bench.machine) as (fig, ax): ...
-    bench.save(results)                            # the JSON, where --out says
+    return bench.save(results, plots)              # the JSON where --out says (plots beside it)
 
 Whose code runs comes from the selector (`--solution student`, `--strict`): the student's code for
 every task written, the reference's for the others, announced in one line. The lab's own
@@ -46,6 +46,14 @@ def parser(prog: str, doc: str, out: str, model: bool = True) -> OneLineParser:
     made.add_argument("--out", type=Path, default=RESULTS_DIR / out,
                       help=f"the JSON file to write (default benches/results/{out}); plots go beside it")
     return made
+
+
+def options(parser, **defaults) -> None:
+    """Add `--name` options from keyword defaults: `rate=0.5` or, with help, `rate=(0.5, "arrivals per second")`."""
+    for name, spec in defaults.items():
+        default, help_text = spec if isinstance(spec, tuple) else (spec, "")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                            help=f"{help_text} (default {default})".strip())
 
 
 def check_positive(prog: str, args, *names: str) -> None:
@@ -91,10 +99,13 @@ class Bench:
         """Where a plot goes: beside the JSON, `<json stem>_<name>.png`."""
         return self.args.out.with_name(f"{self.args.out.stem}_{name}.png")
 
-    def save(self, results: dict) -> Path:
-        """Write the results (with the machine line, model and solution) to --out; return its path."""
-        return save_json(self.args.out, {"machine": self.machine, "model": getattr(self.args, "model", None),
-                                         "solution": self.args.solution, "strict": self.args.strict, **results})
+    def save(self, results: dict, plots=()) -> int:
+        """Write the results (with the machine line, model and solution) to --out, say what was written; exit status 0."""
+        path = save_json(self.args.out, {"machine": self.machine, "model": getattr(self.args, "model", None),
+                                         "solution": self.args.solution, "strict": self.args.strict,
+                                         "args": arguments(self.args), **results})
+        print(f"wrote {', '.join(map(str, [path, *plots]))}")
+        return 0
 
 
 def start(args, modules: tuple[str, ...], load: bool = True) -> Bench:
@@ -179,6 +190,21 @@ def figure(path: Path, machine: str, **subplots):
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def ttft_plot(bench: Bench, runs: dict, kind: str | None, title: str) -> Path:
+    """Each run's TTFT per request of one class against its arrival time (log scale): `<json stem>_ttft.png`."""
+    from benches.runner import ids_of
+
+    path = bench.figure_path("ttft")
+    with figure(path, bench.machine, figsize=(7, 3.5)) as (fig, ax):
+        for label, run in runs.items():
+            timelines = run.metrics.requests
+            points = sorted((timelines[i].arrival - run.start, timelines[i].ttft) for i in ids_of(run, kind))
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+        ax.set(xlabel=f"{kind or 'request'} arrival (s)", ylabel="TTFT (s)", yscale="log", title=title)
+        ax.legend()
+    return path
 
 
 def plot_series(ax, series: dict, styles=("o", ".", "x", "+", "s", "^")) -> None:
