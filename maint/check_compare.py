@@ -1,12 +1,13 @@
 """Check that `pdm run compare --week 3 --day D` tells an honest engine from a broken one.
 
-    pdm run python -m maint.check_compare              # every day honest, every mutation on its day
+    pdm run python -m maint.check_compare              # every day honest, every mutation on its days
     pdm run python -m maint.check_compare --day 1      # day 3.1 only
 
 In a temporary copy of the repository whose `src/tiny_llm` holds the reference's code (a finished,
 honest solution), `compare` must report no difference on any week-3 day. Then each mutation below
 (a bug a student would plant) is applied to that copy alone, and `compare` must report a
-difference (exit status 1) on its day. Exits 1 naming every case that went the wrong way.
+difference (exit status 1) on each of its days (the preemption bugs on day 3.1 too: day 3.1's
+engine runs the student's day-3.2 scheduler code as well). Exits 1 naming every case that went the wrong way.
 """
 
 from __future__ import annotations
@@ -28,23 +29,23 @@ DAYS = (1, 2, 3, 4)
 @dataclass(frozen=True)
 class Mutation:
     name: str
-    day: int  # the week-3 day whose compare must catch it
+    days: tuple[int, ...]  # the week-3 days whose compare must catch it
     module: str  # file of src/tiny_llm
     old: str  # text that occurs exactly once in the reference's module
     new: str
 
 
 MUTATIONS = [
-    Mutation("the oldest running sequence preempted instead of the newest", 2, "scheduler",
+    Mutation("the oldest running sequence preempted instead of the newest", (1, 2), "scheduler",
              "                victim = self.running[-1]\n", "                victim = self.running[0]\n"),
-    Mutation("preemption keeps num_computed_tokens", 2, "scheduler",
+    Mutation("preemption keeps num_computed_tokens", (1, 2), "scheduler",
              "        self.block_manager.free(seq)\n        seq.num_computed_tokens = 0\n        seq.status = SequenceStatus.WAITING\n",
              "        self.block_manager.free(seq)\n        seq.status = SequenceStatus.WAITING\n"),
-    Mutation("the engine never feeds observe_step to the budget policy", 1, "engine",
+    Mutation("the engine never feeds observe_step to the budget policy", (1,), "engine",
              "        self.scheduler.policy.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)\n", ""),
-    Mutation("a prefix-cache hit never recorded", 3, "prefix_cache",
+    Mutation("a prefix-cache hit never recorded", (3,), "prefix_cache",
              "        self.hit_tokens += cached_tokens\n", ""),
-    Mutation("priorities ignored in the ranking", 4, "priority_scheduler",
+    Mutation("priorities ignored in the ranking", (4,), "priority_scheduler",
              "        return (-self.effective_priority(seq), self.arrival_step[seq])\n",
              "        return (0, self.arrival_step[seq])\n"),
 ]
@@ -76,8 +77,8 @@ def compare(root: Path, day: int) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def check(days=DAYS) -> list[str]:
-    """Run every case; return the ones that went the wrong way (empty: all good)."""
+def check(days=DAYS, mutations=MUTATIONS) -> list[str]:
+    """Run every case on `days`; return the ones that went the wrong way (empty: all good)."""
     failures = []
     with tempfile.TemporaryDirectory(prefix="tiny-llm-compare-") as tmp:
         root = Path(tmp)
@@ -88,24 +89,30 @@ def check(days=DAYS) -> list[str]:
             print(f"honest solution, day 3.{day}: {verdict}", flush=True)
             if result.returncode != 0:
                 failures.append(f"honest solution, day 3.{day}: {result.stdout[-2000:]}{result.stderr[-2000:]}")
-        for mutation in (m for m in MUTATIONS if m.day in days):
+        for mutation in mutations:
             before = apply(root, mutation)
             try:
-                result = compare(root, mutation.day)
+                for day in (d for d in mutation.days if d in days):
+                    result = compare(root, day)
+                    caught = result.returncode == 1 and "differs from the reference" in result.stdout
+                    print(f"{mutation.name}, day 3.{day}: {'reported' if caught else 'NOT reported'}", flush=True)
+                    if not caught:
+                        failures.append(f"{mutation.name}, day 3.{day}: exit {result.returncode}\n"
+                                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
             finally:
                 (root / "src" / "tiny_llm" / f"{mutation.module}.py").write_text(before)
-            caught = result.returncode == 1 and "differs from the reference" in result.stdout
-            print(f"{mutation.name} (day 3.{mutation.day}): {'reported' if caught else 'NOT reported'}", flush=True)
-            if not caught:
-                failures.append(f"{mutation.name}: exit {result.returncode}\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     return failures
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m maint.check_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--day", type=int, choices=DAYS, action="append", help="week-3 day(s) to check (default all)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     failures = check(tuple(args.day or DAYS))
     for failure in failures:
         print(f"\nWRONG: {failure}", file=sys.stderr)
