@@ -43,7 +43,7 @@ def engines(bench, model2, model3, batch_size: int) -> list:
     return [("day26", lambda: Day27(selection, model2, tokenizer, batch_size=batch_size, prefill_step=args.prefill_step,
                                     max_seq_len=args.prompt_tokens + args.output_tokens + 1)),
             ("mlx_lm", lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=batch_size)),
-            ("week3", lambda: Week3(selection, model3, tokenizer, max_num_batched_tokens=max(256, batch_size),
+            ("week3", lambda: Week3(selection, model3, tokenizer, token_budget=max(256, batch_size),
                                     max_num_seqs=batch_size))]
 
 

@@ -31,7 +31,7 @@ COLUMNS = [lab.Column("cache", "label", "{}"), lab.Column("TTFT p50 s", "user_tt
 def build_parser():
     parser = lab.parser(PROG, __doc__, out="prefix_cache.json")
     lab.options(parser, system_tokens=1024, user_tokens=32, max_tokens=8, requests=10,
-                rate=(0.5, "mean arrivals per second"), budget=(512, "max_num_batched_tokens"))
+                rate=(0.5, "mean arrivals per second"), budget=(512, "the engine's token_budget"))
     return parser
 
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     kv_tokens = 2 * (args.system_tokens + args.user_tokens + args.max_tokens) * min(args.requests, 8)
     runs = {}
     for label, caching in lab.progress([("cache off", False), ("cache on", True)], "runs"):
-        engine = Week3(bench.selection, model, bench.tokenizer, max_num_batched_tokens=args.budget, max_num_seqs=8,
+        engine = Week3(bench.selection, model, bench.tokenizer, token_budget=args.budget, max_num_seqs=8,
                        block_size=16, num_blocks=-(-kv_tokens // 16), enable_prefix_caching=caching)
         runs[label] = runner.run(engine, arrivals, label)
     rows = [runner.summarize(run) for run in runs.values()]

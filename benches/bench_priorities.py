@@ -41,7 +41,7 @@ def build_parser():
     parser = lab.parser(PROG, __doc__, out="priorities.json")
     lab.options(parser, batch=4, batch_tokens=512, batch_output=32, interactive=10, interactive_tokens=24,
                 interactive_output=8, rate=(0.5, "interactive arrivals per second"),
-                budget=(64, "max_num_batched_tokens"))
+                budget=(64, "the engine's token_budget"))
     return parser
 
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     model = bench.week3_model()
     runs = {}
     for label, policy, with_batch in lab.progress(PLANS, "runs"):
-        engine = Week3(bench.selection, model, bench.tokenizer, max_num_batched_tokens=args.budget, max_num_seqs=8,
+        engine = Week3(bench.selection, model, bench.tokenizer, token_budget=args.budget, max_num_seqs=8,
                        block_size=16, scheduling_policy=policy)
         runs[label] = runner.run(engine, workload(args, with_batch), label)
     rows = [runner.summarize(run) for run in runs.values()]

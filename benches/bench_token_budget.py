@@ -26,7 +26,7 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import Day27, MlxLm, Week3, adaptive_budget  # noqa: E402
+from benches.engines import Day27, MlxLm, Week3  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
@@ -78,10 +78,10 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
     args, tokenizer, selection = bench.args, bench.tokenizer, bench.selection
     max_seq_len = max(len(a.prompt) + a.max_tokens for a in arrivals) + 1
     mlx = [(f"mlx-lm step {s}", lambda s=s: MlxLm(bench.mlx_model, tokenizer, prefill_step=s)) for s in args.mlx_steps]
-    ours = [(RECOMMENDED, lambda: Week3(selection, model3, tokenizer, max_num_batched_tokens=2048, max_num_seqs=8,
-                                        policy=adaptive_budget(selection, args.decode_multiple, 2048)))]
-    ours += [(f"week3 budget {b}", lambda b=b: Week3(selection, model3, tokenizer, max_num_batched_tokens=b,
-                                                     max_num_seqs=8)) for b in args.budgets]
+    ours = [(RECOMMENDED, lambda: Week3(selection, model3, tokenizer, token_budget=2048, adaptive_budget=True,
+                                        decode_multiple=args.decode_multiple, max_num_seqs=8))]
+    ours += [(f"week3 budget {b}", lambda b=b: Week3(selection, model3, tokenizer, token_budget=b, max_num_seqs=8))
+             for b in args.budgets]
     if workload == "mixed":
         mlx, ours = mlx[:2], ours[:2]
     elif "day27" not in args.skip:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     model2, model3 = bench.week2_model(), bench.week3_model()
     # Warm-up: first-call costs must not land on whichever engine runs first.
     warm = [workloads.Arrival("short", workloads.random_prompt(8, 0), 2)]
-    runner.run(Week3(bench.selection, model3, bench.tokenizer, max_num_batched_tokens=64), warm, "warm")
+    runner.run(Week3(bench.selection, model3, bench.tokenizer, token_budget=64), warm, "warm")
     runner.run(MlxLm(bench.mlx_model, bench.tokenizer, prefill_step=64), warm, "warm")
 
     results = {}

@@ -7,7 +7,7 @@ and releases what it holds (`close()`).
 
 - `MlxLm`: mlx-lm's `BatchGenerator` (the peer), on mlx-lm's own model.
 - `Day27`: day 2.7's `batch.Scheduler` of a selection (student or reference), on its week-2 model.
-- `Week3`: week 3's `LLMEngine` of a selection, at any token budget or scheduling policy.
+- `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget, adaptive or not, policy, ...).
 
 `week3_engine` is the one place a lab or `compare` builds an `LLMEngine`.
 """
@@ -48,26 +48,22 @@ class Adapter:
 # ---------------------------------------------------------------- week 3
 
 
-def week3_engine(selection, model, tokenizer, **knobs):
-    """An `LLMEngine` of `selection` (the student's or the reference's) with the given knobs.
+def week3_engine(selection, model, tokenizer, clock=None, **config):
+    """An `LLMEngine` of `selection` (the student's or the reference's); `config` are `EngineConfig` fields.
 
     Every lab and `compare` builds its week-3 engine here, so a change of the engine's constructor
-    is one edit.
+    is one edit. `clock` (default: the engine's) times its steps.
     """
-    return selection.engine.LLMEngine(model, tokenizer, **knobs)
-
-
-def adaptive_budget(selection, decode_multiple: float, max_num_batched_tokens: int):
-    """Day 3.1's adaptive budget of `selection`, aiming at `decode_multiple` plain decode steps per step."""
-    return selection.token_budget.AdaptiveTokenBudget(target_itl=None, decode_multiple=decode_multiple,
-                                                      max_num_batched_tokens=max_num_batched_tokens)
+    engine = selection.engine
+    timing = {} if clock is None else {"clock": clock}
+    return engine.LLMEngine(model, tokenizer, engine.EngineConfig(**config), **timing)
 
 
 class Week3(Adapter):
-    """Week 3's `LLMEngine`; `knobs` are its constructor's keyword arguments."""
+    """Week 3's `LLMEngine`; `config` are `EngineConfig` fields (token_budget, adaptive_budget, ...)."""
 
-    def __init__(self, selection, model, tokenizer, **knobs):
-        self.engine = week3_engine(selection, model, tokenizer, **knobs)
+    def __init__(self, selection, model, tokenizer, **config):
+        self.engine = week3_engine(selection, model, tokenizer, **config)
         self.sampling = selection.sequence.SamplingParams
 
     def add(self, idx, arrival):

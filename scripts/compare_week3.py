@@ -23,11 +23,11 @@ from benches.engines import week3_engine
 from course import selector
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24  # a pool of 96 tokens: the workload needs about twice that
-MAX_NUM_SEQS, MAX_BUDGET = 4, 32
+MAX_NUM_SEQS, MAX_BUDGET = 4, 48
 SYSTEM_TOKENS = 12  # three blocks every prompt shares (what day 3.3's cache can reuse)
 STEP_LIMIT = 500  # far more than the workload needs: a side still running after it is stuck
 CONTEXT_STEPS = 3  # steps shown before and after the first difference
-STEP_COST, TOKEN_COST = 1.0, 0.2  # the virtual clock: a model call costs 1 + 0.2 per token
+STEP_COST, TOKEN_COST = 1.0, 0.1  # the virtual clock: a model call costs 1 + 0.1 per token
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ def workload() -> list[Request]:
 
 
 def knobs(day: int) -> dict:
-    """The engine's settings on day 3.`day`: what that day adds is switched on."""
-    settings = {"max_num_batched_tokens": MAX_BUDGET, "max_num_seqs": MAX_NUM_SEQS, "block_size": BLOCK_SIZE,
-                "num_blocks": NUM_BLOCKS}
+    """The engine's settings (`EngineConfig` fields) on day 3.`day`: what that day adds is switched on."""
+    settings = {"token_budget": MAX_BUDGET, "adaptive_budget": True, "max_num_seqs": MAX_NUM_SEQS,
+                "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}
     if day >= 3:
         settings["enable_prefix_caching"] = True
     if day >= 4:
@@ -126,17 +126,23 @@ class Step:
         return "; ".join(p for p in parts if p) or "-"
 
 
-def observe_plans(engine, into: list) -> None:
-    """Note every plan the engine's scheduler makes (the one place this reaches inside the engine)."""
+def instrument(engine, plans: list) -> RecordingBudget:
+    """Note every plan the engine's scheduler makes, and what its budget policy answers and hears.
+
+    The one place this reaches inside the engine: `engine.scheduler`, its `schedule` and its
+    `token_budget`.
+    """
     scheduler = engine.scheduler
     schedule = scheduler.schedule
 
     def recording():
         plan = schedule()
-        into.append(plan)
+        plans.append(plan)
         return plan
 
     scheduler.schedule = recording
+    scheduler.token_budget = RecordingBudget(scheduler.token_budget)
+    return scheduler.token_budget
 
 
 @dataclass
@@ -150,13 +156,11 @@ def drive(package, mlx_model, tokenizer, day: int) -> Side:
     """Run the workload through one package's engine, step by step, noting everything `Step` holds."""
     clock = VirtualClock()
     model = TimedModel(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), clock)
-    budget = RecordingBudget(package.token_budget.AdaptiveTokenBudget(
-        target_itl=None, max_num_batched_tokens=MAX_BUDGET, min_tokens=4, initial_tokens=8))
     side = Side([], {})
     try:
-        engine = week3_engine(package, model, tokenizer, policy=budget, clock=clock, **knobs(day))
+        engine = week3_engine(package, model, tokenizer, clock=clock, **knobs(day))
         plans = []
-        observe_plans(engine, plans)
+        budget = instrument(engine, plans)
         pending = list(enumerate(workload()))
         while pending or engine.has_work():
             if len(side.steps) >= STEP_LIMIT:
@@ -261,6 +265,7 @@ def compare_engines(args, day_entry, explain_failure) -> int:
     if yours.error is not None:
         problems += 1
         print(f"\nyour engine raised at step {len(yours.steps)}: {explain_failure(yours.error, day_entry)}")
+        first = first if first is not None and first < len(yours.steps) else None  # the steps before it agree
     if first is not None:
         problems += 1
         print()
