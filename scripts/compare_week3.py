@@ -155,9 +155,9 @@ class Side:
 def drive(package, mlx_model, tokenizer, day: int) -> Side:
     """Run the workload through one package's engine, step by step, noting everything `Step` holds."""
     clock = VirtualClock()
-    model = TimedModel(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), clock)
     side = Side([], {})
     try:
+        model = TimedModel(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), clock)
         engine = week3_engine(package, model, tokenizer, clock=clock, **knobs(day))
         plans = []
         budget = instrument(engine, plans)
@@ -260,12 +260,14 @@ def compare_engines(args, day_entry, explain_failure) -> int:
         raise theirs.error  # the reference must run this workload: a bug in the course, not in your code
     yours = drive(mine, mlx_model, tokenizer, day)
     print(f"reference: {summary_line(theirs)}\nyours:     {summary_line(yours)}")
-    problems = 0
     first = first_step_difference(yours.steps, theirs.steps)
     if yours.error is not None:
-        problems += 1
         print(f"\nyour engine raised at step {len(yours.steps)}: {explain_failure(yours.error, day_entry)}")
-        first = first if first is not None and first < len(yours.steps) else None  # the steps before it agree
+        if first is not None and first < len(yours.steps):
+            print_steps(yours.steps, theirs.steps, first, day)  # it had parted from the reference before
+        print("\nyour run differs from the reference")
+        return 1
+    problems = 0
     if first is not None:
         problems += 1
         print()
