@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from course import fast_mlx, selector
-from course.models import BENCH, EMBEDDED, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
+from course.models import BENCH, BENCH_MODEL_DIR, EMBEDDED, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 from course.user_errors import OneLineParser, user_error
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -74,7 +74,7 @@ def model_note(path: Path) -> str | None:
     """What to say about a model with random weights (None for a trained one)."""
     if not is_embedded(path):
         return None
-    return BENCH_NOTE if Path(path).resolve() == resolve_model(BENCH).resolve() else MEANINGLESS_NOTE
+    return BENCH_NOTE if Path(path).resolve() == BENCH_MODEL_DIR.resolve() else MEANINGLESS_NOTE
 
 
 @dataclass
