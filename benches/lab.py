@@ -15,6 +15,7 @@ measuring (metrics, percentiles) is always the reference's; the peer is mlx-lm o
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -35,8 +36,6 @@ BENCH_NOTE = ("note: the Qwen2-0.5B-shape benchmark model has random weights at 
 
 def parser(prog: str, doc: str, out: str, model: bool = True) -> OneLineParser:
     """The options every lab shares: --model (when it loads one), --quick, --solution/--strict, --out."""
-    import argparse
-
     made = OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if model:
         made.add_argument("--model", default=BENCH,
