@@ -95,7 +95,7 @@ def test_a_lab_runs_the_students_selection_and_writes_out_as_a_file(tmp_path, ca
     assert results["solution"] == "student" and [f["label"] for f in results["figures"]] == [
         "interactive alone", "FCFS", "priority"]
     assert (tmp_path / "x_ttft.png").is_file()
-    assert "the Qwen2-0.5B-shape" not in capsys.readouterr().out
+    assert "code: your src/tiny_llm;" in capsys.readouterr().out  # the student's selection, and it says so
 
 
 def test_a_bad_option_is_one_line(capsys):
