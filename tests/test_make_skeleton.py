@@ -116,6 +116,14 @@ def test_the_command_prints_one_line_for_a_bad_marker_and_names_stale_files(tmp_
     assert "empty/basics.py" in err and "tasks.json" in err and err.strip().count("\n") == 0
     assert gen.main([]) == 0, "writing into an empty folder"
     assert gen.main(["--check"]) == 0
+    capsys.readouterr()
+
+    (tmp_path / "empty" / "extra.py").write_text("")  # a module the reference does not have
+    (tmp_path / "tasks.json").write_text("{}\n")
+    assert gen.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "empty/extra.py" in err and "tasks.json" in err and "basics.py" not in err
+    assert gen.main([]) == 0 and not (tmp_path / "empty" / "extra.py").exists()
 
 
 def public_definitions(tree: ast.Module):
