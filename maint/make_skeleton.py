@@ -69,7 +69,7 @@ def task_of(begin: re.Match, where: str, days: list[Day], book_dir: Path) -> Tas
                           f"(its tasks: {sorted(course_day.points)})")
     if not (book_dir / course_day.chapter).is_file():
         raise MarkerError(f"{where}: the chapter of Week {week} Day {day}, book/src/{course_day.chapter}, does not exist")
-    return TaskRegion(week, day, number, begin["what"].strip(), f"book/src/{course_day.chapter}")
+    return TaskRegion(week, day, number, begin["what"], f"book/src/{course_day.chapter}")
 
 
 def raise_lines(indent: str, task: TaskRegion) -> list[str]:
@@ -80,38 +80,34 @@ def raise_lines(indent: str, task: TaskRegion) -> list[str]:
     return [f"{indent}raise NotImplementedError(", f"{indent}    {message}", f"{indent})"]
 
 
-def skeleton_of(source: str, name: str, days: list[Day] = DAYS, book_dir: Path = BOOK_DIR) -> str:
-    """The skeleton of one reference module's source; `name` (its path) is only for error messages."""
-    out: list[str] = []
-    lines = source.splitlines()
-    i = 0
-    while i < len(lines):
-        line, where = lines[i], f"{name}:{i + 1}"
-        begin = BEGIN.fullmatch(line.rstrip())
-        if begin is None:
-            if END.fullmatch(line.rstrip()):
-                raise MarkerError(f"{where}: '# END TASK' without a '# BEGIN TASK' before it")
-            if ANY_MARKER.search(line):
-                raise MarkerError(f"{where}: malformed task marker {line.strip()!r} (expected "
-                                  "'# BEGIN TASK Week W Day D Task N: <what>' or '# END TASK', alone on the line)")
-            out.append(line)
-            i += 1
-            continue
-        task = task_of(begin, where, days, book_dir)
+def check_plain_line(line: str, where: str) -> None:
+    """A line outside a task must not look like a marker: a misspelt one would reach the skeleton."""
+    if END.fullmatch(line.rstrip()):
+        raise MarkerError(f"{where}: '# END TASK' without a '# BEGIN TASK' before it")
+    if ANY_MARKER.search(line):
+        raise MarkerError(f"{where}: malformed task marker {line.strip()!r} (expected "
+                          "'# BEGIN TASK Week W Day D Task N: <what>' or '# END TASK', alone on the line)")
+
+
+def task_region(lines: list[str], begin_index: int, name: str) -> tuple[list[str], int]:
+    """The hint lines of the task that begins at `lines[begin_index]`, and the index of its END line."""
+    i = begin_index + 1
+    hints = []
+    while i < len(lines) and HINT.match(lines[i]):
+        hints.append(lines[i].rstrip())
         i += 1
-        while i < len(lines) and HINT.match(lines[i]):
-            out.append(lines[i].rstrip())
-            i += 1
-        while i < len(lines) and not END.fullmatch(lines[i].rstrip()):
-            if BEGIN.fullmatch(lines[i].rstrip()):
-                raise MarkerError(f"{name}:{i + 1}: '# BEGIN TASK' inside the task that begins at line "
-                                  f"{where.rsplit(':', 1)[1]} (close it with '# END TASK' first)")
-            i += 1
-        if i == len(lines):
-            raise MarkerError(f"{where}: '# BEGIN TASK' without an '# END TASK' after it")
-        out += raise_lines(begin["indent"], task)
+    while i < len(lines) and not END.fullmatch(lines[i].rstrip()):
+        if BEGIN.fullmatch(lines[i].rstrip()):
+            raise MarkerError(f"{name}:{i + 1}: '# BEGIN TASK' inside the task that begins at line "
+                              f"{begin_index + 1} (close it with '# END TASK' first)")
         i += 1
-    text = "\n".join(out) + "\n"
+    if i == len(lines):
+        raise MarkerError(f"{name}:{begin_index + 1}: '# BEGIN TASK' without an '# END TASK' after it")
+    return hints, i
+
+
+def checked_skeleton(text: str, source: str, name: str) -> str:
+    """`text`, once it is Python and defines every function and method the reference's `source` does."""
     try:
         tree = ast.parse(text)
     except SyntaxError as error:
@@ -122,6 +118,25 @@ def skeleton_of(source: str, name: str, days: list[Day] = DAYS, book_dir: Path =
         raise MarkerError(f"{name}: a task region holds the definition of {', '.join(lost)}; keep the def "
                           "line and docstring outside '# BEGIN TASK' .. '# END TASK', so the skeleton has them")
     return text
+
+
+def skeleton_of(source: str, name: str, days: list[Day] = DAYS, book_dir: Path = BOOK_DIR) -> str:
+    """The skeleton of one reference module's source; `name` (its path) is only for error messages."""
+    lines = source.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        begin = BEGIN.fullmatch(lines[i].rstrip())
+        if begin is None:
+            check_plain_line(lines[i], f"{name}:{i + 1}")
+            out.append(lines[i])
+            i += 1
+            continue
+        task = task_of(begin, f"{name}:{i + 1}", days, book_dir)
+        hints, end = task_region(lines, i, name)
+        out += hints + raise_lines(begin["indent"], task)
+        i = end + 1
+    return checked_skeleton("\n".join(out) + "\n", source, name)
 
 
 def shown(path: Path) -> str:

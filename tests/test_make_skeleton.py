@@ -3,7 +3,7 @@ a change to provided code makes it stale, and a malformed task marker is one cle
 
 The generator copies everything outside the task markers, so the skeleton's modules, names,
 signatures and docstrings are the reference's by construction; what is left to check by hand is that
-the reference documents what the skeleton shows a student. Nothing here imports the course's code.
+the reference documents what the skeleton shows a student. Nothing here imports either package.
 """
 
 import ast
