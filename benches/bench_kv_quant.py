@@ -2,25 +2,25 @@
 
     pdm run bench-kv-quant                       # SmolLM2 once fetched (else the embedded model)
     pdm run bench-kv-quant --quick               # 8 requests, 48 tokens each, 12 MB
-    pdm run bench-kv-quant --solution student    # your src/tiny_llm/quantized_kv.py
+    pdm run bench-kv-quant --solution student    # your src/tiny_llm/quantized_kv.py (the reference for what is unwritten)
 
 Four figures per pool format, every pool given the same `--memory-mb` of KV memory:
 
 - bytes per token (the formula, and the pool's arrays measured), and how many tokens the memory holds;
 - the most requests (prompt + `--output-tokens`) that fit at once;
-- a memory-bound workload (`--requests` requests arriving together, `--max-num-seqs` allowed to run):
-  preemptions, peak running sequences, generated tokens/s of the whole run;
+- a memory-bound workload (`--requests` chat requests arriving together, `--max-num-seqs` allowed to
+  run): preemptions, peak running sequences, generated tokens/s of the whole run;
 - greedy agreement with the float32 pool: teacher-forced (the float32 run's tokens fed to each pool,
   the share of positions whose argmax is the same) and free-running (requests whose whole output is
   identical).
 
 mlx-lm runs the same requests one at a time (its `generate_step`, `kv_bits` None, 8 and 4,
 quantized from the first token, its default group of 64) on the same weights in float32: its bytes
-per token, tokens/s, and its own quantized outputs' agreement with its float ones. A last table
+per token, tokens/s, and its own quantized outputs' agreement with its float ones. A last line
 times one decode step's attention over the pool three ways: float keys, dequantize then attend
 (what the pool does), and `mx.quantized_matmul` on the packed keys (what mlx-lm does).
-Results: benches/results/kv_quant.json and the plot book/src/images/week4-02-kv-quant.png
-(`--replot JSON` redraws it from saved results).
+Results: benches/results/kv_quant.json (--out) and the plot kv_quant_pools.png beside it (the
+chapter's copy is book/src/images/week4-02-kv-quant.png).
 """
 
 from course import fast_mlx
@@ -28,48 +28,42 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
+from benches import lab  # noqa: E402
+from benches.engines import week3_engine  # noqa: E402
 from course import selector  # noqa: E402
-from course.user_errors import OneLineParser, user_error  # noqa: E402
+from course.models import default_model  # noqa: E402
+from course.user_errors import user_error  # noqa: E402
 from scripts.main import build_prompt  # noqa: E402
-from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kv_quant.json"
-PLOT = Path(__file__).resolve().parent.parent / "book" / "src" / "images" / "week4-02-kv-quant.png"
+PROG = "pdm run bench-kv-quant"
 FORMATS = {"float32": None, "float16": 16, "8-bit": 8, "4-bit": 4}  # label -> the engine's kv_bits
 BLOCK_SIZE = 16
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="pdm run bench-kv-quant", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="'smollm2-135m' (default once fetched), 'embedded', a path")
-    selector.add_arguments(parser)
-    parser.add_argument("--memory-mb", type=float, default=24.0, help="KV memory every pool gets (default 24)")
-    parser.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
-    parser.add_argument("--output-tokens", type=int, default=64, help="tokens each request generates (default 64)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="the engine's cap on running sequences")
-    parser.add_argument("--budget", type=int, default=512, help="the engine's token_budget (default 512)")
-    parser.add_argument("--mlx-lm-requests", type=int, default=4, help="requests mlx-lm runs, one at a time")
-    parser.add_argument("--quick", action="store_true", help="8 requests, 48 tokens each, 12 MB")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
-    parser.add_argument("--replot", type=Path, help="redraw the chapter's plot from a saved JSON, run nothing")
+POOL_COLUMNS = [lab.Column("pool", "label", "{}"), lab.Column("bytes/token", "bytes_per_token", "{:,}"),
+                lab.Column("x float32", "vs_float32"), lab.Column("x float16", "vs_float16"),
+                lab.Column("tokens held", "tokens_held", "{:,}"), lab.Column("requests at once", "max_concurrent", "{}"),
+                lab.Column("preemptions", "preemptions", "{}"), lab.Column("peak running", "peak_running", "{}"),
+                lab.Column("tokens/s", "tokens_per_s", "{:.1f}"), lab.Column("x float32", "speed_vs_float32"),
+                lab.Column("agreement", "teacher_forced_agreement", "{:.1%}"),
+                lab.Column("same outputs", "identical_requests", "{}")]
+MLX_LM_COLUMNS = [lab.Column("kv_bits", "label", "{}"), lab.Column("bytes/token", "bytes_per_token", "{:,.0f}"),
+                  lab.Column("tokens/s", "tokens_per_s", "{:.1f}"), lab.Column("same outputs", "identical_requests", "{}")]
+
+
+def build_parser():
+    parser = lab.parser(PROG, __doc__, out="kv_quant.json")
+    parser.set_defaults(model=default_model())  # a trained model when fetched: agreement means something
+    lab.options(parser, memory_mb=(24.0, "MB of KV memory every pool gets"), requests=16,
+                output_tokens=(64, "tokens each request generates"),
+                max_num_seqs=(16, "the engine's cap on running sequences"), budget=(512, "the engine's token_budget"),
+                mlx_lm_requests=(4, "requests mlx-lm runs, one at a time"))
     return parser
-
-
-def count_problem(args) -> str | None:
-    """A count below 1 or memory at or below 0, in one line; None if none."""
-    for name in ("requests", "output_tokens", "max_num_seqs", "budget", "mlx_lm_requests"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1"
-    return "--memory-mb must be > 0" if args.memory_mb <= 0 else None
 
 
 def memory_problem(args, model, prompts) -> str | None:
@@ -99,10 +93,9 @@ def prompts_of(args, tokenizer) -> list[list[int]]:
 
 def make_engine(selection, model, tokenizer, kv_bits, args):
     """The engine under test with a pool of `--memory-mb` in the given format: the one place one is built."""
-    config = selection.engine.EngineConfig(token_budget=args.budget, max_num_seqs=args.max_num_seqs,
-                                           block_size=BLOCK_SIZE, kv_bits=kv_bits,
-                                           kv_cache_bytes=int(args.memory_mb * 2**20))
-    return selection.engine.LLMEngine(model, tokenizer, config)
+    config = dict(token_budget=args.budget, max_num_seqs=args.max_num_seqs, block_size=BLOCK_SIZE, kv_bits=kv_bits,
+                  kv_cache_bytes=int(args.memory_mb * 2**20))
+    return week3_engine(selection, model, tokenizer, **config)
 
 
 def run_engine(selection, model, tokenizer, kv_bits, prompts, args) -> dict:
@@ -219,26 +212,17 @@ def attention_paths(model, num_seqs: int, keys_per_seq: int, bits: int = 8, repe
     return timings
 
 
-def plot(report: dict) -> None:
+def plot(path: Path, pools: dict, machine: str, title: str) -> Path:
     """Three panels, one bar per pool: tokens the memory holds, preemptions, generated tokens/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pools = report["pools"]
     labels = list(pools)
     panels = (("tokens_held", "tokens held"), ("preemptions", "preemptions"), ("tokens_per_s", "generated tokens/s"))
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(labels, [pools[label][key] for label in labels], color=["#888", "#aaa", "#2a7", "#7b4"])
-        ax.set_title(title)
-        ax.tick_params(axis="x", labelsize=8)
-    memory = report["args"]["memory_mb"]
-    fig.suptitle(f"{report['model']}: KV pools in the same {memory:g} MB, {report['args']['requests']} requests at once")
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    with lab.figure(path, machine, ncols=3, figsize=(10, 3.3)) as (fig, axes):
+        for ax, (key, panel_title) in zip(axes, panels):
+            ax.bar(labels, [pools[label][key] for label in labels], color=["#888", "#aaa", "#2a7", "#7b4"])
+            ax.set_title(panel_title)
+            ax.tick_params(axis="x", labelsize=8)
+        fig.suptitle(title)
+    return path
 
 
 @selector.command
@@ -246,52 +230,41 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.requests, args.output_tokens, args.memory_mb = 8, 48, 12.0
-        args.max_num_seqs = min(args.max_num_seqs, 8)
-        args.mlx_lm_requests = min(args.mlx_lm_requests, 2)
-    if args.replot:
-        if not args.replot.is_file():
-            return user_error(build_parser().prog, f"--replot {args.replot}: no such file")
-        plot(json.loads(args.replot.read_text()))
-        print(f"wrote {PLOT}")
-        return 0
-    if count_problem(args):
-        return user_error(build_parser().prog, count_problem(args))
+        args.max_num_seqs, args.mlx_lm_requests = min(args.max_num_seqs, 8), min(args.mlx_lm_requests, 2)
+    lab.check_positive(PROG, args, "requests", "output_tokens", "max_num_seqs", "budget", "mlx_lm_requests")
+    if args.memory_mb <= 0:
+        return user_error(PROG, "--memory-mb must be > 0")
     began = time.perf_counter()
-    name = args.model or default_model()
-    path = resolve_model(name)
-    if is_embedded(path):
-        print(MEANINGLESS_NOTE)
-    selection = selector.from_arguments(args)
-    selector.announce(selection)
-    mlx_model, tokenizer = load_model(name)
-    model = selector.reference().qwen2_week3.Qwen2ModelWeek3(mlx_model)  # the reference model serves every pool
+    bench = lab.start(args, ("engine", "quantized_kv", "qwen2_week3"))
+    selection, tokenizer = bench.selection, bench.tokenizer
+    model = bench.week3_model()
+    mlx_model = bench.mlx_model
     if any(hasattr(module, "scales") for _, module in mlx_model.named_modules()):
         from mlx_lm.utils import dequantize_model
 
         mlx_model = dequantize_model(mlx_model)  # mlx-lm on float32 weights too, as ours
         mx.eval(mlx_model.parameters())
-    machine = (f"{platform.system()} {platform.machine()}, MLX {mx.__version__} on {mx.default_device()}, "
-               f"{os.cpu_count()} cores, BLAS: {fast_mlx.blas_in_use()}, load average {os.getloadavg()[0]:.1f} at start")
-    print(f"model: {describe_model(path)}\nmachine: {machine}")
     prompts = prompts_of(args, tokenizer)
     problem = memory_problem(args, model, prompts)
     if problem:
-        return user_error(build_parser().prog, problem)
-    print(f"workload: {args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} + "
-          f"{args.output_tokens} tokens, all at once, "
-          f"greedy; up to {args.max_num_seqs} running; {args.memory_mb:g} MB of KV memory for every pool")
+        return user_error(PROG, problem)
+    workload = (f"{args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} + {args.output_tokens} "
+                f"tokens, all at once, greedy; up to {args.max_num_seqs} running; {args.memory_mb:g} MB of KV memory "
+                f"for every pool")
+    print(f"workload: {workload}")
 
     run_engine(selection, model, tokenizer, None, prompts[:1], argparse.Namespace(**{**vars(args), "output_tokens": 2}))
     rows = {}
-    for label, kv_bits in FORMATS.items():
-        rows[label] = run_engine(selection, model, tokenizer, kv_bits, prompts, args)
-        print(f"  {label}: {rows[label]['tokens_per_s']:.1f} tokens/s, {rows[label]['preemptions']} preemptions",
-              flush=True)
+    for label in lab.progress(list(FORMATS), "pools"):
+        rows[label] = run_engine(selection, model, tokenizer, FORMATS[label], prompts, args)
     base = rows["float32"]
-    for label, kv_bits in FORMATS.items():
-        row = rows[label]
-        row["teacher_forced_agreement"] = teacher_forced_agreement(selection, model, kv_bits, prompts, base["outputs"])
-        row["identical_requests"] = sum(a == b for a, b in zip(row["outputs"], base["outputs"]))
+    for label, row in rows.items():
+        row.update(label=label, vs_float32=base["bytes_per_token"] / row["bytes_per_token"],
+                   vs_float16=rows["float16"]["bytes_per_token"] / row["bytes_per_token"],
+                   speed_vs_float32=row["tokens_per_s"] / base["tokens_per_s"],
+                   teacher_forced_agreement=teacher_forced_agreement(selection, model, FORMATS[label], prompts,
+                                                                     base["outputs"]),
+                   identical_requests=f"{sum(a == b for a, b in zip(row['outputs'], base['outputs']))}/{len(prompts)}")
 
     mlx_prompts = prompts[: args.mlx_lm_requests]
     run_mlx_lm(mlx_model, mlx_prompts[:1], None, argparse.Namespace(**{**vars(args), "output_tokens": 2}))
@@ -300,27 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     if len(their_formats) == 1:
         print(f"note: mlx-lm's kv_bits needs head_dim a multiple of its group of 64; this model's is {model.head_dim}")
     theirs = {label: run_mlx_lm(mlx_model, mlx_prompts, bits, args) for label, bits in their_formats}
-    for row in theirs.values():
-        row["identical_requests"] = sum(a == b for a, b in zip(row["outputs"], theirs["float32"]["outputs"]))
-
-    print(f"\n{'pool':8s} {'B/token':>8s} {'x f32':>6s} {'x f16':>6s} {'tokens':>7s} {'max seqs':>8s} "
-          f"{'preempt':>7s} {'peak run':>8s} {'tok/s':>7s} {'x f32':>6s} {'agree':>6s} {'same req':>8s}")
-    for label, row in rows.items():
-        print(f"{label:8s} {row['bytes_per_token']:8d} {base['bytes_per_token'] / row['bytes_per_token']:6.2f} "
-              f"{rows['float16']['bytes_per_token'] / row['bytes_per_token']:6.2f} {row['tokens_held']:7d} "
-              f"{row['max_concurrent']:8d} {row['preemptions']:7d} {row['peak_running']:8d} {row['tokens_per_s']:7.1f} "
-              f"{row['tokens_per_s'] / base['tokens_per_s']:6.2f} {100 * row['teacher_forced_agreement']:5.1f}% "
-              f"{row['identical_requests']:>5d}/{len(prompts)}")
-    print(f"\nmlx-lm, {len(mlx_prompts)} requests one at a time (its KVCache / QuantizedKVCache, group 64):")
-    print(f"{'kv_bits':8s} {'B/token':>8s} {'tok/s':>7s} {'same req':>8s}")
     for label, row in theirs.items():
-        print(f"{label:8s} {row['bytes_per_token']:8.0f} {row['tokens_per_s']:7.1f} "
-              f"{row['identical_requests']:>5d}/{len(mlx_prompts)}")
+        same = sum(a == b for a, b in zip(row["outputs"], theirs["float32"]["outputs"]))
+        row.update(label=label, identical_requests=f"{same}/{len(mlx_prompts)}")
 
+    lab.print_table(f"KV pools in the same memory: {workload}", POOL_COLUMNS, list(rows.values()),
+                    caption="agreement: teacher-forced argmax agreement with the float32 pool; same outputs: whole "
+                            "outputs identical to float32's")
+    lab.print_table(f"mlx-lm, {len(mlx_prompts)} of the requests one at a time (KVCache / QuantizedKVCache, group 64)",
+                    MLX_LM_COLUMNS, list(theirs.values()))
     longest = max(map(len, prompts)) + args.output_tokens
-    timings = attention_paths(model, num_seqs=min(args.max_num_seqs, args.requests), keys_per_seq=longest)
-    print(f"\none layer's decode attention, {min(args.max_num_seqs, args.requests)} sequences x {longest} keys, "
-          f"8-bit: " + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timings.items()))
+    num_seqs = min(args.max_num_seqs, args.requests)
+    timings = attention_paths(model, num_seqs=num_seqs, keys_per_seq=longest)
+    print(f"one layer's decode attention, {num_seqs} sequences x {longest} keys, 8-bit: "
+          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timings.items()))
 
     ratios = {"tokens_held_8bit_vs_float32": rows["8-bit"]["tokens_held"] / base["tokens_held"],
               "tokens_held_8bit_vs_float16": rows["8-bit"]["tokens_held"] / rows["float16"]["tokens_held"],
@@ -329,17 +295,14 @@ def main(argv: list[str] | None = None) -> int:
               "ours_8bit_vs_mlx_lm_float32_tokens_per_s": rows["8-bit"]["tokens_per_s"] / theirs["float32"]["tokens_per_s"]}
     if "8-bit" in theirs:
         ratios["ours_8bit_vs_mlx_lm_8bit_tokens_per_s"] = rows["8-bit"]["tokens_per_s"] / theirs["8-bit"]["tokens_per_s"]
-    print("\n" + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine, "model": name, "solution": args.solution,
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "pools": {k: {f: v for f, v in row.items() if f != "outputs"} for k, row in rows.items()},
-              "mlx_lm": {k: {f: v for f, v in row.items() if f != "outputs"} for k, row in theirs.items()},
-              "attention_s": timings, "ratios": ratios, "wall_s": time.perf_counter() - began}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report)
-    print(f"wrote {args.out} and {PLOT}; the whole run took {report['wall_s']:.0f} s (machine shared: ratios, not absolute times)")
-    return 0
+    print(", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    pools = {k: {f: v for f, v in row.items() if f != "outputs"} for k, row in rows.items()}
+    figure = plot(bench.figure_path("pools"), pools, bench.machine,
+                  f"{args.model}: KV pools in the same {args.memory_mb:g} MB, {args.requests} requests at once")
+    print(f"the whole run took {time.perf_counter() - began:.0f} s (a shared machine: compare ratios, not absolute times)")
+    return bench.save({"pools": pools, "mlx_lm": {k: {f: v for f, v in row.items() if f != "outputs"}
+                                                  for k, row in theirs.items()},
+                       "attention_s": timings, "ratios": ratios, "wall_s": time.perf_counter() - began}, [figure])
 
 
 if __name__ == "__main__":

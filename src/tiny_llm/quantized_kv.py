@@ -45,16 +45,20 @@ def quantize_kv(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.a
     Each head of each token is cut into groups of `group_size` features along D and quantized with
     day 2.3's `quantize`; scales and biases are stored as float16 (`SCALE_DTYPE`).
     """
-    # TODO: rows of D features (T*H of them) through day 2.3's quantize, then back to T x H x ...;
-    # scales and biases as SCALE_DTYPE
-    raise NotImplementedError("Week 4 Day 2 Task 1 (book/src/week4-02-quantized-kv-cache.md): quantize keys or values in groups along head_dim")
+    # TODO: rows of D features (T*H of them) through day 2.3's quantize, then back to T x H x ...
+    # TODO: scales and biases as SCALE_DTYPE
+    raise NotImplementedError(
+        "Week 4 Day 2 Task 1 (book/src/week4-02-quantized-kv-cache.md): quantize keys or values in groups along head_dim"
+    )
 
 
 def dequantize_kv(packed: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                   dtype: mx.Dtype) -> mx.array:
     """Packed `... x H x D*bits/32` with scales and biases `... x H x D/group_size` -> `... x H x D` in `dtype`."""
     # TODO: day 2.3's dequantize works on any leading shape; scales and biases in `dtype`
-    raise NotImplementedError("Week 4 Day 2 Task 1 (book/src/week4-02-quantized-kv-cache.md): dequantize keys or values")
+    raise NotImplementedError(
+        "Week 4 Day 2 Task 1 (book/src/week4-02-quantized-kv-cache.md): dequantize keys or values"
+    )
 
 
 class QuantizedKvPool:
@@ -111,15 +115,19 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bit
 
     `dtype` is the model's: what a float pool (`kv_bits` None) stores.
     """
-    # TODO: per layer, keys and values, per head: D floats (dtype's or float16's size), or D*bits/8
-    # bytes plus a float16 scale and bias per group
-    raise NotImplementedError("Week 4 Day 2 Task 3 (book/src/week4-02-quantized-kv-cache.md): bytes per token of a float or quantized pool")
+    # TODO: per layer, keys and values, per head: D floats (dtype's size, or float16's for kv_bits 16)
+    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group
+    raise NotImplementedError(
+        "Week 4 Day 2 Task 3 (book/src/week4-02-quantized-kv-cache.md): bytes per token of a float or quantized pool"
+    )
 
 
 def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
     """How many whole blocks of `block_size` tokens fit in `memory_bytes`; ValueError if not even one."""
     # TODO: whole blocks only; a budget below one block is an error naming the bytes one block needs
-    raise NotImplementedError("Week 4 Day 2 Task 3 (book/src/week4-02-quantized-kv-cache.md): the pool's size in blocks from a memory budget")
+    raise NotImplementedError(
+        "Week 4 Day 2 Task 3 (book/src/week4-02-quantized-kv-cache.md): the pool's size in blocks from a memory budget"
+    )
 
 
 def make_kv_pool(model, num_blocks: int, block_size: int, kv_bits: int | None = None) -> KvPool | QuantizedKvPool:

@@ -46,8 +46,8 @@ def quantize_kv(x: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.a
     day 2.3's `quantize`; scales and biases are stored as float16 (`SCALE_DTYPE`).
     """
     # BEGIN TASK Week 4 Day 2 Task 1: quantize keys or values in groups along head_dim
-    # TODO: rows of D features (T*H of them) through day 2.3's quantize, then back to T x H x ...;
-    # scales and biases as SCALE_DTYPE
+    # TODO: rows of D features (T*H of them) through day 2.3's quantize, then back to T x H x ...
+    # TODO: scales and biases as SCALE_DTYPE
     tokens, heads, head_dim = x.shape
     packed, scales, biases = quantize(x.reshape(tokens * heads, head_dim), group_size, bits)
     return (packed.reshape(tokens, heads, -1), scales.reshape(tokens, heads, -1).astype(SCALE_DTYPE),
@@ -126,8 +126,8 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bit
     `dtype` is the model's: what a float pool (`kv_bits` None) stores.
     """
     # BEGIN TASK Week 4 Day 2 Task 3: bytes per token of a float or quantized pool
-    # TODO: per layer, keys and values, per head: D floats (dtype's or float16's size), or D*bits/8
-    # bytes plus a float16 scale and bias per group
+    # TODO: per layer, keys and values, per head: D floats (dtype's size, or float16's for kv_bits 16)
+    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group
     if kv_bits is None or kv_bits == 16:
         per_head = head_dim * (dtype.size if kv_bits is None else mx.float16.size)
     else:
