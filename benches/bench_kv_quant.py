@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_seqs, args.mlx_lm_requests = min(args.max_num_seqs, 8), min(args.mlx_lm_requests, 2)
     lab.check_positive(PROG, args, "requests", "output_tokens", "max_num_seqs", "budget", "mlx_lm_requests")
     if args.memory_mb <= 0:
-        return user_error(PROG, "--memory-mb must be > 0")
+        raise SystemExit(user_error(PROG, "--memory-mb must be > 0"))
     began = time.perf_counter()
     bench = lab.start(args, ("engine", "quantized_kv", "qwen2_week3"))
     selection, tokenizer = bench.selection, bench.tokenizer
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_of(args, tokenizer)
     problem = memory_problem(args, model, prompts)
     if problem:
-        return user_error(PROG, problem)
+        raise SystemExit(user_error(PROG, problem))
     workload = (f"{args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} + {args.output_tokens} "
                 f"tokens, all at once, greedy; up to {args.max_num_seqs} running; {args.memory_mb:g} MB of KV memory "
                 f"for every pool")
