@@ -318,6 +318,9 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
     assert quantized.block_manager.num_blocks >= 3.5 * 10
     knob = ref.engine.LLMEngine(model, tokenizer, engine_config(kv_cache_bytes=memory, kv_bits=8))
     assert knob.block_manager.num_blocks == quantized.block_manager.num_blocks, "the engine's kv_cache_bytes knob"
+    for bad in ({"kv_bits": 3}, {"kv_cache_bytes": 0}, {"kv_cache_bytes": memory, "num_blocks": 10}):
+        with pytest.raises(ValueError):
+            engine_config(**bad)
     assert ref.quantized_kv.pool_nbytes(quantized.runner.pool) <= memory
     run_to_end(float_engine, prompts, max_tokens)
     outputs = run_to_end(quantized, prompts, max_tokens)
