@@ -185,6 +185,37 @@ def blocks_are_sound(engine, shared: bool = False):
             f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
 
 
+def verifications_are_exact(engine):
+    """After a step: each greedy verify chunk gave its sequence exactly its right guesses plus one token.
+
+    Right guesses are counted from the fake model itself; the cache then holds all but the newest token.
+    """
+    for chunk in engine.runner.plans[-1].chunks:
+        seq = chunk.seq
+        if not isinstance(chunk, ref_verify_chunks()) or not seq.sampling.greedy or seq.is_finished:
+            continue
+        history, right = seq.token_ids[: chunk.start + 1], 0
+        for guess in chunk.draft:
+            row = engine.runner.logits_of(history)
+            if guess != row.index(max(row)):
+                break
+            right += 1
+            history.append(guess)
+        if seq.num_computed_tokens == 0:
+            continue  # preempted since: nothing to check
+        assert seq.num_tokens == chunk.start + 2 + right, (
+            f"{seq.request_id!r}: {right} of {len(chunk.draft)} guesses right, so {right + 1} new tokens; "
+            f"got {seq.num_tokens - chunk.start - 1}")
+        assert seq.num_computed_tokens == seq.num_tokens - 1, \
+            f"{seq.request_id!r}: {seq.num_computed_tokens} positions computed for {seq.num_tokens} tokens"
+
+
+def engine_is_sound(engine, shared: bool = False):
+    """Every check after a step: blocks, and what each verify chunk gave."""
+    blocks_are_sound(engine, shared)
+    verifications_are_exact(engine)
+
+
 # ---------------------------------------------------------------- chi-square, without scipy
 
 
@@ -337,7 +368,7 @@ def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
     def check(engine):
         plan = engine.runner.plans[-1]
         assert plan.num_tokens <= budget, f"a step of {plan.num_tokens} tokens: the budget is {budget}"
-        blocks_are_sound(engine)
+        engine_is_sound(engine)
 
     seqs = run_to_end(engine, arrivals, check)
     for prompt, params, i in arrivals:
@@ -460,7 +491,7 @@ def test_task_5_counters_exact_on_a_constructed_case():
         gained.append(len(seq.output_token_ids) - before)
         assert [o.token for o in outputs] == seq.output_token_ids[before:]
         assert seq.num_computed_tokens == seq.num_tokens - 1, "the cache holds all but the newest token"
-        blocks_are_sound(engine)
+        engine_is_sound(engine)
     assert gained == [3, 1, 4]  # accepted guesses plus the target's own token
     stats = engine.speculation
     assert (stats.proposed, stats.accepted, stats.verifications) == (8, 5, 3)
@@ -480,7 +511,7 @@ def test_task_5_rejected_positions_never_leak_blocks(block_size):
                          num_blocks=ref.block_manager.blocks_for(60, block_size), min_acceptance_rate=0.0)
     prompts = random_prompts(8, seed=block_size, longest=12)
     arrivals = [(p, Params(max_tokens=20), i) for i, p in enumerate(prompts)]
-    seqs = run_to_end(engine, arrivals, blocks_are_sound)
+    seqs = run_to_end(engine, arrivals, engine_is_sound)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     for prompt, params, i in arrivals:
         assert (seqs[i].output_token_ids, seqs[i].finish_reason) == fake_greedy(prompt, 20)
@@ -498,7 +529,7 @@ def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
                          enable_prefix_caching=True, min_acceptance_rate=0.0)
     arrivals = [(prompt, Params(max_tokens=12), 0), (prompt, Params(max_tokens=12), 1),
                 (prompt + output, Params(max_tokens=4), 2)]
-    seqs = run_to_end(engine, arrivals, lambda e: blocks_are_sound(e, shared=True))
+    seqs = run_to_end(engine, arrivals, lambda e: engine_is_sound(e, shared=True))
     assert (seqs[0].output_token_ids, seqs[0].finish_reason) == (output, "eos")
     assert (seqs[1].output_token_ids, seqs[1].finish_reason) == (output, "eos")
     assert (seqs[2].output_token_ids, seqs[2].finish_reason) == fake_greedy(prompt + output, 4)
@@ -521,7 +552,7 @@ def markov_probs(last, temperature):
     return {token: math.exp(x) / total for token, x in zip((1, 2, 3), logits)}
 
 
-def test_task_5_sampled_output_follows_the_target_distribution():
+def test_task_3_engine_sampled_output_follows_the_target_distribution():
     """Temperature 0.8, always 2 guesses ("1, 1"): the 2nd-4th tokens' joint law must be the target's.
 
     The first token comes from the prefill (no guess); each later step verifies 2 guesses. 4,000
