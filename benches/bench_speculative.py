@@ -10,7 +10,8 @@ in the prompt (repeat, fix, extract), "fresh" for new text (stories, explanation
 through week 3's engine without speculation, through day 4.1's engine with n-gram prompt lookup at
 each k, and through mlx-lm's own `stream_generate` on the same weights, in this one run. Figures:
 decode tokens/s (tokens after the first over the time after the first), ITL mean and p99, the
-acceptance rate, and whether the text is identical to the engine's without speculation. Results:
+acceptance rate, and whether the text is identical to the engine's without speculation (`--clock cpu`
+measures CPU seconds instead of wall time, steadier on a busy shared machine). Results:
 benches/results/speculative.json (speculative_quick.json with --quick).
 """
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload (at most 4)")
     parser.add_argument("--quick", action="store_true", help="2 prompts per workload, 64 tokens, k = 4")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU seconds, steadier than wall time on a shared, busy machine")
     selector.add_arguments(parser)
     return parser
 
@@ -89,7 +92,7 @@ def decode_figures(times: list[float]) -> dict:
     return {"decode_tokens": len(times) - 1, "decode_s": decode_s, "itls_s": itls}
 
 
-def run_engine(make_engine, prompt: list[int], max_tokens: int) -> dict:
+def run_engine(make_engine, prompt: list[int], max_tokens: int, clock) -> dict:
     """One request alone through a fresh engine; its tokens, their arrival times and the engine's summary."""
     engine = make_engine()
     seq = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
@@ -98,19 +101,19 @@ def run_engine(make_engine, prompt: list[int], max_tokens: int) -> dict:
         if not engine.has_work():
             break
         outputs = engine.step()
-        now = time.perf_counter()
+        now = clock()
         times += [now for o in outputs if o.token is not None]
     return {"tokens": seq.output_token_ids, **decode_figures(times), "summary": engine.summary()}
 
 
-def run_mlx_lm(mlx_model, tokenizer, prompt: list[int], max_tokens: int) -> dict:
+def run_mlx_lm(mlx_model, tokenizer, prompt: list[int], max_tokens: int, clock) -> dict:
     """mlx-lm's own generation on the same weights (greedy: its default sampler)."""
     tokens, times = [], []
     for response in stream_generate(mlx_model, tokenizer, mx.array(prompt), max_tokens=max_tokens):
         if response.finish_reason == "stop":
             break  # the end-of-sequence token: not part of the output
         tokens.append(response.token)
-        times.append(time.perf_counter())
+        times.append(clock())
     return {"tokens": tokens, **decode_figures(times)}
 
 
@@ -155,16 +158,21 @@ def main(argv=None) -> None:
               f"BLAS {fast_mlx.blas_in_use()}"
     print(f"model {name} ({path.name}), {args.solution} solution, {machine}")
     print(f"{args.prompts} prompts per workload, {args.max_tokens} tokens each, batch 1, greedy")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"clock: {args.clock} seconds")
     warm = encode(tokenizer, "Hello")
     for make in configs.values():
-        run_engine(make, warm, 4)
-    run_mlx_lm(mlx_model, tokenizer, warm, 4)
+        run_engine(make, warm, 4, clock)
+    run_mlx_lm(mlx_model, tokenizer, warm, 4, clock)
 
     results = {}
     for workload, texts in (("copy", COPY_PROMPTS), ("fresh", FRESH_PROMPTS)):
         prompts = [encode(tokenizer, text) for text in texts[: args.prompts]]
-        runs = {label: [run_engine(make, p, args.max_tokens) for p in prompts] for label, make in configs.items()}
-        runs["mlx-lm"] = [run_mlx_lm(mlx_model, tokenizer, p, args.max_tokens) for p in prompts]
+        runs = {label: [] for label in [*configs, "mlx-lm"]}
+        for prompt in prompts:  # every configuration on one prompt, then the next: a busy spell hits all alike
+            for label, make in configs.items():
+                runs[label].append(run_engine(make, prompt, args.max_tokens, clock))
+            runs["mlx-lm"].append(run_mlx_lm(mlx_model, tokenizer, prompt, args.max_tokens, clock))
         rows = [aggregate(label, r, None if label == "engine" else runs["engine"]) for label, r in runs.items()]
         base = rows[0]["decode_tokens_per_s"]
         mlx_lm_tps = rows[-1]["decode_tokens_per_s"]
