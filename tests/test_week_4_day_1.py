@@ -42,11 +42,11 @@ def fake_logits(history: list[int]) -> list[float]:
     return [rng.gauss(0.0, 2.0) for _ in range(VOCAB)]
 
 
-def fake_greedy(prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+def fake_greedy(prompt: list[int], max_tokens: int, logits_of=fake_logits) -> tuple[list[int], str]:
     """One request alone, greedy, no speculation: (output, finish reason)."""
     history, output = list(prompt), []
     while len(output) < max_tokens:
-        row = fake_logits(history)
+        row = logits_of(history)
         token = row.index(max(row))
         if token == EOS:
             return output, "eos"
@@ -290,6 +290,34 @@ def test_task_1_ngram_respects_min_ngram_and_k():
         sol.speculative.NgramProposer(max_ngram=1, min_ngram=2)
 
 
+PERIOD = 12  # the copying model repeats the last 12 tokens
+
+
+def copying_logits(history):
+    """A model that copies: its greedy token is the one PERIOD tokens back (the prompt, over and over)."""
+    row = [0.1 * x for x in fake_logits(history)]
+    row[history[len(history) - PERIOD]] += 10.0
+    return row
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_task_1_prompt_lookup_speeds_up_copying(k):
+    """On output that copies its prompt, the engine with prompt lookup gains about k + 1 tokens a step, same text."""
+    rng = random.Random(k)
+    engine = fake_engine(copying_logits, proposer=sol.speculative.NgramProposer(), num_speculative_tokens=k,
+                         max_num_batched_tokens=64, max_num_seqs=2, block_size=4)
+    prompts = [rng.sample(range(EOS), PERIOD) for _ in range(2)]  # distinct tokens: a suffix occurs once
+    max_tokens = 40
+    seqs = [engine.add_request(p, Params(max_tokens=max_tokens), request_id=i) for i, p in enumerate(prompts)]
+    run_to_end(engine, check=engine_is_sound)
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_token_ids == fake_greedy(prompt, max_tokens, copying_logits)[0]
+    stats = engine.speculation
+    assert stats.acceptance_rate >= 0.9, f"prompt lookup on copied text: {100 * stats.acceptance_rate:.0f}% accepted"
+    # A plain engine needs 1 prefill step + 39 decode steps; lookup starts after 2 output tokens.
+    assert engine.num_steps <= 3 + (max_tokens - 2) / (k + 1) + 2, f"{engine.num_steps} steps for {max_tokens} tokens"
+
+
 # ---------------------------------------------------------------- Task 2: greedy acceptance
 
 
@@ -303,6 +331,19 @@ def test_task_1_ngram_respects_min_ngram_and_k():
 ])
 def test_task_2_accept_greedy(draft, target, expected):
     assert sol.speculative.accept_greedy(list(draft), list(target)) == expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_task_2_engine_gains_exactly_the_agreeing_guesses(k):
+    """In the engine, each verify chunk gains its agreeing guesses plus one token; outputs as without speculation."""
+    engine = fake_engine(proposer=OracleProposer(seed=k), num_speculative_tokens=k, max_num_batched_tokens=32,
+                         max_num_seqs=4, block_size=4, min_acceptance_rate=0.0)
+    prompts = random_prompts(6, seed=40 + k)
+    arrivals = [(p, Params(max_tokens=16), i) for i, p in enumerate(prompts)]
+    seqs = run_to_end(engine, arrivals, engine_is_sound)
+    for prompt, params, i in arrivals:
+        assert (seqs[i].output_token_ids, seqs[i].finish_reason) == fake_greedy(prompt, 16), f"request {i}"
+    assert engine.speculation.accepted > 0
 
 
 # ---------------------------------------------------------------- Task 3: rejection sampling
