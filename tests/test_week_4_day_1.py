@@ -49,14 +49,14 @@ def fake_greedy(prompt: list[int], max_tokens: int, logits_of=fake_logits) -> tu
         row = logits_of(history)
         token = row.index(max(row))
         if token == EOS:
-            return output, "eos"
+            return output, "stop"
         output.append(token)
         history.append(token)
     return output, "length"
 
 
 class FakeSpeculativeRunner:
-    """`logit_rows` and `sample` (what SpeculativeEngine calls) and `run` (what LLMEngine calls), no model.
+    """`logit_rows` and `sample`, what SpeculativeEngine calls of its runner, without a model.
 
     `logits_of(history)` gives a row's logits. The pool is simulated slot by slot, each slot holding the
     (position, token) last written there (a block shared through the prefix cache holds the same for
@@ -103,10 +103,6 @@ class FakeSpeculativeRunner:
                 tokens.append(mx.random.categorical(logits[row] / seq.sampling.temperature).item())
         return tokens
 
-    def run(self, plan):
-        logits = self.logit_rows(plan)
-        return self.sample(logits, [c.seq for c in plan.chunks if c.samples])
-
 
 def ref_verify_chunks():
     """VerifyChunk of the student's module and the reference's (a chunk is recognized by either)."""
@@ -138,13 +134,13 @@ class OracleProposer:
         pass
 
 
-def fake_engine(runner_logits=fake_logits, speculative=True, **kwargs):
-    """An engine whose runner is the fake; `speculative=False` gives week 3's plain engine."""
-    if speculative:
-        engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), **kwargs)
-    else:
-        engine = ref.engine.LLMEngine(FakeWeek3Model(), FakeTokenizer(), **kwargs)
-    engine.runner = FakeSpeculativeRunner(engine, runner_logits)
+def fake_engine(logits_of=fake_logits, proposer=None, num_speculative_tokens=4, min_acceptance_rate=0.3,
+                probe_interval=8, **config):
+    """The student's SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
+    speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
+    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), ref.engine.EngineConfig(**config),
+                                               speculation=speculation, proposer=proposer)
+    engine.runner = FakeSpeculativeRunner(engine, logits_of)
     return engine
 
 
@@ -305,7 +301,7 @@ def test_task_1_prompt_lookup_speeds_up_copying(k):
     """On output that copies its prompt, the engine with prompt lookup gains about k + 1 tokens a step, same text."""
     rng = random.Random(k)
     engine = fake_engine(copying_logits, proposer=sol.speculative.NgramProposer(), num_speculative_tokens=k,
-                         max_num_batched_tokens=64, max_num_seqs=2, block_size=4)
+                         token_budget=64, max_num_seqs=2, block_size=4)
     prompts = [rng.sample(range(EOS), PERIOD) for _ in range(2)]  # distinct tokens: a suffix occurs once
     max_tokens = 40
     seqs = [engine.add_request(p, Params(max_tokens=max_tokens), request_id=i) for i, p in enumerate(prompts)]
@@ -336,7 +332,7 @@ def test_task_2_accept_greedy(draft, target, expected):
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_task_2_engine_gains_exactly_the_agreeing_guesses(k):
     """In the engine, each verify chunk gains its agreeing guesses plus one token; outputs as without speculation."""
-    engine = fake_engine(proposer=OracleProposer(seed=k), num_speculative_tokens=k, max_num_batched_tokens=32,
+    engine = fake_engine(proposer=OracleProposer(seed=k), num_speculative_tokens=k, token_budget=32,
                          max_num_seqs=4, block_size=4, min_acceptance_rate=0.0)
     prompts = random_prompts(6, seed=40 + k)
     arrivals = [(p, Params(max_tokens=16), i) for i, p in enumerate(prompts)]
@@ -401,7 +397,7 @@ def test_task_3_rejection_sampling_edge_cases():
 def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
     """Speculation changes how many tokens a step yields, never which: same outputs as one request alone."""
     engine = fake_engine(proposer=OracleProposer(seed=budget * 10 + k), num_speculative_tokens=k,
-                         max_num_batched_tokens=budget, max_num_seqs=3, block_size=2)
+                         token_budget=budget, max_num_seqs=3, block_size=2)
     rng = random.Random(budget + k)
     prompts = random_prompts(7, seed=budget + 100 * k)
     arrivals = [(p, Params(max_tokens=rng.randint(1, 14)), i) for i, p in enumerate(prompts)]
@@ -421,7 +417,7 @@ def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
 
 def test_task_4_proposals_fill_only_the_leftover_budget():
     proposer = OracleProposer(seed=1)
-    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, token_budget=8, max_num_seqs=4)
     engine.add_request([1, 2, 3], Params(max_tokens=30), request_id="a")
     engine.add_request([4, 5], Params(max_tokens=30), request_id="b")
     engine.step()  # both prompts prefill (5 tokens): nobody decodes yet, nothing to guess
@@ -432,7 +428,7 @@ def test_task_4_proposals_fill_only_the_leftover_budget():
     # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
     assert plan.num_tokens == 8 and proposer.calls == []
     assert all(not isinstance(c, ref_verify_chunks()) for c in plan.chunks)
-    engine.apply(plan, engine.runner.logit_rows(plan))
+    engine.record(plan, engine.update(plan, engine.runner.logit_rows(plan)))
     run_to_end(engine)
 
 
@@ -449,7 +445,7 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
             pass
 
     proposer = Fixed()
-    engine = fake_engine(proposer=proposer, num_speculative_tokens=6, max_num_batched_tokens=16, max_num_seqs=4,
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=6, token_budget=16, max_num_seqs=4,
                          block_size=4, num_blocks=4)
     engine.add_request([7] * 6, Params(max_tokens=4), request_id="a")  # 6 prompt tokens: 2 blocks
     engine.add_request([8] * 7, Params(max_tokens=9), request_id="b")  # 7 prompt tokens: 2 blocks, the pool is full
@@ -466,8 +462,8 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
     assert not isinstance(chunks["b"], ref_verify_chunks()) and chunks["b"].length == 1
     assert plan.decodes == [chunks["b"]] and plan.prefills == [chunks["a"]], "a verify chunk runs as a prefill chunk"
     assert plan.num_tokens == 3 and engine.block_manager.num_free_blocks == 0
-    with pytest.raises(ValueError):
-        sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        sol.speculative.SpeculativeConfig(num_speculative_tokens=0)
 
 
 def test_task_4_backs_off_when_guesses_fail():
@@ -548,7 +544,7 @@ def test_task_5_counters_exact_on_a_constructed_case():
 def test_task_5_rejected_positions_never_leak_blocks(block_size):
     """Tight pool, many rejections across block boundaries, preemptions: blocks always add up."""
     engine = fake_engine(proposer=OracleProposer(seed=block_size), num_speculative_tokens=4,
-                         max_num_batched_tokens=24, max_num_seqs=4, block_size=block_size,
+                         token_budget=24, max_num_seqs=4, block_size=block_size,
                          num_blocks=ref.block_manager.blocks_for(60, block_size), min_acceptance_rate=0.0)
     prompts = random_prompts(8, seed=block_size, longest=12)
     arrivals = [(p, Params(max_tokens=20), i) for i, p in enumerate(prompts)]
@@ -564,15 +560,15 @@ def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
     for start in range(200):  # a prompt whose greedy run meets EOS after a few tokens
         prompt = [start % EOS, (start * 7) % EOS, 5]
         output, reason = fake_greedy(prompt, 12)
-        if reason == "eos" and len(output) >= 3:
+        if reason == "stop" and len(output) >= 3:
             break
     engine = fake_engine(proposer=OracleProposer(seed=4), num_speculative_tokens=5, block_size=2,
                          enable_prefix_caching=True, min_acceptance_rate=0.0)
     arrivals = [(prompt, Params(max_tokens=12), 0), (prompt, Params(max_tokens=12), 1),
                 (prompt + output, Params(max_tokens=4), 2)]
     seqs = run_to_end(engine, arrivals, lambda e: engine_is_sound(e, shared=True))
-    assert (seqs[0].output_token_ids, seqs[0].finish_reason) == (output, "eos")
-    assert (seqs[1].output_token_ids, seqs[1].finish_reason) == (output, "eos")
+    assert (seqs[0].output_token_ids, seqs[0].finish_reason) == (output, "stop")
+    assert (seqs[1].output_token_ids, seqs[1].finish_reason) == (output, "stop")
     assert (seqs[2].output_token_ids, seqs[2].finish_reason) == fake_greedy(prompt + output, 4)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -609,7 +605,7 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
 
     temperature = 0.8
     mx.random.seed(1234)
-    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, max_num_batched_tokens=512,
+    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
                          max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
     seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
@@ -649,8 +645,9 @@ def test_task_5_your_stack_so_far_greedy_equals_mlx_lm(real, budget, k):
     prompts = [base * 3, [rng.randrange(100, 5000) for _ in range(11)], base[:4]]
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
     for proposer in (sol.speculative.DraftModelProposer(mlx_model), sol.speculative.NgramProposer(3, 1)):
-        engine = sol.speculative.SpeculativeEngine(model, tokenizer, proposer=proposer, num_speculative_tokens=k,
-                                                   max_num_batched_tokens=budget, max_num_seqs=3, block_size=4)
+        config = ref.engine.EngineConfig(token_budget=budget, max_num_seqs=3, block_size=4)
+        engine = sol.speculative.SpeculativeEngine(model, tokenizer, config, proposer=proposer,
+                                                   speculation=sol.speculative.SpeculativeConfig(k))
         seqs = [engine.add_request(p, Params(max_tokens=10), request_id=i) for i, p in enumerate(prompts)]
         run_to_end(engine, check=blocks_are_sound)
         assert [s.output_token_ids for s in seqs] == expected, type(proposer).__name__

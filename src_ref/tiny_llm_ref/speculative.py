@@ -33,8 +33,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .block_manager import blocks_for
-from .engine import LLMEngine, StepOutput
-from .scheduler import ScheduledChunk, StepPlan
+from .engine import EngineConfig, LLMEngine
+from .scheduler import ScheduledChunk, StepOutput, StepPlan
 from .sequence import Sequence
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -293,37 +293,62 @@ class SpeculativeRunner:
         return self.runner.sample(logits, seqs)
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculation's knobs, beside the engine's `EngineConfig` (provided)."""
+
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most guesses one verify chunk checks
+    min_acceptance_rate: float = 0.3  # a sequence whose acceptance falls below this stops guessing...
+    probe_interval: int = 8  # ...and tries again after this many plain decode steps
+
+    def __post_init__(self):
+        """Reject a knob no engine can use, naming it."""
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+
+
 # ---------------------------------------------------------------- the engine
 
 
 class SpeculativeEngine(LLMEngine):
     """Week 3's engine; decoding sequences propose up to k tokens each, verified in the same model call."""
 
-    def __init__(self, model, tokenizer, proposer=None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
-                 min_acceptance_rate: float = 0.3, probe_interval: int = 8, **engine_kwargs):
-        """`proposer` (default: `NgramProposer()`) has `propose(seq, k)` and `forget(request_id)`; k >= 1 (provided).
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *,
+                 speculation: SpeculativeConfig | None = None, proposer=None, **engine_kwargs):
+        """`proposer` (default: `NgramProposer()`) has `propose(seq, k)` and `forget(request_id)` (provided).
 
-        Every other keyword goes to `LLMEngine`.
+        `config` and the other keywords (`metrics`, `clock`, `log`) are `LLMEngine`'s.
         """
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-                or num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
-        super().__init__(model, tokenizer, **engine_kwargs)
+        super().__init__(model, tokenizer, config, **engine_kwargs)
+        self.speculation_config = speculation = speculation or SpeculativeConfig()
         self.runner = SpeculativeRunner(self.runner)
         self.proposer = proposer or NgramProposer()
-        self.num_speculative_tokens = num_speculative_tokens
-        self.tracker = AcceptanceTracker(min_acceptance_rate, probe_interval)
+        self.num_speculative_tokens = speculation.num_speculative_tokens
+        self.tracker = AcceptanceTracker(speculation.min_acceptance_rate, speculation.probe_interval)
         self.speculation = SpeculationStats()
-        self.log(f"speculative decoding: up to {num_speculative_tokens} tokens proposed by "
-                 f"{type(self.proposer).__name__}, turned down below {100 * min_acceptance_rate:.0f}% acceptance")
+        self.log(f"speculative decoding: up to {self.num_speculative_tokens} tokens proposed by "
+                 f"{type(self.proposer).__name__}, turned down below {100 * speculation.min_acceptance_rate:.0f}% "
+                 f"acceptance")
 
     def step(self) -> list[StepOutput]:
-        """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, apply (provided)."""
+        """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
         self.maybe_log()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         self.propose(plan)
+        logits = self.run(plan)
+        outputs = self.update(plan, logits)
+        self.record(plan, outputs)
+        for output in outputs:
+            if output.finished:
+                self.forget(output.request_id)
+        return outputs
+
+    def run(self, plan: StepPlan) -> mx.array:
+        """One model call, every verify row sampled; timed for the budget policy (a verify chunk counts as a decode
+        plus its guesses); a failure releases every sequence (provided)."""
         start = self.clock()
         try:
             logits = self.runner.logit_rows(plan)
@@ -331,14 +356,13 @@ class SpeculativeEngine(LLMEngine):
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
         num_decoding = len(plan.decodes) + sum(isinstance(c, VerifyChunk) for c in plan.prefills)
-        self.scheduler.policy.observe_step(plan.num_tokens, num_decoding, self.clock() - start)
+        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start)
         self.num_steps += 1
-        return self.apply(plan, logits)
+        return logits
 
     def step_budget(self, plan: StepPlan) -> int:
         """The step's token budget as the scheduler computed it (provided)."""
-        decodes = len(plan.decodes)
-        return min(self.scheduler.max_num_batched_tokens, max(self.scheduler.policy.budget(decodes), decodes))
+        return self.scheduler.step_budget(len(plan.decodes))
 
     def propose(self, plan: StepPlan) -> None:
         """Turn decodes into verify chunks with the budget the plan leaves, the free blocks and `max_tokens`."""
@@ -369,8 +393,8 @@ class SpeculativeEngine(LLMEngine):
             room -= len(draft)
         # END TASK
 
-    def apply(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
-        """Ordinary chunks as in week 3 (its sampling and `apply`), then each verify chunk's accepted tokens (provided)."""
+    def update(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
+        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided)."""
         ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
         rows, row = {}, 0
         for chunk in plan.chunks:  # which logits rows belong to which chunk
@@ -380,7 +404,7 @@ class SpeculativeEngine(LLMEngine):
         sampling = [c for c in ordinary.chunks if c.samples]
         ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
         tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
-        outputs = super().apply(ordinary, tokens)
+        outputs = self.scheduler.update_from_output(ordinary, tokens)
         for chunk in plan.prefills:
             if isinstance(chunk, VerifyChunk):
                 first, last = rows[id(chunk)]
@@ -401,7 +425,7 @@ class SpeculativeEngine(LLMEngine):
         """Append the accepted tokens (EOS and max_tokens end it as usual), count them, give back rejected positions."""
         # BEGIN TASK Week 4 Day 1 Task 5: accept, count, roll back
         # TODO: count the chunk in self.speculation and the tracker (accepted guesses = len(accepted) - 1);
-        # TODO: append_token each accepted token, stopping when one finishes the sequence; then the cache holds
+        # TODO: scheduler.append_token each accepted token, stopping when one finishes the sequence; then the cache holds
         # TODO: the newest token and the accepted guesses: num_computed_tokens = start + len(accepted);
         # TODO: give back the blocks past it; let the prefix cache see its new full blocks
         seq = chunk.seq
@@ -411,7 +435,7 @@ class SpeculativeEngine(LLMEngine):
         self.tracker.observe(seq.request_id, len(chunk.draft), len(accepted) - 1)
         outputs = []
         for token in accepted:
-            outputs.append(self.append_token(seq, token))
+            outputs.append(self.scheduler.append_token(seq, token))
             if outputs[-1].finished:
                 return outputs  # finishing freed every block
         # The newest token and the accepted guesses are in the cache; the last token (the target's own) is not.
@@ -420,11 +444,6 @@ class SpeculativeEngine(LLMEngine):
         self.block_manager.cache_computed_blocks(seq)
         return outputs
         # END TASK
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence and forget its proposer and tracker state (provided)."""
-        super().finish(seq, reason)
-        self.forget(seq.request_id)
 
     def abort(self, request_id) -> None:
         """End a request now and forget its speculation state (provided)."""
