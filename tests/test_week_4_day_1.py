@@ -287,12 +287,15 @@ def test_task_1_ngram_respects_min_ngram_and_k():
 
 
 PERIOD = 12  # the copying model repeats the last 12 tokens
+STEPS_BOUND = {2: 27, 4: 23}  # steps for 40 tokens with prompt lookup at k (the reference: 23, 18; plain: 40)
 
 
 def copying_logits(history):
-    """A model that copies: its greedy token is the one PERIOD tokens back (the prompt, over and over)."""
+    """A model that copies: its greedy token is the one PERIOD tokens back (the prompt, over and over),
+    except at every 9th position, where it says the next token instead (so some guesses are rejected)."""
     row = [0.1 * x for x in fake_logits(history)]
-    row[history[len(history) - PERIOD]] += 10.0
+    copied = history[len(history) - PERIOD]
+    row[copied if len(history) % 9 else (copied + 1) % EOS] += 10.0
     return row
 
 
@@ -309,9 +312,9 @@ def test_task_1_prompt_lookup_speeds_up_copying(k):
     for prompt, seq in zip(prompts, seqs):
         assert seq.output_token_ids == fake_greedy(prompt, max_tokens, copying_logits)[0]
     stats = engine.speculation
-    assert stats.acceptance_rate >= 0.9, f"prompt lookup on copied text: {100 * stats.acceptance_rate:.0f}% accepted"
-    # A plain engine needs 1 prefill step + 39 decode steps; lookup starts after 2 output tokens.
-    assert engine.num_steps <= 3 + (max_tokens - 2) / (k + 1) + 2, f"{engine.num_steps} steps for {max_tokens} tokens"
+    assert stats.acceptance_rate >= 0.5, f"prompt lookup on copied text: {100 * stats.acceptance_rate:.0f}% accepted"
+    # A plain engine needs 1 prefill step + 39 decode steps.
+    assert engine.num_steps <= STEPS_BOUND[k], f"{engine.num_steps} steps for {max_tokens} tokens"
 
 
 # ---------------------------------------------------------------- Task 2: greedy acceptance
@@ -609,7 +612,7 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
                          max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
     seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
-    run_to_end(engine)
+    run_to_end(engine, check=blocks_are_sound)
     counts, probs = {}, {}
     for seq in seqs:
         assert len(seq.output_token_ids) == 4
