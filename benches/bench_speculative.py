@@ -11,13 +11,20 @@ description). Every prompt runs through week 3's engine without speculation, thr
 engine with n-gram prompt lookup at each k, and through mlx-lm's `BatchGenerator` on the same
 weights, one after the other, prompt by prompt, in this one run. Figures: decode tokens/s (tokens
 after the first over the time after the first), ITL mean and p99, the acceptance rate, and whether
-the text is identical to the engine's without speculation. `--clock cpu` measures CPU seconds,
-steadier than wall time on a busy shared machine.
+the text is identical to the engine's without speculation; then what one model call costs for a
+chunk of k + 1 tokens against a decode step (speculation pays only when that ratio is well below the
+tokens a verify chunk gains). `--clock cpu` measures CPU seconds, steadier than wall time on a busy
+shared machine.
 """
 
 from course import fast_mlx
 
 fast_mlx.setup()
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
 
 from benches import lab, runner  # noqa: E402
 from benches.engines import MlxLm, Speculative, Week3  # noqa: E402
@@ -95,6 +102,29 @@ def figures(label: str, runs: list, baseline: list | None) -> dict:
             "outputs": [run.outputs[0] for run in runs]}
 
 
+def step_costs(bench, model, lengths: list[int], offset: int = 150, repeats: int = 7) -> dict:
+    """Median seconds of one model call running a chunk of each length at `offset` (every row sampled), one
+    sequence alone: what a verify chunk of k + 1 tokens costs against a decode step (length 1)."""
+    speculative, scheduler = bench.selection.speculative, bench.selection.scheduler
+    runner_ = speculative.SpeculativeRunner(bench.selection.model_runner.ModelRunner(model, 64, 16))
+    seq = bench.selection.sequence.Sequence("cost", list(range(100, 100 + offset + max(lengths))))
+    seq.block_table = list(range(64))
+    times = {n: [] for n in lengths}
+    for _ in range(repeats):  # lengths interleaved: a busy spell hits them all
+        for n in lengths:
+            seq.num_computed_tokens = offset
+            plan = scheduler.StepPlan()
+            if n == 1:
+                plan.decodes.append(scheduler.ScheduledChunk(seq, offset, 1))
+            else:
+                plan.prefills.append(speculative.VerifyChunk(seq, offset, n, seq.token_ids[offset + 1 : offset + n]))
+            start = time.perf_counter()
+            mx.eval(runner_.logit_rows(plan))
+            times[n].append(time.perf_counter() - start)
+    base = statistics.median(times[1])
+    return {str(n): {"median_s": statistics.median(t), "vs_decode": statistics.median(t) / base} for n, t in times.items()}
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -132,7 +162,10 @@ def main(argv=None) -> int:
             row["vs_mlx_lm"] = row["decode_tokens_per_s"] / mlx_lm_tps
         lab.print_table(f"workload {workload}", COLUMNS, rows)
         results[workload] = rows
-    return bench.save({"clock": args.clock, "workloads": results})
+    costs = step_costs(bench, model, [1] + [k + 1 for k in args.k])
+    print("one sequence at offset 150, wall clock: " + ", ".join(
+        f"{n} token{'s' * (n != '1')} {1000 * c['median_s']:.0f} ms ({c['vs_decode']:.2f}x)" for n, c in costs.items()))
+    return bench.save({"clock": args.clock, "workloads": results, "step_costs": costs})
 
 
 if __name__ == "__main__":
