@@ -210,7 +210,7 @@ class AcceptanceTracker:
     copying (a quote, a code block) is noticed.
     """
 
-    def __init__(self, min_rate: float = 0.3, probe_interval: int = 8, smoothing: float = 0.5):
+    def __init__(self, min_rate: float = 0.5, probe_interval: int = 16, smoothing: float = 0.5):
         """A rate in 0..1, a probe every `probe_interval` >= 1 steps, a smoothing weight in (0, 1]."""
         if not 0 <= min_rate <= 1 or probe_interval < 1 or not 0 < smoothing <= 1:
             raise ValueError("need 0 <= min_rate <= 1, probe_interval >= 1 and 0 < smoothing <= 1, got "
@@ -298,8 +298,8 @@ class SpeculativeConfig:
     """Speculation's knobs, beside the engine's `EngineConfig` (provided)."""
 
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most guesses one verify chunk checks
-    min_acceptance_rate: float = 0.3  # a sequence whose acceptance falls below this stops guessing...
-    probe_interval: int = 8  # ...and tries again after this many plain decode steps
+    min_acceptance_rate: float = 0.5  # a sequence whose acceptance falls below this stops guessing...
+    probe_interval: int = 16  # ...and tries again after this many plain decode steps
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
