@@ -392,6 +392,58 @@ def test_task_3_rejection_sampling_edge_cases():
     assert len(sol.speculative.accept_sampled([], mx.array([[0.5, 0.5, 0.0]]))) == 1
 
 
+# A Markov chain over tokens 1..3 (everything else, EOS included, impossible): rows of logits by last token.
+MARKOV = {1: [0.0, 1.0, -0.5], 2: [0.8, -0.3, 0.2], 3: [-1.0, 0.5, 1.2]}
+
+
+def markov_logits(history):
+    row = [-1e4] * VOCAB
+    row[1:4] = MARKOV.get(history[-1], [0.0, 0.0, 0.0])
+    return row
+
+
+def markov_probs(last, temperature):
+    logits = [x / temperature for x in MARKOV.get(last, [0.0, 0.0, 0.0])]
+    total = sum(math.exp(x) for x in logits)
+    return {token: math.exp(x) / total for token, x in zip((1, 2, 3), logits)}
+
+
+def test_task_3_engine_sampled_output_follows_the_target_distribution():
+    """Temperature 0.8, always 2 guesses ("1, 1"): the 2nd-4th tokens' joint law must be the target's.
+
+    The first token comes from the prefill (no guess); each later step verifies 2 guesses. 4,000
+    requests, 27 outcomes of (t2, t3, t4); false-alarm rate FALSE_ALARM.
+    """
+
+    class Ones:
+        def propose(self, seq, k):
+            return [1] * k
+
+        def forget(self, request_id):
+            pass
+
+    temperature = 0.8
+    mx.random.seed(1234)
+    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
+                         max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
+    n = 4000
+    seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
+    run_to_end(engine, check=blocks_are_sound)
+    counts, probs = {}, {}
+    for seq in seqs:
+        assert len(seq.output_token_ids) == 4
+        first, *rest = seq.output_token_ids
+        key = (first, *rest)
+        counts[key] = counts.get(key, 0) + 1
+    for t1, p1 in markov_probs(2, temperature).items():
+        for t2, p2 in markov_probs(t1, temperature).items():
+            for t3, p3 in markov_probs(t2, temperature).items():
+                for t4, p4 in markov_probs(t3, temperature).items():
+                    probs[(t1, t2, t3, t4)] = p1 * p2 * p3 * p4
+    assert_distribution(counts, probs, "the engine's sampled outputs")
+    assert engine.speculation.verifications >= n and 0 < engine.speculation.accepted < engine.speculation.proposed
+
+
 # ---------------------------------------------------------------- Task 4: planning proposals into the step
 
 
@@ -574,58 +626,6 @@ def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
     assert (seqs[1].output_token_ids, seqs[1].finish_reason) == (output, "stop")
     assert (seqs[2].output_token_ids, seqs[2].finish_reason) == fake_greedy(prompt + output, 4)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-# A Markov chain over tokens 1..3 (everything else, EOS included, impossible): rows of logits by last token.
-MARKOV = {1: [0.0, 1.0, -0.5], 2: [0.8, -0.3, 0.2], 3: [-1.0, 0.5, 1.2]}
-
-
-def markov_logits(history):
-    row = [-1e4] * VOCAB
-    row[1:4] = MARKOV.get(history[-1], [0.0, 0.0, 0.0])
-    return row
-
-
-def markov_probs(last, temperature):
-    logits = [x / temperature for x in MARKOV.get(last, [0.0, 0.0, 0.0])]
-    total = sum(math.exp(x) for x in logits)
-    return {token: math.exp(x) / total for token, x in zip((1, 2, 3), logits)}
-
-
-def test_task_3_engine_sampled_output_follows_the_target_distribution():
-    """Temperature 0.8, always 2 guesses ("1, 1"): the 2nd-4th tokens' joint law must be the target's.
-
-    The first token comes from the prefill (no guess); each later step verifies 2 guesses. 4,000
-    requests, 27 outcomes of (t2, t3, t4); false-alarm rate FALSE_ALARM.
-    """
-
-    class Ones:
-        def propose(self, seq, k):
-            return [1] * k
-
-        def forget(self, request_id):
-            pass
-
-    temperature = 0.8
-    mx.random.seed(1234)
-    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
-                         max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
-    n = 4000
-    seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
-    run_to_end(engine, check=blocks_are_sound)
-    counts, probs = {}, {}
-    for seq in seqs:
-        assert len(seq.output_token_ids) == 4
-        first, *rest = seq.output_token_ids
-        key = (first, *rest)
-        counts[key] = counts.get(key, 0) + 1
-    for t1, p1 in markov_probs(2, temperature).items():
-        for t2, p2 in markov_probs(t1, temperature).items():
-            for t3, p3 in markov_probs(t2, temperature).items():
-                for t4, p4 in markov_probs(t3, temperature).items():
-                    probs[(t1, t2, t3, t4)] = p1 * p2 * p3 * p4
-    assert_distribution(counts, probs, "the engine's sampled outputs")
-    assert engine.speculation.verifications >= n and 0 < engine.speculation.accepted < engine.speculation.proposed
 
 
 # ---------------------------------------------------------------- the whole stack on a real model
