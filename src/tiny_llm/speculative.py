@@ -78,7 +78,9 @@ class NgramProposer:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest matching suffix; [] if none."""
         # TODO: for n from max_ngram down to min_ngram: the last n tokens; the latest earlier place they occur
         # TODO: (not the suffix itself); propose up to k tokens that followed them there
-        raise NotImplementedError("Week 4 Day 1 Task 1 (book/src/week4-01-speculative-decoding.md): n-gram prompt lookup")
+        raise NotImplementedError(
+            "Week 4 Day 1 Task 1 (book/src/week4-01-speculative-decoding.md): n-gram prompt lookup"
+        )
 
     def forget(self, request_id) -> None:
         """Nothing is kept per request (provided)."""
@@ -337,7 +339,9 @@ class SpeculativeEngine(LLMEngine):
         # TODO: whose tracker wants to: k = min(num_speculative_tokens, room, tokens it may still emit - 1);
         # TODO: ask the proposer; cut the draft to what the held and free blocks cover; allocate; swap the
         # TODO: decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
-        raise NotImplementedError("Week 4 Day 1 Task 4 (book/src/week4-01-speculative-decoding.md): plan proposals into the step")
+        raise NotImplementedError(
+            "Week 4 Day 1 Task 4 (book/src/week4-01-speculative-decoding.md): plan proposals into the step"
+        )
 
     def update(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
         """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided)."""
@@ -373,7 +377,9 @@ class SpeculativeEngine(LLMEngine):
         # TODO: scheduler.append_token each accepted token, stopping when one finishes the sequence; then the cache holds
         # TODO: the newest token and the accepted guesses: num_computed_tokens = start + len(accepted);
         # TODO: give back the blocks past it; let the prefix cache see its new full blocks
-        raise NotImplementedError("Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back")
+        raise NotImplementedError(
+            "Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back"
+        )
 
     def abort(self, request_id) -> None:
         """End a request now and forget its speculation state (provided)."""
