@@ -295,8 +295,13 @@ class LLMEngine:
                  f"{(self.generation_tokens_total - generated_then) / elapsed:.1f} tokens/s, running "
                  f"{self.num_running}, waiting {self.num_waiting}, KV cache {100 * self.kv_cache_usage:.1f}%, "
                  f"preemptions {self.num_preemptions}"
-                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.config.enable_prefix_caching else ""))
+                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.config.enable_prefix_caching else "")
+                 + self.log_details())
         self.last_log = (now, self.prompt_tokens_total, self.generation_tokens_total)
+
+    def log_details(self) -> str:
+        """More for the log line from an engine that does more (day 4.1's speculation); nothing here (provided)."""
+        return ""
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams | None = None,
