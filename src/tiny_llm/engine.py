@@ -20,6 +20,7 @@ from .prefix_cache import PrefixCachingBlockManager
 from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityScheduler
 from .scheduler import Scheduler, StepPlan
 from .sequence import SamplingParams, Sequence
+from .validation import check_int, check_kv_pool
 
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
 
@@ -61,6 +62,7 @@ class LLMEngine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks is None:
             num_blocks = blocks_for(DEFAULT_KV_TOKENS, block_size)
+        check_kv_pool(model, num_blocks, block_size)  # a pool the machine cannot hold is one clear line, not an OOM
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = set(tokenizer.eos_token_ids)
@@ -112,6 +114,7 @@ class LLMEngine:
             raise ValueError(f"prompt has token ids outside 0 .. {vocab - 1}")
         if request_id is None:
             request_id = self.num_requests_added()
+        check_int("priority", priority)  # compared on every later step: a bad one would break them all
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # The KV cache holds every token but the last output (which is never fed back).
