@@ -473,20 +473,6 @@ def test_task_4_http_extras(model, tokenizer):
         assert response.json()["usage"]["completion_tokens"] == len(expected)
 
 
-def test_task_4_engine_refusals_in_one_line(model):
-    """Knobs the machine cannot hold and a priority that is not an int: refused before any step."""
-    with pytest.raises(ValueError, match="GB"):
-        ref.engine.LLMEngine(model[0], model[1], block_size=16, num_blocks=10**12)
-    engine = make_engine(model)
-    with pytest.raises(TypeError, match="priority"):
-        engine.add_request("x", priority="high")
-    assert not engine.has_work()
-    for bad in ({"temperature": float("nan")}, {"top_p": float("nan")}, {"seed": -1}, {"seed": 2**64},
-                {"temperature": float("inf")}):
-        with pytest.raises((ValueError, TypeError)):
-            ref.sequence.SamplingParams(**bad)
-
-
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8),
@@ -500,7 +486,9 @@ FIELDS = ["temperature", "top_p", "top_k", "seed", "stop", "stream", "n", "prior
 @given(data=st.data())
 def test_task_4_fuzzed_requests_never_500(fuzz_server, data):
     """Any JSON in any field (small outputs): a 200 or a 4xx, never a 500, and the engine lives on."""
-    url, engine = fuzz_server
+    url, engine, app = fuzz_server
+    if app.state.engine_thread.error is not None:
+        raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
     chat = data.draw(st.booleans())
     body = {name: data.draw(JSON_VALUES) for name in data.draw(st.lists(st.sampled_from(FIELDS), max_size=4))}
     body["max_tokens"] = data.draw(st.integers(1, 3) | JSON_VALUES)
@@ -518,5 +506,5 @@ def fuzz_server(model):
     engine = make_engine(model)
     app = sol.server.create_app(engine, model[1], MODEL)
     with running_server(app) as url:
-        yield url, engine
+        yield url, engine, app
         assert_still_serving(url, model, engine)
