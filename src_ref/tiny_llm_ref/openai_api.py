@@ -77,6 +77,8 @@ StopStrings = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_len
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: whether the stream ends with a `usage` chunk."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
@@ -143,6 +145,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    """One part of a message's content given as a list: only text parts are served."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
@@ -227,6 +231,7 @@ def completion_prompt_ids(tokenizer, prompt: str | list[int], vocab_size: int) -
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """A response's `usage`: token counts (and `prompt_tokens_details.cached_tokens` when known)."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
@@ -246,12 +251,14 @@ def choice(chat: bool, text: str, finish_reason: str | None, streaming: bool, fi
 
 
 def object_kind(chat: bool, streaming: bool) -> str:
+    """The `object` field of a response or of a stream's chunk."""
     if chat:
         return "chat.completion.chunk" if streaming else "chat.completion"
     return "text_completion"
 
 
 def model_card(model_name: str) -> dict:
+    """The served model as /v1/models lists it."""
     return {"id": model_name, "object": "model", "created": 0, "owned_by": "tiny-llm"}
 
 
