@@ -356,7 +356,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, -2]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 65, "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x", 5]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     # Too long to ever fit in the engine's KV cache: refused before it reaches the engine.
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 200_000}, 400, "max_tokens"),
@@ -446,10 +449,48 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
         assert_still_serving(url, model, engine)
 
 
+def test_task_4_several_choices(model, tokenizer):
+    """A list of prompts and n > 1: one choice per prompt and sample, each the engine's own text."""
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    prompts = ["first prompt", "the second one"]
+    expected = [in_process(model, p, 5) for p in prompts for _ in range(2)]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0}
+    with running_server(app) as url:
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in whole["choices"]] == expected
+        prompt_tokens = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+        assert whole["usage"]["prompt_tokens"] == prompt_tokens
+        streamed = {i: "" for i in range(4)}
+        finished = {}
+        response = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])["choices"][0]
+                streamed[chunk["index"]] += chunk["text"]
+                if chunk["finish_reason"]:
+                    finished[chunk["index"]] = chunk["finish_reason"]
+        assert [streamed[i] for i in range(4)] == expected and len(finished) == 4
+        sampled = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 8, "seed": 5})
+        first, second = [c["message"]["content"] for c in sampled.json()["choices"]]
+        assert first != second, "two sampled choices with one seed must still differ"
+        assert_still_serving(url, model, engine)
+
+
 def test_task_4_http_extras(model, tokenizer):
     """API key, CORS, request id, GET /v1/models/{id}, OpenAI's max_tokens precedence, priorities."""
     engine = ref.engine.LLMEngine(model[0], model[1], max_num_batched_tokens=64, max_num_seqs=16, block_size=8,
                                   scheduling_policy="priority")
+    priorities = []
+    add_request = engine.add_request
+
+    def recording_add_request(*args, **kwargs):
+        priorities.append(kwargs.get("priority"))
+        return add_request(*args, **kwargs)
+
+    engine.add_request = recording_add_request
     app = sol.server.create_app(engine, tokenizer, MODEL, api_key="sesame", cors_origins=("*",), max_model_len=64)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     with running_server(app) as url:
@@ -466,6 +507,7 @@ def test_task_4_http_extras(model, tokenizer):
                               json={**chat, "max_tokens": 9, "max_completion_tokens": 2, "priority": 3}, timeout=60)
         assert response.headers["x-request-id"] == "abc"
         assert response.json()["usage"]["completion_tokens"] <= 2, "max_completion_tokens wins over max_tokens"
+        assert priorities == [3], "the request's priority must reach engine.add_request"
         prompt_tokens = len(tokenizer.encode(chat_text(tokenizer, "hi"), add_special_tokens=False))
         expected = in_process_tokens(model, chat_text(tokenizer, "hi"), 64 - prompt_tokens + 1)
         response = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=chat, timeout=60)

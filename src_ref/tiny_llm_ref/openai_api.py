@@ -69,8 +69,9 @@ NOT_SERVED: dict[str, Any] = {
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "web_search_options": (None,), "store": (None, False), "n": (None, 1),
+    "web_search_options": (None,), "store": (None, False),
 }
+MAX_CHOICES = 128  # OpenAI's most `n`; here also the most prompts x n of one request
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]  # the engine's range (sequence.MAX_SEED): see the chapter
 StopStrings = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
@@ -112,7 +113,7 @@ class SamplingRequest(BaseModel):
     min_p: Any = None
     ignore_eos: Any = None
     response_format: Any = None
-    n: Any = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt: one engine request each
     store: Any = None
 
     def refuse_unserved(self) -> None:
@@ -125,20 +126,30 @@ class SamplingRequest(BaseModel):
     def stop_strings(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        """The engine's `SamplingParams`: every value already in the engine's ranges (checked above)."""
+    def sampling(self, max_tokens: int, choice_index: int = 0) -> SamplingParams:
+        """The engine's `SamplingParams`: every value already in the engine's ranges (checked above).
+
+        With a seed and `n > 1`, choice i samples with seed + i (wrapping within the range), so the
+        choices differ and each is reproducible.
+        """
+        seed = None if self.seed is None else (self.seed + choice_index) % (MAX_SEED + 1)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, seed=self.seed)
+                              max_tokens=max_tokens, seed=seed)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -217,14 +228,22 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompt_ids(tokenizer, prompt: str | list[int], vocab_size: int) -> list[int]:
-    """Token ids for /v1/completions' `prompt`: a string, or token ids inside the vocabulary."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    if max(prompt) >= vocab_size:
+def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
+    """Token ids of each prompt of /v1/completions' `prompt`: a string, token ids, or a list of either."""
+    prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    ids = [tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+    if any(max(p, default=0) >= vocab_size for p in ids):
         raise APIError(400, f"'prompt' holds a token id outside the vocabulary (0 .. {vocab_size - 1})",
                        param="prompt")
-    return prompt
+    if any(not p for p in ids):
+        raise APIError(400, "'prompt' is empty once tokenized: there is nothing to prefill", param="prompt")
+    return ids
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    """Every prompt times `n` is one engine request: at most MAX_CHOICES of them."""
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(400, f"{num_prompts} prompts x n={n} is more than {MAX_CHOICES} choices", param="n")
 
 
 # ---------------------------------------------------------------- responses
@@ -239,15 +258,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return body
 
 
-def choice(chat: bool, text: str, finish_reason: str | None, streaming: bool, first: bool = False) -> dict:
+def choice(chat: bool, index: int, text: str, finish_reason: str | None, streaming: bool,
+           first: bool = False) -> dict:
     """One choice of a response (`streaming`: of a chunk): chat's message or delta, or a completion's text."""
     if not chat:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
     if not streaming:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
                 "logprobs": None}
     delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
 def object_kind(chat: bool, streaming: bool) -> str:

@@ -38,9 +38,9 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids, choice,
-                         completion_prompt_ids, install_http_extras, max_tokens_for, model_card, object_kind,
-                         parse_body, usage)
+from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
+                         check_choices, choice, completion_prompt_ids, install_http_extras, max_tokens_for, model_card,
+                         object_kind, parse_body, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
@@ -375,13 +375,6 @@ def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
 # ---------------------------------------------------------------- the app
 
 
-async def wait_for_disconnect(request: Request, handle: RequestHandle) -> None:
-    """Tell the handler (through its queue) when the client goes away; run as a task beside it."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    handle.events.put_nowait(ClientLeft())
-
-
 @dataclass
 class Generation:
     """What a handler learned about one request while it ran."""
@@ -390,6 +383,67 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None
+
+
+async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+    """Tell the handler (through its requests' queues) when the client goes away; run as a task beside it."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.events.put_nowait(ClientLeft())
+
+
+async def collect_all(streams: list, watcher: asyncio.Task) -> list[str]:
+    """Each stream's whole text, gathered side by side; if one fails, the others are cancelled (aborted)."""
+    tasks = [asyncio.ensure_future(_join(stream)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+async def _join(stream) -> str:
+    return "".join([piece async for piece in stream])
+
+
+async def merge(streams: list, generations: list[Generation]):
+    """The streams' pieces as `(index, piece, finish_reason, first)` chunks, in the order they come.
+
+    A choice sends a first chunk (chat puts the role in it), a chunk per non-empty piece, and a last
+    one with its finish reason. A failed choice ends, unfinished; the others go on.
+    """
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream, generation):
+        first = True
+        try:
+            async for piece in stream:
+                done = generation.finish_reason is not None
+                if piece or first or not done:
+                    merged.put_nowait((index, piece, None, first))
+                    first = False
+                if done:
+                    merged.put_nowait((index, "", generation.finish_reason, False))
+        except APIError as error:
+            logger.warning("choice %d of a stream failed: %s", index, error.message)
+        finally:
+            merged.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s, g)) for i, (s, g) in enumerate(zip(streams, generations))]
+    try:
+        running = len(tasks)
+        while running:
+            chunk = await merged.get()
+            if chunk is None:
+                running -= 1
+            else:
+                yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = time.perf_counter,
@@ -438,14 +492,13 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         """Run `function` on the tokenizing thread: a long prompt must not stall every other request."""
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
 
-    async def start(prompt: list[int], sampling: SamplingParams, priority: int, prefix: str) -> RequestHandle:
+    async def start(prompt: list[int], sampling: SamplingParams, priority: int, request_id: str) -> RequestHandle:
         """Hand the request to the engine thread; wait until it is accepted (or answer its refusal)."""
         if app.state.draining:
             raise APIError(503, "the server is shutting down")
         if not engine_thread.running:
             raise APIError(503, f"the engine is not running: {engine_thread.error!r}")
-        handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", prompt, sampling, asyncio.get_running_loop(),
-                               asyncio.Queue(), priority)
+        handle = RequestHandle(request_id, prompt, sampling, asyncio.get_running_loop(), asyncio.Queue(), priority)
         engine_thread.submit(handle)
         first = await handle.events.get()
         if isinstance(first, Rejected):
@@ -499,48 +552,55 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
             if first_token is not None:
                 metrics.decode.observe(last_token - first_token)
 
-    async def respond(request: Request, body, prompt: list[int], chat: bool, arrival: float):
-        sampling = body.sampling(max_tokens_for(body, len(prompt), context))
-        handle = await start(prompt, sampling, body.priority, "chatcmpl" if chat else "cmpl")
-        watcher = asyncio.create_task(wait_for_disconnect(request, handle))
-        generation = Generation(handle.request_id, prompt_tokens=len(prompt))
-        pieces = tokens(handle, body.stop_strings(), generation, arrival)
-        head = {"id": handle.request_id, "created": int(time.time()), "model": model_name}
+    async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float):
+        """Serve every prompt `n` times, one engine request per choice, as one response or one stream."""
+        check_choices(len(prompts), body.n)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        plans = [(prompt, body.sampling(max_tokens_for(body, len(prompt), context), i))
+                 for prompt in prompts for i in range(body.n)]
+        handles: list[RequestHandle] = []
+        try:
+            for index, (prompt, sampling) in enumerate(plans):
+                handles.append(await start(prompt, sampling, body.priority, f"{response_id}-{index}"))
+        except BaseException:
+            for handle in handles:  # refused part-way: the choices already accepted must not run on
+                engine_thread.abort(handle.request_id)
+            raise
+        watcher = asyncio.create_task(wait_for_disconnect(request, handles))
+        generations = [Generation(h.request_id, prompt_tokens=len(h.prompt)) for h in handles]
+        streams = [tokens(h, body.stop_strings(), g, arrival) for h, g in zip(handles, generations)]
+        head = {"id": response_id, "created": int(time.time()), "model": model_name}
+
+        def total_usage() -> dict:
+            completion = sum(g.completion_tokens for g in generations)
+            return usage(sum(len(prompt) for prompt in prompts), completion)
 
         if not body.stream:
-            try:
-                text = "".join([piece async for piece in pieces])
-            finally:
-                watcher.cancel()
-            if generation.finish_reason is None:
+            texts = await collect_all(streams, watcher)
+            if any(g.finish_reason is None for g in generations):
                 raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
-            body_choices = [choice(chat, text, generation.finish_reason, streaming=False)]
-            return JSONResponse({**head, "object": object_kind(chat, False), "choices": body_choices,
-                                 "usage": usage(generation.prompt_tokens, generation.completion_tokens)})
+            choices = [choice(chat, i, text, g.finish_reason, streaming=False)
+                       for i, (text, g) in enumerate(zip(texts, generations))]
+            return JSONResponse({**head, "object": object_kind(chat, False), "choices": choices,
+                                 "usage": total_usage()})
 
         kind = object_kind(chat, True)
 
         async def events():
-            # Cancelled here (the client left) or not, `pieces`' finally aborts an unfinished request.
+            # Cancelled here (the client left) or not, each stream's finally aborts its unfinished request.
             try:
-                first = True
-                async for piece in pieces:
-                    done = generation.finish_reason is not None
-                    if piece or first or not done:
-                        yield sse_event({**head, "object": kind, "choices": [choice(chat, piece, None, True, first)]})
-                        first = False
-                    if done:
-                        yield sse_event({**head, "object": kind,
-                                         "choices": [choice(chat, "", generation.finish_reason, True)]})
-                if generation.finish_reason is None:
-                    return  # the client left: nothing more to say
+                async for index, piece, finish_reason, first in merge(streams, generations):
+                    yield sse_event({**head, "object": kind,
+                                     "choices": [choice(chat, index, piece, finish_reason, True, first)]})
+                if any(g.finish_reason is None for g in generations):
+                    return  # the client left or the engine failed: nothing more to say
                 if body.include_usage:
-                    yield sse_event({**head, "object": kind, "choices": [],
-                                     "usage": usage(generation.prompt_tokens, generation.completion_tokens)})
+                    yield sse_event({**head, "object": kind, "choices": [], "usage": total_usage()})
                 yield sse_event("[DONE]")
             finally:
                 watcher.cancel()
-                await pieces.aclose()
+                for stream in streams:
+                    await stream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -550,14 +610,14 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         arrival = clock()
         body = parse_body(ChatCompletionRequest, await request.body(), model_name)
         prompt = await off_the_loop(chat_prompt_ids, tokenizer, body.messages)
-        return await respond(request, body, prompt, chat=True, arrival=arrival)
+        return await respond(request, body, [prompt], chat=True, arrival=arrival)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = clock()
         body = parse_body(CompletionRequest, await request.body(), model_name)
-        prompt = await off_the_loop(completion_prompt_ids, tokenizer, body.prompt, engine.model.args.vocab_size)
-        return await respond(request, body, prompt, chat=False, arrival=arrival)
+        prompts = await off_the_loop(completion_prompt_ids, tokenizer, body.prompt, engine.model.args.vocab_size)
+        return await respond(request, body, prompts, chat=False, arrival=arrival)
 
     @app.get("/v1/models")
     async def models():
