@@ -11,6 +11,7 @@ The rule for a request field: served, or refused with a 400 that names it; never
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -280,6 +281,63 @@ def object_kind(chat: bool, streaming: bool) -> str:
 def model_card(model_name: str) -> dict:
     """The served model as /v1/models lists it."""
     return {"id": model_name, "object": "model", "created": 0, "owned_by": "tiny-llm"}
+
+
+# ---------------------------------------------------------------- several choices in one response
+
+
+async def collect_all(streams: list, watcher: asyncio.Task) -> list[str]:
+    """Each stream's whole text, gathered side by side; if one fails, the others are cancelled (aborted)."""
+    tasks = [asyncio.ensure_future(_join(stream)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+async def _join(stream) -> str:
+    return "".join([piece async for piece in stream])
+
+
+async def merge(streams: list, generations: list):
+    """The streams' pieces as `(index, piece, finish_reason, first)` chunks, in the order they come.
+
+    `generations[i].finish_reason` is set once stream i is done. A choice sends a first chunk (chat
+    puts the role in it), a chunk per non-empty piece, and a last one with its finish reason. A failed
+    choice ends, unfinished; the others go on.
+    """
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream, generation):
+        first = True
+        try:
+            async for piece in stream:
+                done = generation.finish_reason is not None
+                if piece or first or not done:
+                    merged.put_nowait((index, piece, None, first))
+                    first = False
+                if done:
+                    merged.put_nowait((index, "", generation.finish_reason, False))
+        except APIError as error:
+            logger.warning("choice %d of a stream failed: %s", index, error.message)
+        finally:
+            merged.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s, g)) for i, (s, g) in enumerate(zip(streams, generations))]
+    try:
+        running = len(tasks)
+        while running:
+            chunk = await merged.get()
+            if chunk is None:
+                running -= 1
+            else:
+                yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # ---------------------------------------------------------------- /metrics

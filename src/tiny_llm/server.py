@@ -39,8 +39,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
-                         check_choices, choice, completion_prompt_ids, install_http_extras, max_tokens_for, model_card,
-                         object_kind, parse_body, usage)
+                         check_choices, choice, collect_all, completion_prompt_ids, install_http_extras, max_tokens_for,
+                         merge, model_card, object_kind, parse_body, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
@@ -337,59 +337,6 @@ async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) ->
         pass
     for handle in handles:
         handle.events.put_nowait(ClientLeft())
-
-
-async def collect_all(streams: list, watcher: asyncio.Task) -> list[str]:
-    """Each stream's whole text, gathered side by side; if one fails, the others are cancelled (aborted)."""
-    tasks = [asyncio.ensure_future(_join(stream)) for stream in streams]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        watcher.cancel()
-        for task in tasks:
-            task.cancel()
-
-
-async def _join(stream) -> str:
-    return "".join([piece async for piece in stream])
-
-
-async def merge(streams: list, generations: list[Generation]):
-    """The streams' pieces as `(index, piece, finish_reason, first)` chunks, in the order they come.
-
-    A choice sends a first chunk (chat puts the role in it), a chunk per non-empty piece, and a last
-    one with its finish reason. A failed choice ends, unfinished; the others go on.
-    """
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream, generation):
-        first = True
-        try:
-            async for piece in stream:
-                done = generation.finish_reason is not None
-                if piece or first or not done:
-                    merged.put_nowait((index, piece, None, first))
-                    first = False
-                if done:
-                    merged.put_nowait((index, "", generation.finish_reason, False))
-        except APIError as error:
-            logger.warning("choice %d of a stream failed: %s", index, error.message)
-        finally:
-            merged.put_nowait(None)
-
-    tasks = [asyncio.ensure_future(pump(i, s, g)) for i, (s, g) in enumerate(zip(streams, generations))]
-    try:
-        running = len(tasks)
-        while running:
-            chunk = await merged.get()
-            if chunk is None:
-                running -= 1
-            else:
-                yield chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = time.perf_counter,
