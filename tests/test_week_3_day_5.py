@@ -163,11 +163,16 @@ def test_task_3_pieces_add_up_to_decode(tokenizer):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_task_3_random_tokens_add_up(tokenizer, data):
-    """Any token ids at all (byte pieces that never form a character included): the pieces, the
-    remainder included, are exactly what decoding all the tokens at once gives."""
-    vocab = tokenizer.vocab_size
-    tokens = data.draw(st.lists(st.integers(0, vocab - 1), max_size=24))
+def test_task_3_random_text_and_tokens_add_up(tokenizer, data):
+    """The tokens of any text (rare characters split across tokens), with any token ids mixed in (byte
+    pieces that never form a character): the pieces, the remainder included, are exactly what decoding
+    all the tokens at once gives."""
+    text = data.draw(st.text(alphabet=st.sampled_from(MULTIBYTE_TEXT), max_size=24))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    junk = data.draw(st.lists(st.tuples(st.integers(0, len(tokens)), st.integers(0, tokenizer.vocab_size - 1)),
+                              max_size=3))
+    for position, token in junk:
+        tokens.insert(position, token)
     assert "".join(stream_text(tokenizer, tokens)) == tokenizer.decode(tokens)
 
 
