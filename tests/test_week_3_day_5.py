@@ -370,6 +370,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     # Too long to ever fit in the engine's KV cache: refused before it reaches the engine.
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 200_000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 12_000}]}, 400,
+     "max_tokens"),
 ]
 
 

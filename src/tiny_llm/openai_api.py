@@ -215,7 +215,7 @@ def max_tokens_for(body: SamplingRequest, prompt_tokens: int, max_model_len: int
         requested = max_model_len - prompt_tokens + 1 if isinstance(body, ChatCompletionRequest) \
             else COMPLETIONS_DEFAULT_MAX_TOKENS
     # The last output token is never fed back, so prompt + max_tokens - 1 positions must fit.
-    if prompt_tokens + requested - 1 > max_model_len:
+    if requested < 1 or prompt_tokens + requested - 1 > max_model_len:
         raise APIError(400, f"the prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds this "
                        f"server's context of {max_model_len} tokens", param="max_tokens",
                        code="context_length_exceeded")
