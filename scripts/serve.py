@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8192 tokens' worth)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached prompt blocks (day 3.3; on by default, as vLLM)")
+    parser.add_argument("--adaptive-budget", action="store_true",
+                        help="day 3.1's adaptive token budget, up to --max-num-batched-tokens (default: fixed)")
     parser.add_argument("--target-itl", type=float, default=None, metavar="SECONDS",
-                        help="day 3.1's adaptive token budget aiming at this inter-token latency, up to "
-                             "--max-num-batched-tokens (default: a fixed budget)")
+                        help="the adaptive budget's inter-token latency target (implies --adaptive-budget)")
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                         help="fcfs, or priority: requests' `priority` field, lower first (day 3.4)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -154,15 +155,12 @@ class DrainingServer(uvicorn.Server):
 
 def make_engine(args, selection, model, tokenizer, log):
     """The engine with every knob of the command line (the one place this command builds an engine)."""
-    policy = None
-    if args.target_itl is not None:
-        policy = selection.token_budget.AdaptiveTokenBudget(target_itl=args.target_itl,
-                                                            max_num_batched_tokens=args.max_num_batched_tokens)
-    return selection.engine.LLMEngine(
-        model, tokenizer, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size, num_blocks=args.num_blocks, policy=policy, log=log,
-        log_interval=args.log_interval, enable_prefix_caching=args.enable_prefix_caching,
+    config = selection.engine.EngineConfig(
+        token_budget=args.max_num_batched_tokens, adaptive_budget=args.adaptive_budget or args.target_itl is not None,
+        target_itl=args.target_itl, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        num_blocks=args.num_blocks, log_interval=args.log_interval, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy)
+    return selection.engine.LLMEngine(model, tokenizer, config, log=log)
 
 
 if __name__ == "__main__":

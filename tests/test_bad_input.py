@@ -204,14 +204,14 @@ def test_engine_refuses_a_kv_pool_the_machine_cannot_hold(model32, monkeypatch):
     model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
     monkeypatch.setattr(ref.validation, "memory_bytes", lambda: 8 * 10**9)
     with pytest.raises(ValueError, match=r"num_blocks=10000000 .* GB .* 8\.0 GB of memory"):
-        ref.engine.LLMEngine(model, model32[1], block_size=16, num_blocks=10_000_000)
+        ref.engine.LLMEngine(model, model32[1], ref.engine.EngineConfig(block_size=16, num_blocks=10_000_000))
 
 
 def test_engine_refuses_what_would_break_a_later_step(model32):
     """A priority that is not an int would make every later comparison raise; sampling values the runner
     cannot use (NaN, infinities, seeds outside 0 .. 2**63 - 1) would fail mid-step: all refused up front."""
     model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
-    engine = ref.engine.LLMEngine(model, model32[1], block_size=8)
+    engine = ref.engine.LLMEngine(model, model32[1], ref.engine.EngineConfig(block_size=8))
     for priority in ("high", 1.5, None):
         with pytest.raises(TypeError, match="priority"):
             engine.add_request("x", priority=priority)
