@@ -321,6 +321,45 @@ def test_task_4_stop_strings(model, tokenizer):
     assert engine.generation_tokens_total < 300, "a request that hit a stop string must be aborted"
 
 
+def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
+    """Ctrl-C or SIGTERM (`pdm run serve`'s DrainingServer): a running stream gets the drain time, then ends
+    with finish reason "abort" and [DONE], its blocks are freed, and the server stops without an error."""
+    import threading
+
+    import uvicorn
+
+    from scripts.serve import DrainingServer
+    from tests.serve_fakes import free_port
+
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    port = free_port()
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), timeout=0.2)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started), "the server did not start"
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1000, "temperature": 1, "seed": 1, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                server.should_exit = True  # what uvicorn's signal handler does on Ctrl-C or SIGTERM
+                events = [line for line in lines if line.startswith("data: ")]
+    except BaseException:
+        if app.state.engine_thread.error is not None:
+            raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
+        raise
+    finally:
+        server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not stop"
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert engine.generation_tokens_total < 1000, "the request ran to the end: it was never aborted"
+    assert free_blocks(engine) == all_blocks(engine) and app.state.engine_thread.error is None
+
+
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 DEEP = b'{"model": "tiny-test-model", "prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 BAD_REQUESTS = [
