@@ -473,6 +473,27 @@ def test_task_4_failed_step_fails_its_requests_only(model, tokenizer):
         assert_still_serving(url, model, engine)
 
 
+def test_task_4_unexpected_add_request_error_fails_that_request_only(model, tokenizer):
+    """`add_request` raising something other than ValueError/TypeError: that request gets a 500, not a hang."""
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    add_request = engine.add_request
+    failures = []
+
+    def fails_once(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise RuntimeError("injected fault in add_request")
+        return add_request(*args, **kwargs)
+
+    engine.add_request = fails_once
+    with running_server(app) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 3},
+                              timeout=60)
+        assert response.status_code == 500 and failures
+        assert_still_serving(url, model, engine)
+
+
 def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
     """A non-streaming client that disconnects is aborted within a step or two, not after all its tokens."""
     import socket

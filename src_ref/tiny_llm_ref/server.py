@@ -238,6 +238,8 @@ class EngineThread:
         self.error: BaseException | None = None  # what killed the thread, if anything did
         self.running = False
         self.outbox: list[tuple[RequestHandle, object]] = []  # this turn's events, delivered together
+        self.unanswered: dict[str, RequestHandle] = {}  # submitted, neither Accepted nor Rejected yet
+        self.submit_lock = threading.Lock()  # submit's two steps, seen together by fail_dropped
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -251,13 +253,17 @@ class EngineThread:
         self._thread.join()
 
     def submit(self, handle: RequestHandle) -> None:
-        self.inbox.put(("add", handle))
+        with self.submit_lock:
+            self.unanswered[handle.request_id] = handle
+            self.inbox.put(("add", handle))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
     def send(self, handle: RequestHandle, event) -> None:
         """Queue `event` for the handle; the turn's events reach the event loop together at its end."""
+        if isinstance(event, (Accepted, Rejected)):
+            self.unanswered.pop(handle.request_id, None)
         self.outbox.append((handle, event))
 
     def flush(self) -> None:
@@ -347,19 +353,31 @@ class EngineThread:
             self.running = False
 
     def fail_dropped(self, error: Exception) -> None:
-        """After a failed turn: fail the requests the engine dropped, log it, keep serving (provided).
+        """After a failed turn: fail the requests it concerned, log it, keep serving (provided).
 
-        The engine frees the blocks of the sequences of a step that failed. If it kept them instead,
-        the next step would likely fail the same way: those requests are aborted and failed too.
+        The engine frees the blocks of the sequences of a step that failed: those requests fail. A
+        request whose `add_request` raised something unexpected fails too. If neither explains the
+        failure and the engine kept its work, the next step would likely fail the same way: every
+        running request is aborted and failed.
         """
-        logger.exception("an engine step failed; failing the requests it dropped and serving on")
+        logger.exception("an engine turn failed; failing the requests it concerned and serving on")
+        lost = self.lost_submissions()
         dropped = [request_id for request_id in self.handles if not engine_holds(self.engine, request_id)]
-        if not dropped and self.engine.has_work():
+        if not dropped and not lost and self.engine.has_work():
             dropped = list(self.handles)
             for request_id in dropped:
                 self.engine.abort(request_id)
         self.fail(dropped, error)
+        for handle in lost:
+            self.send(handle, Rejected(error))
         self.publish_stats()
+
+    def lost_submissions(self) -> list[RequestHandle]:
+        """Requests taken from the inbox but never answered: their `add_request` raised something unexpected."""
+        with self.submit_lock:
+            waiting = {argument.request_id for command, argument in list(self.inbox.queue) if command == "add"}
+            return [handle for request_id, handle in self.unanswered.items()
+                    if request_id not in waiting and request_id not in self.handles]
 
     def fail(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
