@@ -25,6 +25,7 @@ from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
 from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
+from .validation import check_kv_pool
 
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
 
@@ -126,6 +127,7 @@ class LLMEngine:
         self.clock = clock
         self.log = log or (lambda line: None)
         self.metrics = metrics or MetricsRecorder(clock=clock)
+        check_kv_pool(model, config.pool_blocks, config.block_size)  # too big for the machine: one line, not an OOM
         manager_class = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         num_blocks = config.pool_blocks_for(model)
         self.block_manager = manager_class(num_blocks, config.block_size)
