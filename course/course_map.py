@@ -59,6 +59,7 @@ DAYS: list[Day] = [
     Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler",),
         {1: 5, 2: 10, 3: 10}),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
+    Day(4, 3, "Tensor parallelism", "week4-03-tensor-parallelism.md", ("tensor_parallel",), {1: 5, 2: 10, 3: 10, 4: 15}),
 ]
 
 
