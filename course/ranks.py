@@ -78,8 +78,11 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
     (two ranks on two cores with two threads each would fight over them); None leaves them alone.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    where = ["--hostfile", hostfile] if hostfile else ["-n", str(world_size), "--starting-port", str(free_ports(world_size))]
-    command = [*mlx_launch_command(), "--backend", "ring", *where, "--", *program]
+    if world_size == 1 and not hostfile:
+        command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
+    else:
+        where = ["--hostfile", hostfile] if hostfile else ["-n", str(world_size), "--starting-port", str(free_ports(world_size))]
+        command = [*mlx_launch_command(), "--backend", "ring", *where, "--", *program]
     # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
     import_paths = os.pathsep.join(path for path in sys.path if path)
     child_env = {**os.environ, "PYTHONPATH": import_paths, **(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}

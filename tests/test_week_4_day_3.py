@@ -29,7 +29,9 @@ from tests.ranks_tensor_parallel import DIED, TOKENS, prefill, rope_angles
 sol = solution(week=4, day=3)
 
 WORLD = 2
-LAUNCH_TIMEOUT = 55.0  # seconds for both ranks to start, load the embedded model and run every check
+# Seconds for both ranks to start, load the embedded model and run every check: about 10 on two idle
+# cores, and under the grader's 60 s per test; a machine shared with other work may need more.
+LAUNCH_TIMEOUT = float(os.environ.get("TINY_LLM_RANKS_TIMEOUT", "55"))
 RANKS_PROGRAM = [sys.executable, "-m", "tests.ranks_tensor_parallel"]
 
 
