@@ -18,10 +18,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 RESULT_NAME = "rank{rank}.json"
+GROUP_EXIT_WAIT = 5.0  # seconds
 
 
 @dataclass
@@ -114,6 +116,14 @@ def kill_group(process: subprocess.Popen) -> None:
     if process.stdin:
         process.stdin.close()
     process.wait()
+    # The ranks die a moment after the signal; wait (a few seconds at most) until none of the group is left.
+    deadline = time.monotonic() + GROUP_EXIT_WAIT
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
 
 
 def read_result(out_dir: Path, rank: int) -> dict | None:

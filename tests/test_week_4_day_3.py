@@ -5,7 +5,8 @@ in one process; array identities for the splits (the blocks put back together ar
 partial products add up to the full one). Two kinds of test:
 
 - in this process, with a stand-in group that only answers rank() and size(): what each rank keeps,
-  and that the ranks' local results add up to the whole (no communication needed to check that);
+  and each rank's output under a simulated all_sum (its argument plus the other ranks' partials,
+  computed beforehand from their local parts), which must be the whole layer's output;
 - across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
   for the module runs tests/ranks_tensor_parallel.py in each rank, which builds the code under test
   as these tests do (`solution(4, 3)`); a second launch kills a rank on purpose.
@@ -14,6 +15,7 @@ Tolerance: float32 sums taken in another order (each rank sums half the features
 the halves), so |got - mlx-lm| <= 1e-4 + 1e-5 x the largest |value| of mlx-lm's output.
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -46,6 +48,26 @@ class StandInGroup:
 
     def size(self) -> int:
         return self._size
+
+
+@contextlib.contextmanager
+def simulated_all_sum(partials: list[mx.array]):
+    """`mx.distributed.all_sum` as rank r of a stand-in group sees it: its own argument plus the other ranks' partials.
+
+    With `partials[r]` what rank r's local part computes, a rank that all_sums its partial gets the full
+    output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage.
+    """
+    real = mx.distributed.all_sum
+
+    def all_sum(x, *args, group=None, **kwargs):
+        rank = (group if group is not None else args[0]).rank()
+        return x + sum(p for r, p in enumerate(partials) if r != rank)
+
+    mx.distributed.all_sum = all_sum
+    try:
+        yield
+    finally:
+        mx.distributed.all_sum = real
 
 
 def assert_close(got: mx.array, expected: mx.array, what: str):
@@ -131,19 +153,22 @@ def test_task_1_uneven_split_is_refused():
 # ---------------------------------------------------------------- Task 2: the sharded MLP
 
 
-def test_task_2_mlp_shards_add_up_to_mlx_lm(week3):
+def test_task_2_mlp_shards_and_their_sum(week3):
     full, mlx_model = week3
-    x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(4))
-    total, held = 0, 0
-    for rank in range(WORLD):
-        local = sol.tensor_parallel.ShardedMLP(full.layers[0].mlp, StandInGroup(rank, WORLD)).local
-        assert local.w_gate.shape == local.w_up.shape == (full.args.intermediate_size // WORLD, full.args.hidden_size)
-        assert local.w_down.shape == (full.args.hidden_size, full.args.intermediate_size // WORLD)
-        held += local.w_gate.nbytes + local.w_up.nbytes + local.w_down.nbytes
-        total = total + local(x)  # what all_sum adds up across the ranks
-    assert_close(total, mlx_model.model.layers[0].mlp(x), "the sum of the ranks' MLP outputs")
     mlp = full.layers[0].mlp
+    x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(4))
+    shards = [sol.tensor_parallel.ShardedMLP(mlp, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    for rank, shard in enumerate(shards):
+        local = shard.local
+        assert local.w_gate.shape == local.w_up.shape == (full.args.intermediate_size // WORLD, full.args.hidden_size), (
+            f"rank {rank}: gate {local.w_gate.shape}, up {local.w_up.shape}")
+        assert local.w_down.shape == (full.args.hidden_size, full.args.intermediate_size // WORLD), f"rank {rank}: down {local.w_down.shape}"
+    held = sum(s.local.w_gate.nbytes + s.local.w_up.nbytes + s.local.w_down.nbytes for s in shards)
     assert held == mlp.w_gate.nbytes + mlp.w_up.nbytes + mlp.w_down.nbytes, "the ranks must hold each weight once"
+    expected = mlx_model.model.layers[0].mlp(x)
+    with simulated_all_sum([s.local(x) for s in shards]):
+        for rank, shard in enumerate(shards):
+            assert_close(shard(x), expected, f"rank {rank}'s MLP output (its partial, all_summed)")
 
 
 def test_task_2_mlp_on_two_ranks_matches_mlx_lm(two_ranks):
@@ -156,12 +181,12 @@ def test_task_2_mlp_on_two_ranks_matches_mlx_lm(two_ranks):
 
 def test_task_3_attention_divides_heads_and_kv_heads(week3):
     full, mlx_model = week3
-    attention = full.layers[0].self_attn
+    attention = full.layers[0].self_attn  # 4 query heads, 2 KV heads
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(5))
     cos, sin = rope_angles(full, mx.arange(TOKENS))
-    total = 0
-    for rank in range(WORLD):
-        local = sol.tensor_parallel.ShardedAttention(attention, StandInGroup(rank, WORLD)).local
+    shards = [sol.tensor_parallel.ShardedAttention(attention, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    for rank, shard in enumerate(shards):
+        local = shard.local
         assert (local.num_heads, local.num_kv_heads) == (attention.num_heads // WORLD, attention.num_kv_heads // WORLD), (
             f"rank {rank} has {local.num_heads} query heads and {local.num_kv_heads} KV heads, expected "
             f"{attention.num_heads // WORLD} and {attention.num_kv_heads // WORLD}")
@@ -169,17 +194,18 @@ def test_task_3_attention_divides_heads_and_kv_heads(week3):
         kv_rows = attention.num_kv_heads // WORLD * attention.head_dim
         assert local.wk.shape == local.wv.shape == (kv_rows, full.args.hidden_size)
         assert local.wo.shape == (full.args.hidden_size, attention.num_heads // WORLD * attention.head_dim)
-        pool = sol.block_manager.KvPool(1, 4, 16, local.num_kv_heads, local.head_dim, full.dtype)
-        total = total + local(x, prefill(sol, list(range(TOKENS)), full.dtype), cos, sin, pool, 0)
+
+    def run(shard, whole: bool):
+        pool = sol.block_manager.KvPool(1, 4, 16, shard.local.num_kv_heads, shard.local.head_dim, full.dtype)
+        call = shard if whole else shard.local
+        return call(x, prefill(sol, list(range(TOKENS)), full.dtype), cos, sin, pool, 0)
+
     expected = mlx_model.model.layers[0].self_attn(x[None], mask="causal")[0]
-    assert_close(total, expected, "the sum of the ranks' attention outputs")
-
-
-def test_task_3_kv_heads_that_do_not_divide_are_refused(week3):
-    full, _ = week3
-    attention = full.layers[0].self_attn  # 4 query heads, 2 KV heads
+    with simulated_all_sum([run(shard, whole=False) for shard in shards]):
+        for rank, shard in enumerate(shards):
+            assert_close(run(shard, whole=True), expected, f"rank {rank}'s attention output (its heads, all_summed)")
     with pytest.raises(ValueError, match="divide"):
-        sol.tensor_parallel.ShardedAttention(attention, StandInGroup(0, 4))
+        sol.tensor_parallel.ShardedAttention(attention, StandInGroup(0, 4))  # 2 KV heads among 4 ranks
 
 
 def test_task_3_attention_on_two_ranks_matches_mlx_lm(two_ranks):
@@ -191,26 +217,46 @@ def test_task_3_attention_on_two_ranks_matches_mlx_lm(two_ranks):
 # ---------------------------------------------------------------- Task 4: the model on N ranks
 
 
-def test_task_4_each_rank_holds_its_share(week3):
+def test_task_4_each_rank_holds_its_share_of_every_layer(week3):
     full, mlx_model = week3
     replicated = full.embedding.weight.nbytes + full.norm.weight.nbytes + sum(
         b.input_layernorm.weight.nbytes + b.post_attention_layernorm.weight.nbytes for b in full.layers)
-    for rank in range(WORLD):
-        tp = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, StandInGroup(rank, WORLD))
-        layer_bytes = sum(a.nbytes for b in full.layers for a in (
-            b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo, b.self_attn.bq, b.self_attn.bk,
-            b.self_attn.bv, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down))
-        assert tp.weight_bytes() == {"sharded": layer_bytes // WORLD, "replicated": replicated}
+    layer_bytes = sum(a.nbytes for b in full.layers for a in (
+        b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo, b.self_attn.bq, b.self_attn.bk,
+        b.self_attn.bv, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down))
+    models = [sol.tensor_parallel.Qwen2TensorParallel(mlx_model, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    for rank, tp in enumerate(models):
+        assert tp.weight_bytes() == {"sharded": layer_bytes // WORLD, "replicated": replicated}, f"rank {rank}"
         pool = tp.make_kv_pool(2, 16)
         assert pool.keys[0].shape[1] == full.num_kv_heads // WORLD, "each rank's KV pool holds its KV heads only"
+    # Every layer's attention and MLP are sharded, and each rank's output all_summed, is mlx-lm's layer's.
+    x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(6))
+    cos, sin = rope_angles(full, mx.arange(TOKENS))
+    batch = prefill(sol, list(range(TOKENS)), full.dtype)
+    pools = [tp.make_kv_pool(4, 16) for tp in models]
+    for index, block in enumerate(mlx_model.model.layers):
+        mlps = [tp.layers[index].mlp for tp in models]
+        with simulated_all_sum([mlp.local(x) for mlp in mlps]):
+            for rank, mlp in enumerate(mlps):
+                assert_close(mlp(x), block.mlp(x), f"rank {rank}'s layer {index} MLP")
+        attentions = [tp.layers[index].self_attn for tp in models]
+        partials = [a.local(x, batch, cos, sin, pool, index) for a, pool in zip(attentions, pools)]
+        expected = block.self_attn(x[None], mask="causal")[0]
+        with simulated_all_sum(partials):
+            for rank, (attention, pool) in enumerate(zip(attentions, pools)):
+                assert_close(attention(x, batch, cos, sin, pool, index), expected, f"rank {rank}'s layer {index} attention")
 
 
 def test_task_4_logits_on_two_ranks_match_mlx_lm(two_ranks):
-    records = rank_checks(two_ranks, "model")
-    for rank, record in enumerate(records):
+    for rank, record in enumerate(rank_checks(two_ranks, "model")):
         assert_rank_close(record, f"rank {rank}'s logits")
-    # all_sum hands every rank the same bits: the ranks' logits are identical, not just close.
-    assert records[0]["logits_checksum"] == records[1]["logits_checksum"]
+        assert record["pool_kv_heads"] == record["model_kv_heads"] // WORLD, f"rank {rank}'s KV pool"
+
+
+def test_task_4_every_rank_holds_the_same_logits(two_ranks):
+    # all_sum hands every rank the same bits, so every rank would sample the same token.
+    first, second = (record["logits_checksum"] for record in rank_checks(two_ranks, "model"))
+    assert first == second, f"rank 0's logits sum to {first}, rank 1's to {second}"
 
 
 def test_task_4_greedy_tokens_on_two_ranks_match_mlx_lm(two_ranks):
@@ -218,12 +264,6 @@ def test_task_4_greedy_tokens_on_two_ranks_match_mlx_lm(two_ranks):
         greedy = record["greedy"]
         assert not greedy["unfinished"], f"rank {rank}: the engine did not finish within its step limit"
         assert greedy["got"] == greedy["expected"], f"rank {rank}: week 3's engine on the sharded model"
-
-
-def test_task_4_rank_weight_bytes_and_kv_pool(two_ranks):
-    for rank, record in enumerate(rank_checks(two_ranks, "model")):
-        assert record["weight_bytes"]["sharded"] == record["full_layer_bytes"] // WORLD, f"rank {rank}"
-        assert record["pool_kv_heads"] == record["model_kv_heads"] // WORLD, f"rank {rank}'s KV pool"
 
 
 def rank_processes(out_dir: Path) -> list[int]:
