@@ -28,8 +28,9 @@ ALL_SUM_REPEATS = 200
 
 def make_engine(selection, model, tokenizer, prompt_tokens: int, decode_tokens: int):
     """Week 3's engine sized for one request (the one place this file builds one)."""
-    return selection.engine.LLMEngine(model, tokenizer, max_num_batched_tokens=max(prompt_tokens, 16), max_num_seqs=1,
-                                      block_size=16, num_blocks=(prompt_tokens + decode_tokens) // 16 + 2)
+    config = selection.engine.EngineConfig(token_budget=max(prompt_tokens, 16), max_num_seqs=1, block_size=16,
+                                           num_blocks=(prompt_tokens + decode_tokens) // 16 + 2)
+    return selection.engine.LLMEngine(model, tokenizer, config)
 
 
 def ours(selection, group, mlx_model, tokenizer, prompt: list[int], decode_tokens: int) -> tuple[list[int], list[float]]:

@@ -31,7 +31,7 @@ DIED = 3  # the exit status of a rank told to die
 def prefill(sol, tokens: list[int], dtype) -> object:
     """A RaggedBatch of one sequence's whole prompt from position 0, every row sampled."""
     t = len(tokens)
-    chunk = sol.qwen2_week3.PrefillChunk(t, mx.arange(t), sol.batch.chunk_causal_mask(0, t, dtype))
+    chunk = sol.qwen2_week3.PrefillChunk(t, mx.arange(t), sol.attention.causal_mask(t, t, dtype))
     return sol.qwen2_week3.RaggedBatch(
         token_ids=mx.array(tokens), positions=mx.arange(t), write_slots=mx.arange(t), num_decodes=0,
         decode_key_slots=None, decode_mask=None, chunks=[chunk], sample_rows=mx.arange(t),
@@ -86,7 +86,8 @@ def check_model(sol, group, full, mlx_model, tokenizer, die_rank: int | None) ->
 
 def make_engine(sol, model, tokenizer):
     """The week-3 engine on `model` (the one place this file builds one)."""
-    return sol.engine.LLMEngine(model, tokenizer, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=32)
+    config = sol.engine.EngineConfig(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=32)
+    return sol.engine.LLMEngine(model, tokenizer, config)
 
 
 def greedy_outputs(sol, tp, mlx_model, tokenizer) -> dict:
