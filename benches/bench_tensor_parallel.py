@@ -21,15 +21,14 @@ fast_mlx.setup()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from course import ranks  # noqa: E402
-from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, resolve_model  # noqa: E402
+from benches.lab import machine_line, model_note  # noqa: E402
+from course.models import BENCH, resolve_model  # noqa: E402
 from course.user_errors import user_error  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -121,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_tokens < 3 or args.prompt_tokens < 1:
         return user_error(PROG, "--decode-tokens must be at least 3 and --prompt-tokens at least 1")
     path = resolve_model(args.model)  # builds the benchmark model once, before any rank needs it
-    if is_embedded(path):
-        print(MEANINGLESS_NOTE)
-    machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, BLAS {fast_mlx.blas_in_use()}"
+    note = model_note(path)
+    if note:
+        print(note)
+    machine = machine_line()
     print(f"model {args.model}, prompt {args.prompt_tokens} tokens, {args.decode_tokens} new tokens, greedy; {machine}")
     rows = []
     for engine, world, threads in CONFIGS:

@@ -19,7 +19,7 @@ import time  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from benches.engine_driver import random_tokens  # noqa: E402
+from benches.workloads import random_prompt  # noqa: E402
 from course import ranks, selector  # noqa: E402
 from course.models import load_model  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     group = mx.distributed.init()
     mlx_model, tokenizer = load_model(args.model)
-    prompt = random_tokens(args.prompt_tokens, seed=0)
+    prompt = random_prompt(args.prompt_tokens, seed=0)
     if args.engine == "ours":
         selection = selector.for_command(args.solution)
         tokens, times = ours(selection, group, mlx_model, tokenizer, prompt, args.decode_tokens)
