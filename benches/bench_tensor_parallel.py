@@ -3,6 +3,7 @@
     pdm run bench-tensor-parallel                  # the Qwen2-0.5B shape, 64-token prompt, 32 new tokens
     pdm run bench-tensor-parallel --quick          # 16 new tokens
     pdm run bench-tensor-parallel --model embedded # seconds; the figures mean nothing
+    pdm run bench-tensor-parallel --hostfile hosts.json  # the 2-rank runs on two machines
 
 Each configuration is one launch (course/ranks.py: mlx.launch on loopback) of
 benches/tensor_parallel_worker.py, greedy decoding of one request:
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="16 new tokens")
     parser.add_argument("--solution", choices=("ref", "student"), default="ref",
                         help="whose tensor_parallel.py to time: the reference (default) or src/tiny_llm")
+    parser.add_argument("--hostfile", help="run the 2-rank configurations on these two hosts (mlx.launch's hostfile "
+                                           "format; this repository at the same path on each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "tensor_parallel.json", help="JSON output")
     return parser
 
@@ -68,7 +71,9 @@ def run_config(engine: str, world: int, threads: int, args) -> dict:
                "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
                "--solution", args.solution]
     with tempfile.TemporaryDirectory() as out_dir:
-        run = ranks.launch(program, world, Path(out_dir), timeout=LAUNCH_TIMEOUT, threads_per_rank=threads)
+        hostfile = args.hostfile if world > 1 else None
+        run = ranks.launch(program, world, Path(out_dir), timeout=LAUNCH_TIMEOUT, hostfile=hostfile,
+                           threads_per_rank=threads)
     result = run.results[0]
     if result is None:
         raise SystemExit(f"{PROG}: error: {engine} on {world} rank(s) failed: {run.failure()}")

@@ -76,21 +76,28 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
            hostfile: str | None = None, threads_per_rank: int | None = 1) -> RankRun:
     """Run `program` (an executable and its arguments) on `world_size` local ranks, or on `hostfile`'s hosts.
 
+    With a hostfile, launch from its first host: rank 0 writes its result there.
+
     The ranks find `out_dir` in `TINY_LLM_RANK_DIR`. `threads_per_rank` caps each rank's BLAS threads
     (two ranks on two cores with two threads each would fight over them); None leaves them alone.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    if world_size == 1 and not hostfile:
-        command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
-    else:
-        where = ["--hostfile", hostfile] if hostfile else ["-n", str(world_size), "--starting-port", str(free_ports(world_size))]
-        command = [*mlx_launch_command(), "--backend", "ring", *where, "--", *program]
-    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
-    import_paths = os.pathsep.join(path for path in sys.path if path)
-    child_env = {**os.environ, "PYTHONPATH": import_paths, **(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}
+    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}
     if threads_per_rank is not None:
         for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            child_env[name] = str(threads_per_rank)
+            rank_env[name] = str(threads_per_rank)
+    if world_size == 1 and not hostfile:
+        command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
+    elif hostfile:
+        # Ranks on other hosts start through ssh with only the variables named here.
+        forwarded = [arg for name, value in rank_env.items() for arg in ("--env", f"{name}={value}")]
+        command = [*mlx_launch_command(), "--backend", "ring", "--hostfile", hostfile, *forwarded, "--", *program]
+    else:
+        ports = ["--starting-port", str(free_ports(world_size))]
+        command = [*mlx_launch_command(), "--backend", "ring", "-n", str(world_size), *ports, "--", *program]
+    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
+    import_paths = os.pathsep.join(path for path in sys.path if path)
+    child_env = {**os.environ, "PYTHONPATH": import_paths, **rank_env}
     with tempfile.TemporaryFile() as log:
         # stdin a pipe we never write to: mlx.launch polls its stdin, and /dev/null would make it spin.
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
