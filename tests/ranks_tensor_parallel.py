@@ -134,7 +134,6 @@ def main() -> None:
     full = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     try:
         result = {
-            "pid": os.getpid(),
             "mlp": attempt(check_mlp, sol, group, full, mlx_model),
             "attention": attempt(check_attention, sol, group, full, mlx_model),
             "model": attempt(check_model, sol, group, full, mlx_model, tokenizer, args.die_rank),
