@@ -35,7 +35,9 @@ def split_outputs(weight: mx.array, rank: int, world_size: int) -> mx.array:
     Column-parallel in Megatron's terms: the rank computes 1/N of the layer's outputs, in full.
     """
     # TODO: check that the outputs divide among the ranks; keep the rank's contiguous block of rows
-    raise NotImplementedError("Week 4 Day 3 Task 1 (book/src/week4-03-tensor-parallelism.md): the rows of a column-parallel weight that this rank keeps")
+    raise NotImplementedError(
+        "Week 4 Day 3 Task 1 (book/src/week4-03-tensor-parallelism.md): the rows of a column-parallel weight that this rank keeps"
+    )
 
 
 def split_inputs(weight: mx.array, rank: int, world_size: int) -> mx.array:
@@ -44,7 +46,9 @@ def split_inputs(weight: mx.array, rank: int, world_size: int) -> mx.array:
     Row-parallel in Megatron's terms: the rank's product is a partial sum of every output.
     """
     # TODO: check that the inputs divide among the ranks; keep the rank's contiguous block of columns
-    raise NotImplementedError("Week 4 Day 3 Task 1 (book/src/week4-03-tensor-parallelism.md): the columns of a row-parallel weight that this rank keeps")
+    raise NotImplementedError(
+        "Week 4 Day 3 Task 1 (book/src/week4-03-tensor-parallelism.md): the columns of a row-parallel weight that this rank keeps"
+    )
 
 
 def own_copy(weight: mx.array | None) -> mx.array | None:
@@ -67,12 +71,16 @@ class ShardedMLP:
         """Keep rank `group.rank()`'s slices of `mlp`'s weights as a smaller `Qwen2MLP`, `self.local`."""
         self.group = group
         # TODO: gate and up keep the rank's intermediate features (outputs), down the same features (inputs)
-        raise NotImplementedError("Week 4 Day 3 Task 2 (book/src/week4-03-tensor-parallelism.md): split the MLP: gate and up by outputs, down by inputs")
+        raise NotImplementedError(
+            "Week 4 Day 3 Task 2 (book/src/week4-03-tensor-parallelism.md): split the MLP: gate and up by outputs, down by inputs"
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         """`T x E` -> `T x E`, the full MLP output on every rank."""
         # TODO: run the local MLP (a partial sum of the output), then all_sum it over the group
-        raise NotImplementedError("Week 4 Day 3 Task 2 (book/src/week4-03-tensor-parallelism.md): the rank's partial output, summed over the ranks")
+        raise NotImplementedError(
+            "Week 4 Day 3 Task 2 (book/src/week4-03-tensor-parallelism.md): the rank's partial output, summed over the ranks"
+        )
 
 
 class ShardedAttention:
@@ -82,12 +90,16 @@ class ShardedAttention:
         """Keep rank `group.rank()`'s heads of `attention` as a smaller `Qwen2RaggedAttention`, `self.local`."""
         self.group = group
         # TODO: divide the query heads and the KV heads; q/k/v (and biases) by outputs, o by inputs
-        raise NotImplementedError("Week 4 Day 3 Task 3 (book/src/week4-03-tensor-parallelism.md): split the attention by heads: q, k, v by outputs, o by inputs")
+        raise NotImplementedError(
+            "Week 4 Day 3 Task 3 (book/src/week4-03-tensor-parallelism.md): split the attention by heads: q, k, v by outputs, o by inputs"
+        )
 
     def __call__(self, x, batch, cos, sin, pool, layer) -> mx.array:
         """`T x E` -> `T x E`: the rank's heads over its share of the pool, then summed over the ranks."""
         # TODO: run the local attention (its keys and values go to this rank's pool), then all_sum
-        raise NotImplementedError("Week 4 Day 3 Task 3 (book/src/week4-03-tensor-parallelism.md): the rank's heads' share of o_proj, summed over the ranks")
+        raise NotImplementedError(
+            "Week 4 Day 3 Task 3 (book/src/week4-03-tensor-parallelism.md): the rank's heads' share of o_proj, summed over the ranks"
+        )
 
 
 class Qwen2TensorParallel(Qwen2ModelWeek3):
@@ -101,7 +113,9 @@ class Qwen2TensorParallel(Qwen2ModelWeek3):
         super().__init__(mlx_model)
         self.group = group
         # TODO: replace each block's attention and MLP with their sharded versions; divide num_kv_heads
-        raise NotImplementedError("Week 4 Day 3 Task 4 (book/src/week4-03-tensor-parallelism.md): shard every layer; the KV pool holds this rank's KV heads only")
+        raise NotImplementedError(
+            "Week 4 Day 3 Task 4 (book/src/week4-03-tensor-parallelism.md): shard every layer; the KV pool holds this rank's KV heads only"
+        )
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the weights this rank holds: `sharded` (its share of the layers) and `replicated` (provided)."""
