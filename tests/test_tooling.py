@@ -20,6 +20,9 @@ import pytest
 from maint import book_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Each test here runs whole grading or checking processes, every one bounded by its own subprocess timeout:
+# they get more than `pdm run test`'s per-test limit.
+pytestmark = pytest.mark.timeout(900)
 
 # ---------------------------------------------------------------- Gradescope's results.json, checked field by field
 # From Gradescope's "Autograder Specifications" (gradescope-autograders.readthedocs.io/en/latest/specs/):
@@ -384,6 +387,7 @@ def test_book_check_accepts_a_correct_book(book_root):
     (("alpha.md", "## Task 3: crash", "## Task 4: crash"), "Task 4"),
     (("beta.md", "## Task 2: twice zero", "## Twice zero"), "test_task_2"),
     (("preface.md", "(./alpha.md)", "(./alfa.md)"), "alfa.md"),
+    (("preface.md", "(./alpha.md).", "(./alpha.md) (coming)."), "coming"),
 ])
 def test_book_check_catches_each_kind_of_drift(tmp_path, breakage, expected):
     root = make_book(tmp_path / "course")

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=3)
 ref = reference()
@@ -291,3 +292,11 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
     engine.step()
     assert engine.prefix_cache_hit_rate == pytest.approx(8 / 18)
     assert any("prefix cache hit rate 44.4%" in line for line in lines), lines
+
+
+# ---------------------------------------------------------------- Task 5: your stack so far
+
+
+def test_task_5_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=3), day=3)

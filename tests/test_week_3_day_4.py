@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=4)
 ref = reference()
@@ -224,3 +225,11 @@ def test_task_3_aging_bounds_starvation(engine_factory):
     low = engine.metrics.requests["low"]
     assert seqs["low"].finish_reason == "length"
     assert low.finish < 40, "aging lets it through long before the urgent stream ends"
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=4), day=4)
