@@ -21,9 +21,18 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 150_000) for _ in range(n)]
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000):
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, scheduler_class=None):
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
-    return sol.priority_scheduler.PriorityScheduler(bm, budget, max_num_seqs, aging_steps=aging_steps)
+    scheduler_class = scheduler_class or sol.priority_scheduler.PriorityScheduler
+    return scheduler_class(bm, budget, max_num_seqs, aging_steps=aging_steps)
+
+
+def planner_before_task_3(**kwargs):
+    """The solution's priority scheduler with Task 3's preemption (`make_room`, `can_admit`) from the reference:
+    `schedule` calls `make_room`, and Task 2 is tested before Task 3 is written."""
+    room = {name: vars(ref.priority_scheduler.PriorityScheduler)[name] for name in ("make_room", "can_admit")}
+    return make_scheduler(**kwargs, scheduler_class=type("RoomByTheReference",
+                                                          (sol.priority_scheduler.PriorityScheduler,), room))
 
 
 def seq(request_id, n, priority=0, seed=0):
@@ -104,7 +113,7 @@ def test_task_1_priorities_age():
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():
-    s = make_scheduler(budget=32)
+    s = planner_before_task_3(budget=32)
     batch = seq("batch", 100, priority=0)
     s.add(batch)
     complete(s.schedule())  # the long batch prompt is part-way through
@@ -117,7 +126,7 @@ def test_task_2_urgent_prefill_goes_first_in_the_budget():
 
 
 def test_task_2_waiting_queue_served_by_priority():
-    s = make_scheduler(budget=16, max_num_seqs=4)
+    s = planner_before_task_3(budget=16, max_num_seqs=4)
     for i, p in enumerate([0, 2, 1]):
         s.add(seq(f"p{p}", 16, priority=p, seed=i))
     order = []
@@ -129,7 +138,7 @@ def test_task_2_waiting_queue_served_by_priority():
 
 
 def test_task_2_decodes_in_priority_order():
-    s = make_scheduler(budget=32)
+    s = planner_before_task_3(budget=32)
     s.add(seq("p0", 4, priority=0))
     complete(s.schedule())  # p0 is admitted first...
     for i, p in enumerate([3, 1], start=1):
