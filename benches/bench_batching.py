@@ -60,10 +60,10 @@ def run_ours(batch_module, model, tokenizer, prompts, batch_size, args) -> dict:
 
 
 def run_week3(model3, tokenizer, prompts, batch_size, args) -> dict:
-    from tiny_llm_ref.engine import LLMEngine
+    from tiny_llm_ref.engine import EngineConfig, LLMEngine
     from tiny_llm_ref.sequence import SamplingParams
 
-    engine = LLMEngine(model3, tokenizer, max_num_batched_tokens=max(256, batch_size), max_num_seqs=batch_size)
+    engine = LLMEngine(model3, tokenizer, EngineConfig(token_budget=max(256, batch_size), max_num_seqs=batch_size))
     start = time.perf_counter()
     seqs = [engine.add_request(p, SamplingParams(max_tokens=args.output_tokens)) for p in prompts]
     while engine.has_work():

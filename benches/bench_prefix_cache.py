@@ -25,7 +25,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benches.engine_driver import Arrival, drive, percentile, poisson_times, random_tokens  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model  # noqa: E402
-from tiny_llm_ref.engine import LLMEngine  # noqa: E402
+from tiny_llm_ref.engine import EngineConfig, LLMEngine  # noqa: E402
 from tiny_llm_ref.qwen2_week3 import Qwen2ModelWeek3  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "prefix_cache.json"
@@ -96,8 +96,8 @@ def main(argv=None) -> None:
     runs, rows = {}, []
     with tqdm(total=2 * len(arrivals), desc="requests", unit="req") as progress:
         for label, caching in (("cache off", False), ("cache on", True)):
-            engine = LLMEngine(model, tokenizer, max_num_batched_tokens=args.budget, max_num_seqs=8,
-                               block_size=16, num_blocks=-(-kv_tokens // 16), enable_prefix_caching=caching)
+            engine = LLMEngine(model, tokenizer, EngineConfig(token_budget=args.budget, max_num_seqs=8, block_size=16,
+                                                              num_blocks=-(-kv_tokens // 16), enable_prefix_caching=caching))
             runs[label] = drive(engine, arrivals, progress)
             rows.append(figures(label, runs[label]))
     off, on = rows

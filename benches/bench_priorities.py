@@ -29,7 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benches.engine_driver import Arrival, drive, percentile, poisson_times, random_tokens  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model  # noqa: E402
-from tiny_llm_ref.engine import LLMEngine  # noqa: E402
+from tiny_llm_ref.engine import EngineConfig, LLMEngine  # noqa: E402
 from tiny_llm_ref.qwen2_week3 import Qwen2ModelWeek3  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "priorities.json"
@@ -115,8 +115,8 @@ def main(argv=None) -> None:
     total = sum(len(workload(args, with_batch)) for _, _, with_batch in plans)
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for label, policy, with_batch in plans:
-            engine = LLMEngine(model, tokenizer, max_num_batched_tokens=args.budget, max_num_seqs=8, block_size=16,
-                               scheduling_policy=policy)
+            engine = LLMEngine(model, tokenizer, EngineConfig(token_budget=args.budget, max_num_seqs=8, block_size=16,
+                                                              scheduling_policy=policy))
             runs[label] = drive(engine, workload(args, with_batch), progress)
             rows.append(figures(label, runs[label]))
     print(f"\nbatch: {args.batch} x {args.batch_tokens}+{args.batch_output} tokens at t=0; interactive: "

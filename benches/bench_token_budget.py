@@ -38,12 +38,11 @@ from tqdm import tqdm  # noqa: E402
 from benches.scheduler_driver import percentile, random_prompt  # noqa: E402
 from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
 from tiny_llm_ref import batch as day27  # noqa: E402
-from tiny_llm_ref.engine import LLMEngine  # noqa: E402
+from tiny_llm_ref.engine import EngineConfig, LLMEngine  # noqa: E402
 from tiny_llm_ref.metrics import MetricsRecorder  # noqa: E402
 from tiny_llm_ref.qwen2_week2 import Qwen2ModelWeek2  # noqa: E402
 from tiny_llm_ref.qwen2_week3 import Qwen2ModelWeek3  # noqa: E402
 from tiny_llm_ref.sequence import SamplingParams  # noqa: E402
-from tiny_llm_ref.token_budget import AdaptiveTokenBudget  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RECOMMENDED = "week3 adaptive"
@@ -111,8 +110,8 @@ def mixed_workload(args) -> list[Arrival]:
 
 
 class Week3Adapter:
-    def __init__(self, model, tokenizer, budget, policy=None):
-        self.engine = LLMEngine(model, tokenizer, max_num_batched_tokens=budget, max_num_seqs=8, policy=policy)
+    def __init__(self, model, tokenizer, config):
+        self.engine = LLMEngine(model, tokenizer, config)
 
     def add(self, idx, arrival):
         self.engine.add_request(arrival.prompt, SamplingParams(max_tokens=arrival.max_tokens), request_id=idx)
@@ -337,9 +336,10 @@ def configs(args, mlx_model, model2, model3, tokenizer, arrivals, workload: str)
     """(label, make_adapter) in run order: mlx-lm and ours alternating."""
     max_seq_len = max(len(a.prompt) + a.max_tokens for a in arrivals) + 1
     mlx = [(f"mlx-lm step {s}", lambda s=s: MlxLmAdapter(mlx_model, tokenizer, s)) for s in args.mlx_steps]
-    ours = [(RECOMMENDED, lambda: Week3Adapter(model3, tokenizer, 2048, AdaptiveTokenBudget(
-        target_itl=None, decode_multiple=args.decode_multiple, max_num_batched_tokens=2048)))]
-    ours += [(f"week3 budget {b}", lambda b=b: Week3Adapter(model3, tokenizer, b)) for b in args.budgets]
+    adaptive = EngineConfig(token_budget=2048, adaptive_budget=True, decode_multiple=args.decode_multiple, max_num_seqs=8)
+    ours = [(RECOMMENDED, lambda: Week3Adapter(model3, tokenizer, adaptive))]
+    ours += [(f"week3 budget {b}", lambda b=b: Week3Adapter(model3, tokenizer, EngineConfig(token_budget=b, max_num_seqs=8)))
+             for b in args.budgets]
     if workload == "mixed":
         mlx, ours = mlx[:2], ours[:2]
     elif "day27" not in args.skip:

@@ -56,7 +56,7 @@ DAYS: list[Day] = [
     Day(3, 2, "Paged KV cache and preemption", "week3-02-paged-kv-cache.md", ("block_manager", "scheduler"),
         {1: 10, 2: 5, 3: 10, 4: 40}),
     Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5, 5: 45}),
-    Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler",),
+    Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler", "scheduler", "engine"),
         {1: 5, 2: 10, 3: 10, 4: 40}),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
 ]

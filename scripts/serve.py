@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         # MLX streams are thread-local: whatever the model left lazy on this thread must be evaluated
         # here, before the engine thread takes over. One tiny generation does that (and warms up).
         engine_module.generate(model, tokenizer, [[0]], sequence.SamplingParams(max_tokens=1))
-        engine = engine_module.LLMEngine(
-            model, tokenizer, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size, num_blocks=args.num_blocks, log=log, log_interval=args.log_interval,
-            enable_prefix_caching=args.enable_prefix_caching)
+        config = engine_module.EngineConfig(
+            token_budget=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+            num_blocks=args.num_blocks, log_interval=args.log_interval, enable_prefix_caching=args.enable_prefix_caching)
+        engine = engine_module.LLMEngine(model, tokenizer, config, log=log)
         name = args.served_model_name or args.model
         app = server.create_app(engine, tokenizer, name)
     except (ValueError, TypeError) as error:

@@ -30,12 +30,12 @@ def next_token_of(history: list[int], eos: bool = True) -> int:
 
 
 def expected_tokens(prompt: list[int], max_seq_len: int, eos: bool = True) -> tuple[list[int], str]:
-    """One-request-at-a-time greedy generation under the fake model: (output tokens, "eos" or "length")."""
+    """One-request-at-a-time greedy generation under the fake model: (output tokens, "stop" or "length")."""
     history, output = list(prompt), []
     while True:
         token = next_token_of(history, eos)
         if token == EOS:
-            return output, "eos"
+            return output, "stop"
         output.append(token)
         history.append(token)
         if len(history) >= max_seq_len:

@@ -149,7 +149,7 @@ def test_request_stops_at_im_end(ours, answers):
     while scheduler.has_work():
         scheduler.step()
     (request,) = scheduler.finished
-    assert request.finish_reason == "eos"
+    assert request.finish_reason == "stop"
     assert request.next_token == IM_END and IM_END not in request.output_tokens
     assert request.text() == answers[QUESTION] and "<|im_end|>" not in request.text()
 

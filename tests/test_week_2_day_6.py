@@ -97,7 +97,7 @@ def test_task_1_record_token_appends_and_finishes_at_eos(batch):
     assert request.output_tokens == [5, 7] and request.next_token == 7
     assert not request.is_done and request.finish_reason is None
     request.record_token(EOS)
-    assert request.is_done and request.finish_reason == "eos"
+    assert request.is_done and request.finish_reason == "stop"
     assert request.output_tokens == [5, 7], "EOS ends the request and is not part of its output"
     assert request.text() == tokenizer.decode([5, 7])
     assert model.calls == [], "recording a token needs no model call"
@@ -157,7 +157,7 @@ def test_task_2_fake_outputs_equal_one_at_a_time(batch, batch_size):
     scheduler = run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
                               max_seq_len=24, batch_size=batch_size, prefill_step=64)
     expected = [expected_tokens(tokenizer.encode(p), 24) for p in prompts]
-    assert {reason for _, reason in expected} == {"eos", "length"}, "the workload should end both ways"
+    assert {reason for _, reason in expected} == {"stop", "length"}, "the workload should end both ways"
     got = {r.prompt_idx: (r.output_tokens, r.finish_reason) for r in scheduler.finished}
     assert got == dict(enumerate(expected))
     busiest = max(len(c.active) for c in model.decode_calls)
@@ -185,7 +185,7 @@ def test_task_2_a_freed_slot_is_reused(batch):
     run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
                   max_seq_len=16, batch_size=2, prefill_step=64)
     # A request whose first token is EOS never needs a slot; every other one takes one.
-    needs_slot = sum(expected_tokens(tokenizer.encode(p), 16) != ([], "eos") for p in prompts)
+    needs_slot = sum(expected_tokens(tokenizer.encode(p), 16) != ([], "stop") for p in prompts)
     assert needs_slot > 2
     assert model.batch_caches[0][0].adds == needs_slot
     assert all(len(c.active) <= 2 for c in model.decode_calls)
@@ -258,4 +258,4 @@ def test_task_3_release_all_after_an_error(batch):
     assert not scheduler.has_work() and scheduler.num_running == 0
     assert all(layer.held() == [] for layer in scheduler.batch_cache)
     unfinished = [r for r in requests if r not in scheduler.finished]
-    assert unfinished and all(r.kv_cache is None and r.finish_reason == "cancelled" for r in unfinished)
+    assert unfinished and all(r.kv_cache is None and r.finish_reason == "abort" for r in unfinished)

@@ -422,7 +422,7 @@ def test_task_5_first_token_eos_finishes_without_a_decode_step(batch):
     scheduler = run_scheduler(batch, model, tokenizer, [other, eos_prompt], max_seq_len=15,
                               batch_size=2, prefill_step=3)
     finished = {r.prompt_idx: r for r in scheduler.finished}
-    assert finished[1].finish_reason == "eos" and finished[1].output_tokens == [] and finished[1].text() == ""
+    assert finished[1].finish_reason == "stop" and finished[1].output_tokens == [] and finished[1].text() == ""
     assert model.batch_caches[0][0].adds == 1, "only the other request ever takes a slot"
     assert all(c.active == [0] for c in model.decode_calls)
 

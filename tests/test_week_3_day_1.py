@@ -34,17 +34,17 @@ def real(model32):
 
 
 def fake_engine(engine_module, **kwargs):
-    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), **kwargs)
+    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), engine_module.EngineConfig(**kwargs))
     engine.runner = FakeRunner(engine)
     return engine
 
 
 def planner_engine(**kwargs):
-    """The reference engine around the planner under test: Task 2 is tested before the engine's step (Task 5)."""
-    engine = fake_engine(ref.engine, **kwargs)
-    old = engine.scheduler
-    engine.scheduler = sol.scheduler.Scheduler(engine.block_manager, old.max_num_batched_tokens, old.max_num_seqs,
-                                               old.policy, engine.log)
+    """An engine whose scheduler updates sequences with the reference's Task 5 (`update_from_output`,
+    `append_token`): the planner (Task 2) is tested before Task 5 is written."""
+    engine = fake_engine(sol.engine, **kwargs)
+    update = {name: vars(ref.scheduler.Scheduler)[name] for name in ("update_from_output", "append_token")}
+    engine.scheduler.__class__ = type("UpdatedByTheReference", (type(engine.scheduler),), update)
     return engine
 
 
@@ -98,7 +98,7 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
 @pytest.mark.parametrize("budget", [4, 5, 9, 16, 64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_task_2_budget_never_exceeded_decodes_never_starved(budget, seed):
-    engine = planner_engine(max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
+    engine = planner_engine(token_budget=budget, max_num_seqs=4, block_size=4)
     prompts = random_prompts(7, seed)
     rng = random.Random(seed)
     pending = list(enumerate(prompts))
@@ -116,27 +116,27 @@ def test_task_2_budget_never_exceeded_decodes_never_starved(budget, seed):
         if not pending and engine.has_work():
             assert not plan.is_empty
         if not plan.is_empty:
-            engine.apply(plan, engine.runner.run(plan))
+            engine.scheduler.update_from_output(plan, engine.runner.run(plan))
     for seq in engine.scheduler.waiting:
         raise AssertionError(f"{seq} never ran")
 
 
 def test_task_2_fills_the_budget_with_several_prefills():
-    engine = planner_engine(max_num_batched_tokens=16, max_num_seqs=8, block_size=4)
+    engine = planner_engine(token_budget=16, max_num_seqs=8, block_size=4)
     for i, n in enumerate([5, 6, 7]):
         engine.add_request(list(range(1, n + 1)), ref.sequence.SamplingParams(max_tokens=3), request_id=i)
     plan = engine.scheduler.schedule()
     assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(0, 0, 5), (1, 0, 6), (2, 0, 5)]
     assert not plan.decodes and plan.num_tokens == 16
     assert [c.samples for c in plan.prefills] == [True, True, False]
-    engine.apply(plan, engine.runner.run(plan))
+    engine.scheduler.update_from_output(plan, engine.runner.run(plan))
     plan = engine.scheduler.schedule()  # two decodes first, then the rest of prompt 2
     assert [(c.seq.request_id, c.start, c.length) for c in plan.decodes] == [(0, 5, 1), (1, 6, 1)]
     assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(2, 5, 2)]
 
 
 def test_task_2_respects_max_num_seqs():
-    engine = planner_engine(max_num_batched_tokens=64, max_num_seqs=2)
+    engine = planner_engine(token_budget=64, max_num_seqs=2)
     for i in range(4):
         engine.add_request([1, 2, 3], ref.sequence.SamplingParams(max_tokens=4), request_id=i)
     plan = engine.scheduler.schedule()
@@ -145,7 +145,7 @@ def test_task_2_respects_max_num_seqs():
 
 @pytest.mark.parametrize("budget", [3, 8, 200])
 def test_task_2_outputs_equal_one_at_a_time(budget):
-    engine = planner_engine(max_num_batched_tokens=budget, max_num_seqs=3, block_size=2)
+    engine = planner_engine(token_budget=budget, max_num_seqs=3, block_size=2)
     prompts = random_prompts(6, seed=budget)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=12)) for p in prompts]
     while engine.has_work():
@@ -237,7 +237,7 @@ def test_task_4_prepare_lays_out_the_plan(real):
     assert batch.sample_rows.tolist() == [0]
     (chunk,) = batch.chunks
     assert chunk.length == 3 and chunk.key_slots.tolist() == [4, 5, 6, 7, 36, 37, 38]
-    assert mx.array_equal(chunk.mask, ref.batch.chunk_causal_mask(4, 3, chunk.mask.dtype)).item()
+    assert mx.array_equal(chunk.mask, ref.attention.causal_mask(3, 7, chunk.mask.dtype)).item()  # day 2.7's chunk mask
 
 
 def test_task_4_decode_view_masks_padding(real):
@@ -265,7 +265,7 @@ def test_task_4_sampling_per_sequence(real):
     assert again[0] == tokens[2], "a seeded sequence draws the same token whatever shares its batch"
 
 
-# ---------------------------------------------------------------- Task 5: the engine
+# ---------------------------------------------------------------- Task 5: updating sequences from a step
 
 
 @pytest.mark.parametrize("budget,order", [(4, "forward"), (7, "reverse"), (32, "staggered"), (512, "forward")])
@@ -274,7 +274,8 @@ def test_task_5_outputs_equal_one_at_a_time_mlx_lm(engine_module, real, budget, 
     rng = random.Random(budget)
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (3, 17, 9, 30)]
     expected = [mlx_lm_greedy(mlx_model, p, 6, tokenizer.eos_token_ids) for p in prompts]
-    engine = engine_module.LLMEngine(model, tokenizer, max_num_batched_tokens=budget, max_num_seqs=4, block_size=4)
+    engine = engine_module.LLMEngine(model, tokenizer,
+                                     engine_module.EngineConfig(token_budget=budget, max_num_seqs=4, block_size=4))
     indices = list(range(len(prompts)))[::-1] if order == "reverse" else list(range(len(prompts)))
     seqs = {}
     for i in indices:
@@ -290,7 +291,7 @@ def test_task_5_outputs_equal_one_at_a_time_mlx_lm(engine_module, real, budget, 
 
 
 def test_task_5_step_outputs(engine_module):
-    engine = fake_engine(engine_module, max_num_batched_tokens=64)
+    engine = fake_engine(engine_module, token_budget=64)
     prompt = [3, 1, 4, 1, 5]
     expected, reason = fake_expected(prompt, 5)
     engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=5), request_id="r")
@@ -309,14 +310,14 @@ def test_task_5_eos_ends_a_sequence_without_a_token(engine_module):
     for i in range(40):  # find a prompt whose generation meets EOS
         prompt = [i, i + 1]
         expected, reason = fake_expected(prompt, 30)
-        if reason == "eos":
+        if reason == "stop":
             break
     seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=30))
     outputs = []
     while engine.has_work():
         outputs += engine.step()
-    assert seq.output_token_ids == expected and seq.finish_reason == "eos"
-    assert (outputs[-1].token, outputs[-1].finished, outputs[-1].finish_reason) == (None, True, "eos")
+    assert seq.output_token_ids == expected and seq.finish_reason == "stop"
+    assert (outputs[-1].token, outputs[-1].finished, outputs[-1].finish_reason) == (None, True, "stop")
 
 
 def test_task_5_bad_requests_rejected_before_the_model_runs(engine_module):

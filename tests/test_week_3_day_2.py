@@ -31,12 +31,13 @@ def scheduler_module():
 
 def make_engine(model, tokenizer, scheduler_module, **kwargs):
     """The reference engine on the block manager and scheduler under test."""
-    engine = ref.engine.LLMEngine(model, tokenizer, **{"block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
-    engine.block_manager = sol.block_manager.BlockManager(engine.block_manager.num_blocks,
-                                                          engine.block_manager.block_size)
+    log = kwargs.pop("log", None)
+    config = ref.engine.EngineConfig(**{"block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
+    engine = ref.engine.LLMEngine(model, tokenizer, config, log=log)
+    engine.block_manager = sol.block_manager.BlockManager(config.pool_blocks, config.block_size)
     old = engine.scheduler
-    engine.scheduler = scheduler_module.Scheduler(engine.block_manager, old.max_num_batched_tokens,
-                                                  old.max_num_seqs, old.policy, engine.log)
+    engine.scheduler = scheduler_module.Scheduler(engine.block_manager, old.token_budget, old.max_num_seqs,
+                                                  old.order, old.eos_token_ids, engine.log)
     return engine
 
 
@@ -133,7 +134,7 @@ def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_mod
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (11, 4, 23)]
     expected = [mlx_lm_greedy(mlx_model, p, 8, tokenizer.eos_token_ids) for p in prompts]
     engine = make_engine(model, tokenizer, scheduler_module, block_size=block_size, num_blocks=256 // block_size,
-                         max_num_batched_tokens=8)
+                         token_budget=8)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=8)) for p in prompts]
     run_to_end(engine)
     assert [s.output_token_ids for s in seqs] == expected
@@ -143,7 +144,7 @@ def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_mod
 
 
 def test_task_3_admission_by_free_blocks(scheduler_module):
-    engine = fake_engine(scheduler_module, block_size=4, num_blocks=3, max_num_batched_tokens=64, max_num_seqs=8)
+    engine = fake_engine(scheduler_module, block_size=4, num_blocks=3, token_budget=64, max_num_seqs=8)
     for i in range(3):
         engine.add_request([1, 2, 3, 4, 5, 6], ref.sequence.SamplingParams(max_tokens=2), request_id=i)
     plan = engine.scheduler.schedule()
@@ -154,7 +155,7 @@ def test_task_3_admission_by_free_blocks(scheduler_module):
 
 def test_task_3_preemption_recomputes_to_the_same_output(scheduler_module):
     lines = []
-    engine = fake_engine(scheduler_module, block_size=2, num_blocks=8, max_num_batched_tokens=32, max_num_seqs=4,
+    engine = fake_engine(scheduler_module, block_size=2, num_blocks=8, token_budget=32, max_num_seqs=4,
                          log=lines.append)
     prompts = [[i + 1] * 5 for i in range(4)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
@@ -171,7 +172,7 @@ def test_task_3_forced_preemption_real_model(model32, scheduler_module):
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (7, 12, 5)]
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
-    engine = make_engine(model, tokenizer, scheduler_module, block_size=2, num_blocks=12, max_num_batched_tokens=16)
+    engine = make_engine(model, tokenizer, scheduler_module, block_size=2, num_blocks=12, token_budget=16)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
     run_to_end(engine)
     assert engine.num_preemptions > 0
@@ -207,7 +208,7 @@ def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths
     longest = max(lengths) + max_tokens
     num_blocks = -(-longest // block_size) + spare_blocks
     engine = fake_engine(scheduler_module, block_size=block_size, num_blocks=num_blocks,
-                         max_num_batched_tokens=budget, max_num_seqs=3)
+                         token_budget=budget, max_num_seqs=3)
     prompts = [[(7 * i + j) % EOS for j in range(n)] for i, n in enumerate(lengths)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
     steps = 0

@@ -42,9 +42,10 @@ def engines(week3_model, monkeypatch, manager_class):
     model, tokenizer = week3_model
 
     def make(enable_prefix_caching=True, **kwargs):
-        options = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
+        options = dict(token_budget=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
         options.update(kwargs)
-        return sol.engine.LLMEngine(model, tokenizer, enable_prefix_caching=enable_prefix_caching, **options)
+        config = sol.engine.EngineConfig(enable_prefix_caching=enable_prefix_caching, **options)
+        return sol.engine.LLMEngine(model, tokenizer, config)
 
     return make
 
@@ -213,7 +214,7 @@ def test_task_3_concurrent_requests_share_blocks(engine_before_task_4):
     shared = tokens(3 * BLOCK, 12)
     prompts = [shared + tokens(2 + i, 30 + i) for i in range(4)]
     plain = run(engine_before_task_4(enable_prefix_caching=False), prompts, max_tokens=8)
-    engine = engine_before_task_4(max_num_batched_tokens=32)
+    engine = engine_before_task_4(token_budget=32)
     params = ref.sequence.SamplingParams(max_tokens=8)
     first = engine.add_request(prompts[0], params, request_id=0)
     engine.step()  # the first prompt is computed; its three full blocks are named
@@ -299,8 +300,9 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
         now[0] += 1.0  # every reading one second later: a log line at every step
         return now[0]
 
-    engine = sol.engine.LLMEngine(model, tokenizer, max_num_batched_tokens=64, block_size=BLOCK, num_blocks=32,
-                                  enable_prefix_caching=True, clock=clock, log=lines.append, log_interval=1.0)
+    config = sol.engine.EngineConfig(token_budget=64, block_size=BLOCK, num_blocks=32, enable_prefix_caching=True,
+                                     log_interval=1.0)
+    engine = sol.engine.LLMEngine(model, tokenizer, config, clock=clock, log=lines.append)
     prompt = tokens(2 * BLOCK + 1, 90)
     run(engine, [prompt, prompt], max_tokens=2, one_at_a_time=True)
     engine.step()

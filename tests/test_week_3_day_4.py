@@ -22,17 +22,18 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, scheduler_class=None):
+    """Day 3.1's one planner with the solution's priority policy plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
-    scheduler_class = scheduler_class or sol.priority_scheduler.PriorityScheduler
-    return scheduler_class(bm, budget, max_num_seqs, aging_steps=aging_steps)
+    order = sol.priority_scheduler.PriorityPolicy(aging_steps=aging_steps)
+    scheduler_class = scheduler_class or sol.scheduler.Scheduler
+    return scheduler_class(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
 
 
 def planner_before_task_3(**kwargs):
-    """The solution's priority scheduler with Task 3's preemption (`make_room`, `can_admit`) from the reference:
-    `schedule` calls `make_room`, and Task 2 is tested before Task 3 is written."""
-    room = {name: vars(ref.priority_scheduler.PriorityScheduler)[name] for name in ("make_room", "can_admit")}
-    return make_scheduler(**kwargs, scheduler_class=type("RoomByTheReference",
-                                                          (sol.priority_scheduler.PriorityScheduler,), room))
+    """The planner with Task 3's preemption (`make_room`, `can_admit`) from the reference: `schedule` calls
+    `make_room`, and Task 2 is tested before Task 3 is written."""
+    room = {name: vars(ref.scheduler.Scheduler)[name] for name in ("make_room", "can_admit")}
+    return make_scheduler(**kwargs, scheduler_class=type("RoomByTheReference", (sol.scheduler.Scheduler,), room))
 
 
 def seq(request_id, n, priority=0, seed=0):
@@ -49,17 +50,16 @@ def complete(plan):
 
 @pytest.fixture
 def engine_factory(model32, monkeypatch):
-    """Engines whose priority scheduler is the solution's (the rest of the engine is the reference's)."""
-    monkeypatch.setattr(sol.engine, "PriorityScheduler", sol.priority_scheduler.PriorityScheduler)
+    """Engines whose priority policy is the solution's (the rest of the engine is the reference's)."""
+    monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.priority_scheduler.PriorityPolicy)
     mlx_model, tokenizer = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
 
     def make(**kwargs):
         now = [0]
-        options = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, num_blocks=64,
-                       scheduling_policy="priority", clock=lambda: now[0])
+        options = dict(token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64, scheduling_policy="priority")
         options.update(kwargs)
-        engine = sol.engine.LLMEngine(model, tokenizer, **options)
+        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**options), clock=lambda: now[0])
         engine.tick = now  # the test advances the clock by one per step
         return engine
 
@@ -84,32 +84,43 @@ def run_steps(engine, arrivals, max_steps=400):
 
 
 def test_task_1_rank_orders_by_priority_then_arrival():
-    s = make_scheduler()
+    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
     low, high, high_later = seq("low", 4, 0), seq("high", 4, 5), seq("high2", 4, 5)
     for x in (low, high):
-        s.add(x)
-    s.num_steps += 1
-    s.add(high_later)
-    assert sorted([low, high_later, high], key=s.rank) == [high, high_later, low]
-    assert s.effective_priority(high) == 5 and s.effective_priority(low) == 0
+        policy.add(x)
+    policy.next_step()
+    policy.add(high_later)
+    assert sorted([low, high_later, high], key=policy.rank) == [high, high_later, low]
+    assert policy.effective_priority(high) == 5 and policy.effective_priority(low) == 0
 
 
 def test_task_1_priorities_age():
-    s = make_scheduler(aging_steps=10)
+    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=10)
     old = seq("old", 4, priority=0)
-    s.add(old)
-    s.num_steps = 25
+    policy.add(old)
+    policy.num_steps = 25
     young = seq("young", 4, priority=2)
-    s.add(young)
-    assert s.effective_priority(old) == 2, "one level per 10 steps waited"
-    assert s.rank(old) < s.rank(young), "same effective priority: the earlier arrival first"
-    s.num_steps = 45
-    assert s.effective_priority(old) == 4 and s.effective_priority(young) == 4
+    policy.add(young)
+    assert policy.effective_priority(old) == 2, "one level per 10 steps waited"
+    assert policy.rank(old) < policy.rank(young), "same effective priority: the earlier arrival first"
+    policy.num_steps = 45
+    assert policy.effective_priority(old) == 4 and policy.effective_priority(young) == 4
     with pytest.raises(ValueError, match="aging_steps"):
-        make_scheduler(aging_steps=0)
+        sol.priority_scheduler.PriorityPolicy(aging_steps=0)
 
 
 # ---------------------------------------------------------------- Task 2: the plan follows priority
+
+
+def test_task_2_order_and_outranks():
+    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
+    a, b, c = seq("a", 4, 1), seq("b", 4, 3), seq("c", 4, 1, seed=1)
+    for x in (a, b, c):
+        policy.add(x)
+    assert policy.order([a, b, c]) == [b, a, c], "most urgent first; equals keep their order"
+    assert policy.order([c, a]) == [c, a], "stable among equals"
+    assert policy.outranks(b, a) and not policy.outranks(a, b)
+    assert not policy.outranks(a, c) and not policy.outranks(c, a), "equals never outrank each other"
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():

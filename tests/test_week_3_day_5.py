@@ -39,7 +39,7 @@ def tokenizer(model):
 
 
 def make_engine(model):
-    return ref.engine.LLMEngine(model[0], model[1], max_num_batched_tokens=64, max_num_seqs=16, block_size=8)
+    return ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(token_budget=64, max_num_seqs=16, block_size=8))
 
 
 def in_process(model, prompt_text: str, max_tokens: int) -> str:

@@ -64,7 +64,7 @@ def fake_expected(prompt: list[int], max_tokens: int, eos: bool = True) -> tuple
     while len(output) < max_tokens:
         token = next_token_of(history, eos)
         if token == EOS:
-            return output, "eos"
+            return output, "stop"
         output.append(token)
         history.append(token)
     return output, "length"

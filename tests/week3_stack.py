@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tests.harness import reference
 
 VOCAB = 64
-EOS = 60  # five of the nine pressure requests meet it: "eos" endings without any trick in the model
+EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
 STEP_LIMIT = 400  # no workload here needs more than about 100 steps; more means the engine stopped progressing
 ref = reference()
 
@@ -135,7 +135,7 @@ def _alone(prompt: tuple, max_tokens: int, sampling: tuple) -> tuple[tuple, str]
                 mx.random.seed(options["seed"] + len(output))  # the seed rule: seed plus tokens generated so far
             token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
         if token == EOS:
-            return tuple(output), "eos"
+            return tuple(output), "stop"
         output.append(token)
         history = [token]
     return tuple(output), "length"
@@ -213,7 +213,7 @@ class Run:
             assert stream and stream[-1][1].finished, f"request {request.request_id!r} never finished"
             assert stream[-1][1].finish_reason == reason, \
                 f"request {request.request_id!r} finished by {stream[-1][1].finish_reason!r}, expected {reason!r}"
-            if reason == "eos":
+            if reason == "stop":
                 assert stream[-1][1].token is None, f"request {request.request_id!r}: EOS is not an output token"
 
     def check_clean(self):
@@ -236,8 +236,8 @@ def engine_options(day: int) -> dict:
 
 
 def make_engine(package, probe: ModelProbe, **options):
-    """The one place an engine is built here (the engine refactor may rename its knobs)."""
-    return package.engine.LLMEngine(probe, Tokenizer(), clock=probe.clock, **options)
+    """The one place an engine is built here: `options` are `EngineConfig`'s fields."""
+    return package.engine.LLMEngine(probe, Tokenizer(), package.engine.EngineConfig(**options), clock=probe.clock)
 
 
 def new_probe(package, **kwargs) -> ModelProbe:
@@ -246,7 +246,7 @@ def new_probe(package, **kwargs) -> ModelProbe:
 
 def run(package, day, requests, probe=None, **options) -> Run:
     probe = probe or new_probe(package)
-    merged = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=64, **engine_options(day))
+    merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **engine_options(day))
     merged.update(options)
     result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"])
     result.drive()
@@ -272,12 +272,12 @@ def pressure_requests(day: int) -> list[Request]:
 
 def workload_pressure(package, day):
     """A pool too small for the load: admission refusals and preemptions; streams equal one-at-a-time."""
-    result = run(package, day, pressure_requests(day), max_num_batched_tokens=16, num_blocks=14)
+    result = run(package, day, pressure_requests(day), token_budget=16, num_blocks=14)
     result.check_outputs()
     result.check_budget(16)
     result.check_clean()
     reasons = {o.finish_reason for s in result.streams.values() for _, o in s if o.finished}
-    assert {"eos", "length"} <= reasons, f"the workload should end by EOS and by length, ended by {reasons}"
+    assert {"stop", "length"} <= reasons, f"the workload should end by EOS and by length, ended by {reasons}"
     assert result.engine.summary()["num_preemptions"] > 0, "a pool of 14 blocks must force preemptions"
     assert result.refusals > 0, "a pool of 14 blocks must refuse some admissions"
 
@@ -286,7 +286,7 @@ def workload_model_failure(package, day):
     """A model that raises mid-run: the error reaches the caller, nothing leaks, and a clean run is identical."""
     requests = pressure_requests(day)[:6]
     probe = new_probe(package, fail_on_call=6)
-    engine = make_engine(package, probe, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_blocks=14,
+    engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14,
                          **engine_options(day))
     failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4)
     with pytest.raises(ModelFailure):
@@ -305,21 +305,21 @@ def workload_model_failure(package, day):
 
 def workload_adaptive_budget(package, day):
     """The adaptive budget through the engine: a long prompt spread over decode steps held to the target."""
-    target = 0.010  # the probe's step costs 2 ms + 0.25 ms per prefill token: 32 prefill tokens fit beside a decode
-    policy = package.token_budget.AdaptiveTokenBudget(target_itl=target, max_num_batched_tokens=64, min_tokens=4,
-                                                      initial_tokens=8, smoothing=1.0)
+    # The probe charges 2 ms a step and 0.25 ms a prefill token: 32 prefill tokens fit beside a decode in 10.1 ms.
+    target = 0.0101
     requests = [Request("chat", tokens(4, 30), max_tokens=30), Request("long", tokens(160, 31), max_tokens=3, arrive=2)]
-    result = run(package, day, requests, policy=policy, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    result = run(package, day, requests, adaptive_budget=True, target_itl=target, token_budget=64, num_blocks=64)
     result.check_outputs()
     result.check_clean()
-    for index, (num_tokens, decodes, seconds) in enumerate(result.probe.calls):
-        if decodes and num_tokens > decodes:
-            assert seconds <= target + 1e-9, f"model call {index + 1}: {decodes} decode(s) and " \
-                f"{num_tokens - decodes} prefill tokens took {seconds * 1000:.2f} ms, over the {target * 1000:.0f} ms target"
+    mixed = [(index, call) for index, call in enumerate(result.probe.calls) if 0 < call[1] < call[0]]
+    assert mixed, "the long prompt never shared a step with the chat's decode"
+    for index, (num_tokens, decodes, seconds) in mixed[1:]:  # the first one measures the cost of a prefill token
+        assert seconds <= target + 1e-9, f"model call {index + 1}: {decodes} decode(s) and " \
+            f"{num_tokens - decodes} prefill tokens took {seconds * 1000:.2f} ms, over the {target * 1000:.1f} ms target"
     first = result.first_output_step("long")
     assert first <= 2 + 10, \
         f"the 160-token prompt arriving at step 2 got its first output at step {first}: with the budget adapted " \
-        f"to the measured costs (32 prefill tokens a step beside the decode) it needs 7 steps"
+        f"to the measured costs (32 prefill tokens a step beside the decode) it needs 5 steps"
 
 
 def workload_seeded_sampling(package, day):
@@ -328,7 +328,7 @@ def workload_seeded_sampling(package, day):
                         sampling=dict(temperature=1.0, seed=100 + i, **({"top_k": 20} if i % 2 else {"top_p": 0.9})))
                 for i in range(4)]
     requests.append(Request("greedy", tokens(9, 49), max_tokens=10))
-    result = run(package, day, requests, max_num_batched_tokens=16, num_blocks=10)
+    result = run(package, day, requests, token_budget=16, num_blocks=10)
     result.check_outputs()
     result.check_clean()
     assert result.engine.summary()["num_preemptions"] > 0, "a pool of 10 blocks must force preemptions"
@@ -340,7 +340,7 @@ def workload_prefix_cache(package, day):
     requests = [Request(f"p{i}", shared + tokens(1 + i, 51 + i), max_tokens=5, arrive=0 if i < 2 else 6 + i)
                 for i in range(6)]
     requests.append(Request("other", tokens(10, 59), max_tokens=5, arrive=7))
-    options = dict(max_num_batched_tokens=16, num_blocks=16)
+    options = dict(token_budget=16, num_blocks=16)
     result = run(package, day, requests, **options)
     result.check_outputs()
     result.check_clean()

@@ -86,7 +86,7 @@ class Request:
         self.next_token: int | None = None  # the newest output token: the next decode step feeds it
         self.output_tokens: list[int] = []  # generated tokens, EOS excluded
         self.is_done = False
-        self.finish_reason: str | None = None  # "eos", "length" or "cancelled"
+        self.finish_reason: str | None = None  # "stop" (EOS), "length" or "abort" (the engine's and OpenAI's words)
 
     def try_prefill(self) -> int:
         """Prefill the next chunk of at most `prefill_max_step` prompt tokens; return how many tokens it ran.
@@ -104,11 +104,11 @@ class Request:
     def record_token(self, token: int) -> None:
         """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
 
-        An EOS token (any id in `tokenizer.eos_token_ids`) ends the request with finish_reason "eos"
+        An EOS token (any id in `tokenizer.eos_token_ids`) ends the request with finish_reason "stop"
         and is not part of the output. Any other token is appended to `output_tokens`, and the request
         ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
         """
-        # TODO: set next_token; EOS: done ("eos"), not kept; else append, and done ("length") at max_seq_len
+        # TODO: set next_token; EOS: done ("stop"), not kept; else append, and done ("length") at max_seq_len
         raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): record an output token; finish at EOS or max_seq_len")
 
     def decode_done(self, token: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .batch import chunk_causal_mask
+from .attention import causal_mask
 from .block_manager import slot_mapping
 from .qwen2_week3 import PrefillChunk, RaggedBatch
 from .sampler import make_sampler
@@ -48,8 +48,9 @@ class ModelRunner:
         raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): the decode rows' key slots and padding mask")
 
     def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
-        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and day 2.7's chunk mask."""
-        # TODO: slots of positions 0 .. start+length-1 and chunk_causal_mask(start, length)
+        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and its mask: day 2.7's chunk mask,
+        which is week 1's `causal_mask(L, S)` with L the chunk's length and S its end."""
+        # TODO: slots of positions 0 .. start+length-1 and causal_mask(length, start + length)
         raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): a prefill chunk's key slots and chunk mask")
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:

@@ -1,19 +1,24 @@
-"""The scheduler: which tokens of which sequences run in the next step. It plans; it runs nothing.
+"""The scheduler: which tokens of which sequences run in the next step, and the one owner of their state.
 
-Each step gets a token budget (`max_num_batched_tokens`, or less from an adaptive policy), and the
-plan fills it in this order:
+Each step gets a token budget (the budget policy's answer, never above its cap), and the plan fills
+it in this order:
 
 1. a decode token for every running sequence whose prompt is done: decodes come first and are never
    starved by prefill (a request that is streaming must keep streaming);
-2. prefill chunks with what is left: first the sequences already part-way through their prompt,
-   then waiting sequences, admitted while blocks, sequence slots (`max_num_seqs`) and budget last.
-   Several sequences may prefill in the same step.
+2. prefill chunks with what is left: sequences already part-way through their prompt and waiting
+   ones, in the order policy's order (first come, first served; or by priority, day 3.4), admitted
+   while blocks, sequence slots (`max_num_seqs`) and budget last. Several sequences may prefill in
+   the same step.
 
 Memory is the KV block pool. A sequence is admitted only if the free blocks hold its first chunk,
 and every planned token gets its block before the step runs. When a decode finds no free block,
-the scheduler *preempts* the most recently admitted running sequence: its blocks go back to the
-pool and it returns to the front of the waiting queue, to be recomputed later from its prompt and
-output so far (recompute), giving the same tokens it would have given.
+the scheduler *preempts* the last running sequence (the most recently admitted, or the least
+urgent): its blocks go back to the pool and it returns to the front of the waiting queue, to be
+recomputed later from its prompt and output so far (recompute), giving the same tokens it would
+have given.
+
+After the model ran, `update_from_output` moves every planned sequence forward and records its new
+token: sequences change state here and nowhere else (the engine only reads them).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, SequenceStatus
-from .token_budget import FixedTokenBudget
+
+FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
 
 
 @dataclass
@@ -44,6 +50,11 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when the chunk reaches the sequence's newest token: its last row gives the next token."""
         return self.start + self.length == self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of its tokens belong to the prompt (the rest are outputs being recomputed or decoded)."""
+        return max(0, min(self.start + self.length, len(self.seq.prompt_token_ids)) - self.start)
 
 
 @dataclass
@@ -70,51 +81,109 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
 
+@dataclass
+class StepOutput:
+    """What one step did for one sequence: its new token (None if it ended without one) and whether it finished.
+
+    An EOS token ends the sequence and is not part of its output: its StepOutput has token None and
+    finish_reason "stop". The reasons are OpenAI's and vLLM's: "stop", "length", "abort".
+    """
+
+    request_id: object
+    token: int | None
+    finished: bool
+    finish_reason: str | None  # one of FINISH_REASONS once finished
+
+
+class FirstComeFirstServed:
+    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
+
+    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence arrived."""
+
+    def next_step(self) -> None:
+        """A step is being planned."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished."""
+
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
+        return list(seqs)
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks: never, among equals."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return "first come, first served"
+
+
 class Scheduler:
-    """Waiting and running sequences, the block manager, and the planner `schedule()`."""
+    """Waiting and running sequences, the block manager, the planner `schedule()` and the updater `update_from_output()`."""
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
-                 policy=None, log: Callable[[str], None] | None = None):
-        """Plan steps of at most `max_num_batched_tokens` tokens for at most `max_num_seqs` running sequences (provided).
+    def __init__(self, block_manager: BlockManager, token_budget, max_num_seqs: int = 16, order=None,
+                 eos_token_ids=(), log: Callable[[str], None] | None = None):
+        """Plan steps within `token_budget` (a budget policy) for at most `max_num_seqs` running sequences (provided).
 
-        `policy` (default: a fixed budget of `max_num_batched_tokens`) may ask for fewer tokens; the
-        budget always covers every decode token, so `max_num_seqs` may not exceed `max_num_batched_tokens`.
+        The budget policy alone owns the cap (`token_budget.max_num_batched_tokens`); every decode token
+        must fit under it, so `max_num_seqs` may not exceed it. `order` is the order policy (default:
+        first come, first served); `eos_token_ids` end a sequence.
         """
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence's decode token must fit in one step")
+        cap = token_budget.max_num_batched_tokens
+        if cap < max_num_seqs:
+            raise ValueError(f"the token budget ({cap}) must be >= max_num_seqs ({max_num_seqs}): every "
+                             "running sequence's decode token must fit in one step")
         self.block_manager = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
-        self.policy = policy or FixedTokenBudget(max_num_batched_tokens)
+        self.order = order or FirstComeFirstServed()
+        self.eos_token_ids = set(eos_token_ids)
         self.log = log or (lambda line: None)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []  # most urgent first: the last one is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (provided)."""
+        self.order.add(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         """True while any sequence waits or runs (provided)."""
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------ planning
+
+    def step_budget(self, num_decoding: int) -> int:
+        """The token budget of the next step: the policy's answer, never below the decode tokens (provided)."""
+        return max(self.token_budget.budget(num_decoding), num_decoding)
+
+    def order_queues(self) -> None:
+        """Put both queues in the order policy's order, most urgent first (provided; a no-op for FCFS)."""
+        self.order.next_step()
+        self.running = self.order.order(self.running)
+        self.waiting = deque(self.order.order(self.waiting))
+
     def schedule(self) -> StepPlan:
         """Plan the next step: decodes first, then prefill chunks, within the token budget and the free blocks."""
-        # TODO: budget from the policy (never below the decodes, never above max); decodes; prefills with the rest
+        # TODO: order the queues; make room (day 3.4); budget for the decodes; decodes; prefills with the rest; nobody moved: preempt the last
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan a step: decodes first, then prefill chunks")
 
     def schedule_decodes(self, plan: StepPlan) -> None:
-        """One decode chunk for every decoding running sequence, preempting the newest ones when blocks run out."""
-        # TODO: for each decoding running sequence: make room (preempt the newest while blocks lack), allocate, add a chunk of 1
+        """One decode chunk for every decoding running sequence, preempting from the back when blocks run out."""
+        # TODO: for each decoding running sequence: make room (preempt from the back while blocks lack), allocate, add a chunk of 1
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): one decode chunk per decoding sequence")
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
-        """Prefill chunks within `budget` tokens: sequences part-way through first, then admitted waiting ones."""
-        # TODO: part-way sequences first, then admit waiting ones while budget, slots and blocks last
+        """Prefill chunks within `budget` tokens: part-way and waiting sequences in the order policy's order."""
+        # TODO: part-way and waiting sequences in self.order.order(...): plan_chunk for running ones, self.admit(...) for waiting ones while slots last; stop admitting after a refusal
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): prefill chunks within the budget")
 
     def plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
@@ -122,17 +191,72 @@ class Scheduler:
         # TODO: length = min(budget, uncomputed, room in free blocks); allocate; append a ScheduledChunk; return length
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan one prefill chunk")
 
+    def admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Admit waiting `seq` with its first chunk; return the chunk's length, 0 if it must keep waiting (provided).
+
+        Its cached prefix (day 3.3) counts as computed; the first chunk is the rest, as much as the budget
+        and the free blocks allow. A sequence that cannot start holds no blocks while it waits (any
+        cached ones go back), so it can never block the pool.
+        """
+        cached = self.block_manager.reuse_cached_prefix(seq)
+        length = self.plan_chunk(seq, budget, plan)
+        if length == 0:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            return 0
+        self.block_manager.record_lookup(seq, cached)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return length
+
+    def make_room(self, plan: StepPlan) -> None:
+        """Preempt outranked running sequences while the most urgent waiting one could not be admitted (day 3.4).
+
+        Victims come from the back of the running list, and only ones the waiting sequence outranks:
+        under first come, first served nobody outranks anybody, and nothing happens.
+        """
+        # TODO: while the back of running is outranked by waiting[0] and waiting[0] cannot be admitted: preempt it
+        raise NotImplementedError("Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): preempt outranked running sequences until the most urgent waiting one fits")
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """True when `seq`'s first chunk would get a slot, budget and blocks in this step (day 3.4).
+
+        It needs a sequence slot, budget left after the decode tokens, and free blocks for its first
+        chunk plus a block for every decode that starts a new one.
+        """
+        # TODO: a free slot; budget left after the decodes; blocks for the first chunk plus every decode's new block
+        raise NotImplementedError("Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): slot, budget and blocks for its first chunk")
+
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Take `seq` off the running list: free its blocks, forget its cache, put it first in the waiting queue."""
         # TODO: remove from running, free blocks, num_computed_tokens = 0, WAITING, front of the queue, count, record, log
         raise NotImplementedError("Week 3 Day 2 Task 3 (book/src/week3-02-paged-kv-cache.md): preempt a sequence by recompute")
 
+    # ------------------------------------------------------------ after the model ran
+
+    def update_from_output(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
+        """Move every chunk's sequence forward; give each sampling one its token; finish those that are done.
+
+        `tokens` holds one token per sampling chunk, in plan order. Returns a StepOutput per sampling chunk.
+        """
+        # TODO: num_computed_tokens += length; block_manager.cache_computed_blocks(seq) (day 3.3's hook); a sampling chunk appends its token
+        raise NotImplementedError("Week 3 Day 1 Task 5 (book/src/week3-01-token-budget.md): move every chunk's sequence forward")
+
+    def append_token(self, seq: Sequence, token: int) -> StepOutput:
+        """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""
+        # TODO: EOS: finish 'stop', token None; else append; finish 'length' at max_tokens
+        raise NotImplementedError("Week 3 Day 1 Task 5 (book/src/week3-01-token-budget.md): record a sampled token")
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (EOS, length, abort, stop): free its blocks and drop it from the queues (provided)."""
+        """End `seq` ("stop", "length" or "abort"): free its blocks and drop it from the queues (provided)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.order.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

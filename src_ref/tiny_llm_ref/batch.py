@@ -86,7 +86,7 @@ class Request:
         self.next_token: int | None = None  # the newest output token: the next decode step feeds it
         self.output_tokens: list[int] = []  # generated tokens, EOS excluded
         self.is_done = False
-        self.finish_reason: str | None = None  # "eos", "length" or "cancelled"
+        self.finish_reason: str | None = None  # "stop" (EOS), "length" or "abort" (the engine's and OpenAI's words)
 
     def try_prefill(self) -> int:
         """Prefill the next chunk of at most `prefill_max_step` prompt tokens; return how many tokens it ran.
@@ -116,13 +116,13 @@ class Request:
     def record_token(self, token: int) -> None:
         """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
 
-        An EOS token (any id in `tokenizer.eos_token_ids`) ends the request with finish_reason "eos"
+        An EOS token (any id in `tokenizer.eos_token_ids`) ends the request with finish_reason "stop"
         and is not part of the output. Any other token is appended to `output_tokens`, and the request
         ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
         """
         self.next_token = token
         if token in self.eos_token_ids:
-            self.is_done, self.finish_reason = True, "eos"
+            self.is_done, self.finish_reason = True, "stop"
             return
         self.output_tokens.append(token)
         if self.max_seq_len is not None and len(self.prompt_tokens) + len(self.output_tokens) >= self.max_seq_len:
@@ -362,7 +362,7 @@ class Scheduler:
         for slot, token in zip(busy, greedy(logits), strict=True):
             request = self.slots[slot]
             request.decode_done(token)
-            if request.finish_reason != "eos":
+            if request.finish_reason != "stop":
                 self.metrics.token(request.prompt_idx)
             if request.is_done:
                 self.retire(slot)
@@ -388,7 +388,7 @@ class Scheduler:
                 self.slots[slot] = None
         for request in cancelled:
             request.kv_cache = None
-            request.is_done, request.finish_reason = True, "cancelled"
+            request.is_done, request.finish_reason = True, "abort"
         self.prefilling = None
         self.queue.clear()
 
@@ -416,7 +416,7 @@ class Scheduler:
         seconds = self.clock() - start
         self.stats.record_chunk(tokens, seconds)
         self.policy.observe_chunk(tokens, seconds)
-        if request.is_prefill_done and request.finish_reason != "eos":
+        if request.is_prefill_done and request.finish_reason != "stop":
             self.metrics.token(request.prompt_idx)  # the first token: time to first token ends here
         return tokens
 

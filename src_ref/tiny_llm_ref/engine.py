@@ -1,14 +1,17 @@
-"""The engine: add requests, then `step()` until done. A step is plan, run, apply.
+"""The engine: add requests, then `step()` until done. A step is plan, run, update.
 
-    plan = scheduler.schedule()       # which tokens of which sequences (data)
-    tokens = runner.run(plan)         # one model call, one new token per sampling sequence
-    outputs = self.apply(plan, ...)   # progress, new tokens, finished sequences, freed blocks
+    plan = scheduler.schedule()                         # which tokens of which sequences (data)
+    tokens = self.run(plan)                             # one model call, one new token per sampling sequence
+    outputs = scheduler.update_from_output(plan, tokens)  # progress, new tokens, finished sequences, freed blocks
 
-The engine is single-threaded: a server calls `add_request`, `step` and `abort` from one thread.
+The scheduler owns every sequence's state; the engine keeps the requests by id, the metrics and the
+log. Every knob is one field of `EngineConfig`. The engine is single-threaded: a server calls
+`add_request`, `step` and `abort` from one thread.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -17,73 +20,109 @@ from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCachingBlockManager
-from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityScheduler
-from .scheduler import Scheduler, StepPlan
+from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy
+from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
+from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
 
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
 
 
-@dataclass
-class StepOutput:
-    """What one step did for one sequence: its new token (None if it ended without one) and whether it finished.
+def _positive_int(name: str, value) -> None:
+    """TypeError/ValueError naming `name` unless `value` is an int >= 1 (provided)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
 
-    An EOS token ends the sequence and is not part of its output: its StepOutput has token None and
-    finish_reason "eos".
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine, each with its one default (provided).
+
+    Week 2's names map onto these: `prefill_step` (a chunk's size) became the step's `token_budget`
+    shared by every sequence; `batch_size` (decode slots) is `max_num_seqs`; `max_seq_len` (a slot's
+    positions) gave way to the block pool, `num_blocks` x `block_size` positions shared by all.
     """
 
-    request_id: object
-    token: int | None
-    finished: bool
-    finish_reason: str | None  # "eos" | "length" | "abort"
+    token_budget: int = 256  # the most tokens one step runs (vLLM: max_num_batched_tokens); the cap of any budget
+    adaptive_budget: bool = False  # day 3.1: shrink the budget while requests decode, to hold a latency target
+    target_itl: float | None = None  # the adaptive budget's target in seconds; None: `decode_multiple` decode steps
+    decode_multiple: float = 2.5  # "a step may take this many decode-only steps" (adaptive, target_itl None)
+    max_num_seqs: int = 16  # running sequences (prefilling or decoding) at once
+    block_size: int = 16  # positions per KV block (day 3.2)
+    num_blocks: int | None = None  # KV blocks in the pool; None: enough for 8192 tokens
+    enable_prefix_caching: bool = False  # day 3.3: share the KV blocks of common prompt prefixes
+    scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (day 3.4)
+    aging_steps: int = DEFAULT_AGING_STEPS  # priority: waiting this many steps raises a priority by one
+    log_interval: float = 5.0  # seconds between two log lines
+
+    def __post_init__(self):
+        """Reject a knob no engine can use, naming it."""
+        for name in ("token_budget", "max_num_seqs", "block_size", "aging_steps"):
+            _positive_int(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.target_itl is not None and not (isinstance(self.target_itl, (int, float)) and
+                                                math.isfinite(self.target_itl) and self.target_itl > 0):
+            raise ValueError(f"target_itl must be a number of seconds > 0 (or None), got {self.target_itl!r}")
+        if not isinstance(self.log_interval, (int, float)) or not self.log_interval > 0:
+            raise ValueError(f"log_interval must be a number of seconds > 0, got {self.log_interval!r}")
+
+    @property
+    def pool_blocks(self) -> int:
+        """The pool's size in blocks: `num_blocks`, or enough blocks for 8192 tokens."""
+        return self.num_blocks if self.num_blocks is not None else blocks_for(DEFAULT_KV_TOKENS, self.block_size)
+
+    def make_token_budget(self):
+        """The budget policy: fixed at `token_budget`, or adaptive up to it (it alone holds the cap)."""
+        if not self.adaptive_budget:
+            return FixedTokenBudget(self.token_budget)
+        return AdaptiveTokenBudget(target_itl=self.target_itl, decode_multiple=self.decode_multiple,
+                                   max_num_batched_tokens=self.token_budget, min_tokens=min(16, self.token_budget),
+                                   initial_tokens=min(64, self.token_budget))
+
+    def make_order(self):
+        """The scheduler's order policy: first come, first served, or by priority with aging."""
+        if self.scheduling_policy == "priority":
+            return PriorityPolicy(self.aging_steps)
+        return FirstComeFirstServed()
 
 
 class LLMEngine:
     """Continuous batching under a token budget, over a paged KV cache, one model call per step."""
 
-    def __init__(self, model, tokenizer, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
-                 block_size: int = 16, num_blocks: int | None = None, policy=None,
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *,
                  metrics: MetricsRecorder | None = None, clock: Callable[[], float] = time.perf_counter,
-                 log: Callable[[str], None] | None = None, log_interval: float = 5.0,
-                 enable_prefix_caching: bool = False, scheduling_policy: str = "fcfs",
-                 aging_steps: int = DEFAULT_AGING_STEPS):
-        """Build the block manager, the scheduler and the runner (provided).
+                 log: Callable[[str], None] | None = None):
+        """Build the block manager, the scheduler and the runner from `config` (provided).
 
-        `model` is a `Qwen2ModelWeek3`; `num_blocks` defaults to a pool of 8192 tokens; `policy` is a
-        token-budget policy (default: fixed at `max_num_batched_tokens`). `metrics` records every
-        request's token times, `log` gets a line every `log_interval` seconds and on preemption.
-        `enable_prefix_caching` shares the KV blocks of common prompt prefixes (day 3.3);
-        `scheduling_policy` "priority" serves requests by `priority`, aged every `aging_steps` steps (day 3.4).
+        `model` is a `Qwen2ModelWeek3`. `metrics` records every request's token times; `log` gets a
+        line every `config.log_interval` seconds and on preemption; `clock` times both.
         """
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks is None:
-            num_blocks = blocks_for(DEFAULT_KV_TOKENS, block_size)
+        config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.clock = clock
         self.log = log or (lambda line: None)
-        self.log_interval = log_interval
         self.metrics = metrics or MetricsRecorder(clock=clock)
-        manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-        self.block_manager = manager_class(num_blocks, block_size)
-        if scheduling_policy == "priority":
-            self.scheduler = PriorityScheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
-                                               self.log, aging_steps)
-        else:
-            self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy, self.log)
-        self.runner = ModelRunner(model, num_blocks, block_size)
-        self.enable_prefix_caching = enable_prefix_caching
+        manager_class = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
+        self.block_manager = manager_class(config.pool_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.make_token_budget(), config.max_num_seqs,
+                                   config.make_order(), tokenizer.eos_token_ids, self.log)
+        self.runner = ModelRunner(model, config.pool_blocks, config.block_size)
         self.sequences: dict[object, Sequence] = {}  # unfinished ones, by request id
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.last_log = None
-        self.log(f"engine: {self.scheduler.policy.describe()}, up to {max_num_seqs} sequences, KV pool of "
-                 f"{num_blocks} blocks x {block_size} tokens")
+        self.log(f"engine: {self.scheduler.token_budget.describe()}, {self.scheduler.order.describe()}, up to "
+                 f"{config.max_num_seqs} sequences, KV pool of {config.pool_blocks} blocks x {config.block_size} tokens")
 
     # ------------------------------------------------------------ requests in
 
@@ -114,6 +153,8 @@ class LLMEngine:
             request_id = self.num_requests_added()
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
         # The KV cache holds every token but the last output (which is never fed back).
         longest = len(tokens) + sampling.max_tokens - 1
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
@@ -141,53 +182,38 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[StepOutput]:
-        """One step: plan, run (one model call), apply. Returns a StepOutput per sequence that got a token or finished."""
+        """One step: plan, run (one model call), update. Returns a StepOutput per sequence that got a token or finished (provided)."""
         self.maybe_log()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        tokens = self.run(plan)
+        outputs = self.scheduler.update_from_output(plan, tokens)
+        self.record(plan, outputs)
+        return outputs
+
+    def run(self, plan: StepPlan) -> list[int]:
+        """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided)."""
         start = self.clock()
         try:
             tokens = self.runner.run(plan)
         except BaseException:
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
-        self.scheduler.policy.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)
+        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)
         self.num_steps += 1
-        return self.apply(plan, tokens)
+        return tokens
 
-    def apply(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
-        """Move every chunk's sequence forward; give each sampling one its token; finish those that are done."""
-        outputs = []
-        new_tokens = iter(tokens)
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            seq.num_computed_tokens += chunk.length
-            self.block_manager.cache_computed_blocks(seq)  # day 3.3: its new full blocks become shareable
-            prompt_end = len(seq.prompt_token_ids)
-            self.prompt_tokens_total += max(0, min(chunk.start + chunk.length, prompt_end) - chunk.start)
-            if chunk.samples:
-                outputs.append(self.append_token(seq, next(new_tokens)))
-        return outputs
-
-    def append_token(self, seq: Sequence, token: int) -> StepOutput:
-        """Record a sampled token: EOS ends the sequence; otherwise append it and end at `max_tokens`."""
-        if token in self.eos_token_ids:
-            self.finish(seq, "eos")
-            return StepOutput(seq.request_id, None, True, "eos")
-        seq.output_token_ids.append(token)
-        self.generation_tokens_total += 1
-        self.metrics.token(seq.request_id)
-        if len(seq.output_token_ids) >= seq.sampling.max_tokens:
-            self.finish(seq, "length")
-            return StepOutput(seq.request_id, token, True, "length")
-        return StepOutput(seq.request_id, token, False, None)
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence: free its blocks, record its finish time (provided)."""
-        self.scheduler.finish(seq, reason)
-        self.sequences.pop(seq.request_id, None)
-        self.metrics.finish(seq.request_id)
+    def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
+        """Count the step's tokens, time each new token, and let go of finished requests (provided)."""
+        self.prompt_tokens_total += sum(chunk.num_prompt_tokens for chunk in plan.chunks)
+        for output in outputs:
+            if output.token is not None:
+                self.generation_tokens_total += 1
+                self.metrics.token(output.request_id)
+            if output.finished:
+                self.sequences.pop(output.request_id, None)
+                self.metrics.finish(output.request_id)
 
     def release_all(self) -> None:
         """Abort every unfinished sequence, freeing all blocks (after an error) (provided)."""
@@ -218,11 +244,11 @@ class LLMEngine:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """The fraction of prompt tokens served from cached blocks (0 without prefix caching; day 3.3)."""
-        return self.block_manager.hit_rate if self.enable_prefix_caching else 0.0
+        return self.block_manager.hit_rate if self.config.enable_prefix_caching else 0.0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the hit counters (a no-op without prefix caching) (provided)."""
-        if self.enable_prefix_caching:
+        if self.config.enable_prefix_caching:
             self.block_manager.reset()
 
     def summary(self) -> dict:
@@ -239,26 +265,27 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     def maybe_log(self) -> None:
-        """Every `log_interval` seconds, one line: throughput, queue lengths, KV cache use (provided)."""
+        """Every `config.log_interval` seconds, one line: throughput, queue lengths, KV cache use (provided)."""
         now = self.clock()
         if self.last_log is None:
             self.last_log = (now, self.prompt_tokens_total, self.generation_tokens_total)
             return
         then, prompt_then, generated_then = self.last_log
         elapsed = now - then
-        if elapsed < self.log_interval:
+        if elapsed < self.config.log_interval:
             return
         self.log(f"prompt {(self.prompt_tokens_total - prompt_then) / elapsed:.1f} tokens/s, generation "
                  f"{(self.generation_tokens_total - generated_then) / elapsed:.1f} tokens/s, running "
                  f"{self.num_running}, waiting {self.num_waiting}, KV cache {100 * self.kv_cache_usage:.1f}%, "
                  f"preemptions {self.num_preemptions}"
-                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.enable_prefix_caching else ""))
+                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.config.enable_prefix_caching else ""))
         self.last_log = (now, self.prompt_tokens_total, self.generation_tokens_total)
 
 
-def generate(model, tokenizer, prompts: list, sampling: SamplingParams | None = None, **engine_kwargs) -> list[str]:
+def generate(model, tokenizer, prompts: list, sampling: SamplingParams | None = None,
+             config: EngineConfig | None = None) -> list[str]:
     """Generate for every prompt (greedy by default) with an `LLMEngine`; the texts in prompt order."""
-    engine = LLMEngine(model, tokenizer, **engine_kwargs)
+    engine = LLMEngine(model, tokenizer, config)
     seqs = [engine.add_request(prompt, sampling, request_id=i) for i, prompt in enumerate(prompts)]
     while engine.has_work():
         engine.step()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .batch import chunk_causal_mask
+from .attention import causal_mask
 from .block_manager import slot_mapping
 from .qwen2_week3 import PrefillChunk, RaggedBatch
 from .sampler import make_sampler
@@ -72,10 +72,11 @@ class ModelRunner:
         return mx.array(slots), mask[:, None, None, :]
 
     def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
-        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and day 2.7's chunk mask."""
+        """A prefill chunk's keys (its sequence's positions 0 .. end-1) and its mask: day 2.7's chunk mask,
+        which is week 1's `causal_mask(L, S)` with L the chunk's length and S its end."""
         end = chunk.start + chunk.length
         slots = slot_mapping(chunk.seq.block_table, 0, end, self.block_size)
-        return PrefillChunk(chunk.length, mx.array(slots), chunk_causal_mask(chunk.start, chunk.length, self.model.dtype))
+        return PrefillChunk(chunk.length, mx.array(slots), causal_mask(chunk.length, end, self.model.dtype))
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""

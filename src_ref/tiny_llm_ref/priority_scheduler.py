@@ -2,15 +2,16 @@
 
 Day 3.1's planner is first come, first served: a chat user who arrives behind a queue of long batch
 jobs waits for all of them. Here every request carries a `priority` (an int; *larger is more
-important*, 0 by default), and the plan follows it everywhere:
+important*, 0 by default). The planner stays day 3.1's `Scheduler`: this module is only its order
+policy, a plug-in that ranks sequences, and the plan follows the ranking everywhere:
 
 - the order of the running list, hence of decode tokens and of who gets a block first (and of the
   victims: the scheduler preempts from the back, the least important and most recently admitted);
 - the prefill budget: part-way prompts and waiting sequences compete in one priority order, so a
   new important prompt does not wait behind the chunks of an unimportant long one;
 - preemption: when the most important waiting sequence cannot be admitted (no sequence slot, no
-  blocks for its first chunk, no budget left after the decode tokens), less important running
-  sequences are preempted (day 3.2's recompute) until it can.
+  blocks for its first chunk, no budget left after the decode tokens), the running sequences it
+  outranks are preempted (day 3.2's recompute) until it can (`Scheduler.make_room`).
 
 Strict priority can starve: a steady stream of important requests would keep an unimportant one
 waiting (or preempted) forever. So priorities *age*: a sequence's effective priority grows by one
@@ -21,20 +22,16 @@ neither passed over nor preempted by them: its wait is bounded.
 
 from __future__ import annotations
 
-from .block_manager import BlockManager, blocks_for
-from .scheduler import Scheduler, StepPlan
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 
 DEFAULT_AGING_STEPS = 256  # steps of waiting that raise a sequence's effective priority by one
 
 
-class PriorityScheduler(Scheduler):
-    """Day 3.1/3.2's scheduler with priorities: higher effective priority first, and preemption of lower ones."""
+class PriorityPolicy:
+    """The scheduler's order policy by priority: higher effective priority first, then earlier arrival."""
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
-                 policy=None, log=None, aging_steps: int = DEFAULT_AGING_STEPS):
-        """The base scheduler, a step counter, and each sequence's arrival step (provided)."""
-        super().__init__(block_manager, max_num_batched_tokens, max_num_seqs, policy, log)
+    def __init__(self, aging_steps: int = DEFAULT_AGING_STEPS):
+        """A step counter and each sequence's arrival step (provided)."""
         if not isinstance(aging_steps, int) or isinstance(aging_steps, bool) or aging_steps < 1:
             raise ValueError(f"aging_steps must be an integer >= 1, got {aging_steps!r}")
         self.aging_steps = aging_steps
@@ -42,9 +39,16 @@ class PriorityScheduler(Scheduler):
         self.arrival_step: dict[Sequence, int] = {}
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence and remember the step it arrived at (provided)."""
+        """Remember the step `seq` arrived at (provided)."""
         self.arrival_step[seq] = self.num_steps
-        super().add(seq)
+
+    def next_step(self) -> None:
+        """One more step: every waiting sequence ages (provided)."""
+        self.num_steps += 1
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished: forget its arrival step (provided)."""
+        self.arrival_step.pop(seq, None)
 
     def effective_priority(self, seq: Sequence) -> int:
         """`seq.priority`, plus one for every `aging_steps` steps since it arrived."""
@@ -55,68 +59,18 @@ class PriorityScheduler(Scheduler):
         """Sort key, most urgent first: higher effective priority, then earlier arrival."""
         return (-self.effective_priority(seq), self.arrival_step[seq])
 
-    def schedule(self) -> StepPlan:
-        """Order both queues by priority, make room for the most urgent waiting sequence, then plan as before."""
-        self.num_steps += 1
-        self.running.sort(key=self.rank)
-        self.waiting = type(self.waiting)(sorted(self.waiting, key=self.rank))
-        plan = StepPlan()
-        self.make_room(plan)
-        rest = super().schedule()
-        rest.preempted[:0] = plan.preempted
-        return rest
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first; stable, so among equals the given order stands.
 
-    def make_room(self, plan: StepPlan) -> None:
-        """Preempt less urgent running sequences while the most urgent waiting one could not be admitted.
-
-        It needs a sequence slot, budget left after the decode tokens, and free blocks for its first
-        chunk plus a block for every decode that starts a new one. Victims come from the back of the
-        running list (least urgent, most recently admitted), and only outranked ones.
+        Effective priorities change as sequences age, so the queues are sorted again every step
+        rather than kept in a heap whose keys would go stale.
         """
-        if not self.waiting:
-            return
-        seq = self.waiting[0]
-        while self.running and self.rank(self.running[-1]) > self.rank(seq) and not self.can_admit(seq):
-            self.preempt(self.running[-1], plan)
+        return sorted(seqs, key=self.rank)
 
-    def can_admit(self, seq: Sequence) -> bool:
-        """True when `seq`'s first chunk would get a slot, budget and blocks in this step."""
-        decoding = [s for s in self.running if s.is_decoding]
-        budget = min(self.max_num_batched_tokens, max(self.policy.budget(len(decoding)), len(decoding)))
-        first_chunk = min(seq.num_uncomputed_tokens, budget - len(decoding))
-        if len(self.running) >= self.max_num_seqs or first_chunk <= 0:
-            return False
-        decode_blocks = sum(self.block_manager.blocks_needed(s, s.num_tokens) for s in decoding)
-        chunk_blocks = blocks_for(seq.num_computed_tokens + first_chunk, self.block_manager.block_size)
-        return decode_blocks + chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` is strictly more urgent than `other`, so it may take `other`'s blocks."""
+        return self.rank(seq) < self.rank(other)
 
-    def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
-        """Prefill chunks within `budget`: part-way and waiting sequences in one priority order."""
-        candidates = [seq for seq in self.running if not seq.is_decoding] + list(self.waiting)
-        candidates.sort(key=self.rank)  # stable: on a tie, a part-way prompt before a waiting one
-        admitting = True
-        for seq in candidates:
-            if budget <= 0:
-                return
-            if seq.status == SequenceStatus.RUNNING:
-                budget -= self.plan_chunk(seq, budget, plan)
-                continue
-            if not admitting or len(self.running) >= self.max_num_seqs:
-                continue  # no admission, but less urgent part-way prompts may still use the budget
-            cached = self.block_manager.reuse_cached_prefix(seq)
-            length = self.plan_chunk(seq, budget, plan)
-            if length == 0:
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                admitting = False  # no blocks for it: no less urgent waiting one jumps ahead of it
-                continue
-            self.block_manager.record_lookup(seq, cached)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            budget -= length
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` as before, and forget its arrival step (provided)."""
-        super().finish(seq, reason)
-        self.arrival_step.pop(seq, None)
+    def describe(self) -> str:
+        """One line for the engine's start-up log (provided)."""
+        return f"priority order, aged by one every {self.aging_steps} steps"

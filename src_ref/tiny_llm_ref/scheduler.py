@@ -1,19 +1,24 @@
-"""The scheduler: which tokens of which sequences run in the next step. It plans; it runs nothing.
+"""The scheduler: which tokens of which sequences run in the next step, and the one owner of their state.
 
-Each step gets a token budget (`max_num_batched_tokens`, or less from an adaptive policy), and the
-plan fills it in this order:
+Each step gets a token budget (the budget policy's answer, never above its cap), and the plan fills
+it in this order:
 
 1. a decode token for every running sequence whose prompt is done: decodes come first and are never
    starved by prefill (a request that is streaming must keep streaming);
-2. prefill chunks with what is left: first the sequences already part-way through their prompt,
-   then waiting sequences, admitted while blocks, sequence slots (`max_num_seqs`) and budget last.
-   Several sequences may prefill in the same step.
+2. prefill chunks with what is left: sequences already part-way through their prompt and waiting
+   ones, in the order policy's order (first come, first served; or by priority, day 3.4), admitted
+   while blocks, sequence slots (`max_num_seqs`) and budget last. Several sequences may prefill in
+   the same step.
 
 Memory is the KV block pool. A sequence is admitted only if the free blocks hold its first chunk,
 and every planned token gets its block before the step runs. When a decode finds no free block,
-the scheduler *preempts* the most recently admitted running sequence: its blocks go back to the
-pool and it returns to the front of the waiting queue, to be recomputed later from its prompt and
-output so far (recompute), giving the same tokens it would have given.
+the scheduler *preempts* the last running sequence (the most recently admitted, or the least
+urgent): its blocks go back to the pool and it returns to the front of the waiting queue, to be
+recomputed later from its prompt and output so far (recompute), giving the same tokens it would
+have given.
+
+After the model ran, `update_from_output` moves every planned sequence forward and records its new
+token: sequences change state here and nowhere else (the engine only reads them).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, SequenceStatus
-from .token_budget import FixedTokenBudget
+
+FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
 
 
 @dataclass
@@ -44,6 +50,11 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when the chunk reaches the sequence's newest token: its last row gives the next token."""
         return self.start + self.length == self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of its tokens belong to the prompt (the rest are outputs being recomputed or decoded)."""
+        return max(0, min(self.start + self.length, len(self.seq.prompt_token_ids)) - self.start)
 
 
 @dataclass
@@ -70,54 +81,114 @@ class StepPlan:
         return not self.decodes and not self.prefills
 
 
+@dataclass
+class StepOutput:
+    """What one step did for one sequence: its new token (None if it ended without one) and whether it finished.
+
+    An EOS token ends the sequence and is not part of its output: its StepOutput has token None and
+    finish_reason "stop". The reasons are OpenAI's and vLLM's: "stop", "length", "abort".
+    """
+
+    request_id: object
+    token: int | None
+    finished: bool
+    finish_reason: str | None  # one of FINISH_REASONS once finished
+
+
+class FirstComeFirstServed:
+    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
+
+    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence arrived."""
+
+    def next_step(self) -> None:
+        """A step is being planned."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished."""
+
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
+        return list(seqs)
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks: never, among equals."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return "first come, first served"
+
+
 class Scheduler:
-    """Waiting and running sequences, the block manager, and the planner `schedule()`."""
+    """Waiting and running sequences, the block manager, the planner `schedule()` and the updater `update_from_output()`."""
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
-                 policy=None, log: Callable[[str], None] | None = None):
-        """Plan steps of at most `max_num_batched_tokens` tokens for at most `max_num_seqs` running sequences (provided).
+    def __init__(self, block_manager: BlockManager, token_budget, max_num_seqs: int = 16, order=None,
+                 eos_token_ids=(), log: Callable[[str], None] | None = None):
+        """Plan steps within `token_budget` (a budget policy) for at most `max_num_seqs` running sequences (provided).
 
-        `policy` (default: a fixed budget of `max_num_batched_tokens`) may ask for fewer tokens; the
-        budget always covers every decode token, so `max_num_seqs` may not exceed `max_num_batched_tokens`.
+        The budget policy alone owns the cap (`token_budget.max_num_batched_tokens`); every decode token
+        must fit under it, so `max_num_seqs` may not exceed it. `order` is the order policy (default:
+        first come, first served); `eos_token_ids` end a sequence.
         """
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}): every running sequence's decode token must fit in one step")
+        cap = token_budget.max_num_batched_tokens
+        if cap < max_num_seqs:
+            raise ValueError(f"the token budget ({cap}) must be >= max_num_seqs ({max_num_seqs}): every "
+                             "running sequence's decode token must fit in one step")
         self.block_manager = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
-        self.policy = policy or FixedTokenBudget(max_num_batched_tokens)
+        self.order = order or FirstComeFirstServed()
+        self.eos_token_ids = set(eos_token_ids)
         self.log = log or (lambda line: None)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.running: list[Sequence] = []  # most urgent first: the last one is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (provided)."""
+        self.order.add(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         """True while any sequence waits or runs (provided)."""
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------ planning
+
+    def step_budget(self, num_decoding: int) -> int:
+        """The token budget of the next step: the policy's answer, never below the decode tokens (provided)."""
+        return max(self.token_budget.budget(num_decoding), num_decoding)
+
+    def order_queues(self) -> None:
+        """Put both queues in the order policy's order, most urgent first (provided; a no-op for FCFS)."""
+        self.order.next_step()
+        self.running = self.order.order(self.running)
+        self.waiting = deque(self.order.order(self.waiting))
+
     def schedule(self) -> StepPlan:
         """Plan the next step: decodes first, then prefill chunks, within the token budget and the free blocks."""
         plan = StepPlan()
+        self.order_queues()
+        self.make_room(plan)
         num_decoding = sum(seq.is_decoding for seq in self.running)
-        budget = min(self.max_num_batched_tokens, max(self.policy.budget(num_decoding), num_decoding))
+        budget = self.step_budget(num_decoding)
         self.schedule_decodes(plan)
         self.schedule_prefills(plan, budget - len(plan.decodes))
         if plan.is_empty and self.running:
             # Every running sequence is part-way through a prompt and the pool is full: nobody can move.
-            # Free the newest one's blocks so the others can go on.
+            # Free the last one's blocks so the others can go on.
             self.preempt(self.running[-1], plan)
             self.schedule_prefills(plan, budget)
         return plan
 
     def schedule_decodes(self, plan: StepPlan) -> None:
-        """One decode chunk for every decoding running sequence, preempting the newest ones when blocks run out."""
+        """One decode chunk for every decoding running sequence, preempting from the back when blocks run out."""
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not seq.is_decoding:
                 continue  # preempted just now to make room, or still prefilling
@@ -132,28 +203,19 @@ class Scheduler:
             plan.decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
-        """Prefill chunks within `budget` tokens: sequences part-way through first, then admitted waiting ones."""
-        for seq in self.running:
+        """Prefill chunks within `budget` tokens: part-way and waiting sequences in the order policy's order."""
+        partway = [seq for seq in self.running if not seq.is_decoding]
+        admitting = True
+        for seq in self.order.order(partway + list(self.waiting)):
             if budget <= 0:
                 return
-            if seq.is_decoding:
-                continue  # its decode token is planned already
-            budget -= self.plan_chunk(seq, budget, plan)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.block_manager.reuse_cached_prefix(seq)  # day 3.3: tokens already in cached blocks
-            length = self.plan_chunk(seq, budget, plan)
-            if length == 0:
-                # Admission by memory: its first chunk does not fit in the free blocks. It holds no
-                # blocks while it waits (any cached ones go back), so it can never block the pool.
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
-                return
-            self.block_manager.record_lookup(seq, cached)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            budget -= length
+            if seq.status == SequenceStatus.RUNNING:
+                budget -= self.plan_chunk(seq, budget, plan)
+            elif admitting and len(self.running) < self.max_num_seqs:
+                length = self.admit(seq, budget, plan)
+                # Admission by memory: when its first chunk does not fit, nobody behind it jumps the queue.
+                admitting = length > 0
+                budget -= length
 
     def plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Plan the next chunk of `seq`'s uncomputed tokens: as many as the budget and the free blocks allow."""
@@ -169,6 +231,51 @@ class Scheduler:
         plan.prefills.append(ScheduledChunk(seq, start, length))
         return length
 
+    def admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Admit waiting `seq` with its first chunk; return the chunk's length, 0 if it must keep waiting (provided).
+
+        Its cached prefix (day 3.3) counts as computed; the first chunk is the rest, as much as the budget
+        and the free blocks allow. A sequence that cannot start holds no blocks while it waits (any
+        cached ones go back), so it can never block the pool.
+        """
+        cached = self.block_manager.reuse_cached_prefix(seq)
+        length = self.plan_chunk(seq, budget, plan)
+        if length == 0:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            return 0
+        self.block_manager.record_lookup(seq, cached)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return length
+
+    def make_room(self, plan: StepPlan) -> None:
+        """Preempt outranked running sequences while the most urgent waiting one could not be admitted (day 3.4).
+
+        Victims come from the back of the running list, and only ones the waiting sequence outranks:
+        under first come, first served nobody outranks anybody, and nothing happens.
+        """
+        if not self.waiting:
+            return
+        seq = self.waiting[0]
+        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):
+            self.preempt(self.running[-1], plan)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """True when `seq`'s first chunk would get a slot, budget and blocks in this step (day 3.4).
+
+        It needs a sequence slot, budget left after the decode tokens, and free blocks for its first
+        chunk plus a block for every decode that starts a new one.
+        """
+        decoding = [s for s in self.running if s.is_decoding]
+        first_chunk = min(seq.num_uncomputed_tokens, self.step_budget(len(decoding)) - len(decoding))
+        if len(self.running) >= self.max_num_seqs or first_chunk <= 0:
+            return False
+        decode_blocks = sum(self.block_manager.blocks_needed(s, s.num_tokens) for s in decoding)
+        chunk_blocks = blocks_for(seq.num_computed_tokens + first_chunk, self.block_manager.block_size)
+        return decode_blocks + chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks
+
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Take `seq` off the running list: free its blocks, forget its cache, put it first in the waiting queue."""
         self.running.remove(seq)
@@ -182,12 +289,43 @@ class Scheduler:
         self.log(f"preempted request {seq.request_id!r} (recompute): KV cache full, "
                  f"{len(seq.token_ids)} tokens to recompute later")
 
+    # ------------------------------------------------------------ after the model ran
+
+    def update_from_output(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
+        """Move every chunk's sequence forward; give each sampling one its token; finish those that are done.
+
+        `tokens` holds one token per sampling chunk, in plan order. Returns a StepOutput per sampling chunk.
+        """
+        outputs = []
+        new_tokens = iter(tokens)
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.length
+            self.block_manager.cache_computed_blocks(seq)  # day 3.3: its new full blocks become shareable
+            if chunk.samples:
+                outputs.append(self.append_token(seq, next(new_tokens)))
+        return outputs
+
+    def append_token(self, seq: Sequence, token: int) -> StepOutput:
+        """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""
+        if token in self.eos_token_ids:
+            self.finish(seq, "stop")
+            return StepOutput(seq.request_id, None, True, "stop")
+        seq.output_token_ids.append(token)
+        if len(seq.output_token_ids) >= seq.sampling.max_tokens:
+            self.finish(seq, "length")
+            return StepOutput(seq.request_id, token, True, "length")
+        return StepOutput(seq.request_id, token, False, None)
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (EOS, length, abort, stop): free its blocks and drop it from the queues (provided)."""
+        """End `seq` ("stop", "length" or "abort"): free its blocks and drop it from the queues (provided)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.order.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
