@@ -59,13 +59,18 @@ def test_targets(week: int | None, day: int | None) -> list[str]:
     return [d.test_file for d in days]
 
 
+def with_time_limit(pytest_args: list[str]) -> list[str]:
+    """The grader's per-test limit (pytest-timeout), unless the arguments set one: an endless loop fails
+    with its test's name, not silence."""
+    if any(arg.startswith("--timeout") for arg in pytest_args):
+        return list(pytest_args)
+    return [f"--timeout={TEST_TIME_LIMIT:g}", *pytest_args]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     solution = "ref" if args.ref else args.solution
-    pytest_args = args.pytest_args
-    if not any(arg.startswith("--timeout") for arg in pytest_args):
-        # The grader's per-test limit (pytest-timeout): an endless loop fails with its test's name, not silence.
-        pytest_args = [f"--timeout={TEST_TIME_LIMIT:g}", *pytest_args]
+    pytest_args = with_time_limit(args.pytest_args)
     targets = test_targets(args.week, args.day)
     print(f"[tiny-llm] testing the {'reference' if solution == 'ref' else 'student'} solution: "
           f"{' '.join(targets)}", flush=True)
