@@ -359,6 +359,9 @@ def workload_priorities(package, day):
     served = sorted(queued, key=lambda r: result.first_output_step(r.request_id))
     assert [r.priority for r in served] == [3, 2, 1, 0], \
         f"one sequence slot: the most important first; served priorities {[r.priority for r in served]}"
+    preemptions = result.engine.summary()["num_preemptions"]
+    assert preemptions == 0, f"one sequence slot, the most important request running: {preemptions} preemption(s), " \
+                             "but nobody may be preempted for a less important request"
     busy = [Request(f"low{i}", tokens(20, 70 + i), max_tokens=12) for i in range(4)]
     busy.append(Request("urgent", tokens(6, 79), max_tokens=4, arrive=3, priority=5))
     result = run(package, day, busy, max_num_seqs=2, num_blocks=14)
