@@ -5,7 +5,9 @@ sequence (tests/week3_fakes.py), for plans, budgets and outputs without a model;
 one request at a time, for the fused call's logits and the engine's greedy outputs; MLX's argmax
 and random draws for sampling; hand-made measurements for the budget policy.
 
-Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here.
+Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here. Task 2's tests take
+Task 5's sequence updates from the reference (`planner_engine`), so each task passes once it is written.
+Task 6 runs all of today's code together as one engine (tests/week3_stack.py).
 """
 
 import random

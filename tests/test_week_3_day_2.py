@@ -6,7 +6,8 @@ simulates the pool slot by slot and checks every sampled sequence reads back its
 random workloads; mlx-lm's own Qwen2, one request at a time, for outputs with and without paging
 and with forced preemptions.
 
-Day 3.1's parts of scheduler.py (the planner) come from the reference here.
+Day 3.1's parts of scheduler.py (the planner) come from the reference here, except in Task 4, which
+runs days 3.1 and 3.2 of the student's code together as one engine (tests/week3_stack.py).
 """
 
 import random

@@ -4,7 +4,9 @@ The oracle is the engine without the cache: with the same prompts, greedy output
 token for token, whatever the shared prefix's length relative to a block (on a boundary, one token
 short, one token over), whether the sharers run at once or one after another, and under memory
 pressure that evicts cached blocks. Block accounting is checked directly: no block is reused while a
-sequence holds it, and the hit rate is counted exactly.
+sequence holds it, and the hit rate is counted exactly. Task 3's engines take Task 4's counting from
+the reference (`engine_before_task_4`); Task 5 runs the student's days 3.1-3.3 together with caching on
+(tests/week3_stack.py), whose hit rate must be the reference engine's on the same workload.
 """
 
 import hashlib

@@ -3,6 +3,8 @@
 Time is counted in engine steps (an injected clock that ticks once per step), never in seconds.
 Oracles: the same requests under first-come-first-served give the same greedy tokens (preemption by
 recompute changes when a token comes, never which); every block is back in the pool at the end.
+Task 2's planner takes Task 3's `make_room`/`can_admit` from the reference (`planner_before_task_3`);
+Task 4 runs the student's days 3.1-3.4 together with priorities and caching on (tests/week3_stack.py).
 """
 
 import random
