@@ -1,7 +1,7 @@
 """Peak memory and time of a long prefill's attention: plain against tiled, side by side (day 2.4).
 
     pdm run bench-flash-attention                            # 2k to 8k tokens, one layer at Qwen2-0.5B's shape
-    pdm run bench-flash-attention --lengths 512 1024         # quick
+    pdm run bench-flash-attention --quick                    # 512 to 2k tokens
     pdm run bench-flash-attention --max-plain-gib 2          # skip plain runs whose score matrix needs more
     pdm run bench-flash-attention --solution student         # time your own flash_attention
 
@@ -14,40 +14,32 @@ after another, so one layer's attention is what sets the prefill's peak. Three w
 Peak memory is MLX's own counter (mx.get_peak_memory) above what the inputs hold. Plain attention
 needs 14 x L x L x 4 bytes per copy of its scores, 3.5 GiB at 8k: a run whose score matrix alone
 exceeds --max-plain-gib is skipped and marked so, to keep a shared machine alive.
-Results go to benches/results/flash_attention.json and flash_attention.png.
+Results go to benches/results/flash_attention.json (--out) and flash_attention.png beside it.
 """
 
 from course import fast_mlx
 
 fast_mlx.setup()
 
-import argparse  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-from course.user_errors import user_error  # noqa: E402
+from benches import lab  # noqa: E402
+from course import selector  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+PROG = "pdm run bench-flash-attention"
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64  # Qwen2-0.5B
+WAYS = ("plain", "mx.fast", "tiled")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run bench-flash-attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    parser = lab.parser(PROG, __doc__, out="flash_attention.json", model=False)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 6144, 8192],
                         help="prompt lengths (default: 2048 4096 6144 8192)")
     parser.add_argument("--tile", type=int, default=128, help="tile_q = tile_kv of the tiled attention (default 128)")
     parser.add_argument("--max-plain-gib", type=float, default=1.0,
                         help="skip the plain and mx.fast runs whose L x L scores exceed this (default 1)")
-    parser.add_argument("--solution", choices=("ref", "student"), default="ref",
-                        help="whose flash_attention to time: the reference (default) or src/tiny_llm")
-    parser.add_argument("--out", type=Path, default=RESULTS / "flash_attention.json", help="JSON output")
     return parser
 
 
@@ -64,46 +56,52 @@ def measure(attend, q, k, v) -> tuple[mx.array, float, int]:
     return out, seconds, mx.get_peak_memory() - before
 
 
-def machine_line() -> str:
-    blas = fast_mlx.blas_in_use().split(" (")[0]
-    return f"{platform.system()} {platform.machine()}, {mx.default_device()}, BLAS {blas}"
+def plot(bench, rows: list[dict]):
+    path = bench.figure_path("plot")
+    with lab.figure(path, bench.machine, ncols=2, figsize=(10, 4)) as (fig, (memory, speed)):
+        for name, style in zip(WAYS, ("o-", "^--", "s-")):
+            points = [(r["length"], r[name]) for r in rows if r.get(name)]
+            memory.plot([p[0] for p in points], [p[1]["peak_bytes"] / 2**20 for p in points], style, label=name)
+            speed.plot([p[0] for p in points], [p[1]["seconds"] for p in points], style, label=name)
+        memory.set(yscale="log", xlabel="prompt tokens", ylabel="peak memory above the inputs (MiB, log scale)")
+        speed.set(xlabel="prompt tokens", ylabel="seconds (one layer)")
+        memory.legend()
+        speed.legend()
+        fig.suptitle("One layer's causal attention at Qwen2-0.5B's shape (14 heads, 2 KV heads, d=64)")
+    return path
 
 
-def plot(rows: list[dict], path: Path, machine: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (memory, speed) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("plain", "o-"), ("mx.fast", "^--"), ("tiled", "s-")):
-        points = [(r["length"], r[name]) for r in rows if r.get(name)]
-        memory.plot([p[0] for p in points], [p[1]["peak_bytes"] / 2**20 for p in points], style, label=name)
-        speed.plot([p[0] for p in points], [p[1]["seconds"] for p in points], style, label=name)
-    memory.set_yscale("log")
-    memory.set_xlabel("prompt tokens")
-    memory.set_ylabel("peak memory above the inputs (MiB, log scale)")
-    speed.set_xlabel("prompt tokens")
-    speed.set_ylabel("seconds (one layer)")
-    memory.legend()
-    speed.legend()
-    fig.suptitle("One layer's causal attention at Qwen2-0.5B's shape (14 heads, 2 KV heads, d=64)")
-    fig.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def table_row(row: dict) -> dict:
+    """One length's figures as the table prints them (None: the run was skipped)."""
+    out = {"length": row["length"], "score_gib": row["score_matrix_bytes"] / 2**30}
+    for name in WAYS:
+        out[f"{name}_mib"] = row[name]["peak_bytes"] / 2**20 if row.get(name) else None
+        out[f"{name}_s"] = row[name]["seconds"] if row.get(name) else None
+    if row.get("plain"):
+        out["memory_ratio"] = row["plain"]["peak_bytes"] / row["tiled"]["peak_bytes"]
+        out["time_ratio"] = row["tiled"]["seconds"] / row["plain"]["seconds"]
+    return out
 
 
+COLUMNS = [lab.Column("tokens", "length", "{}"), lab.Column("scores GiB", "score_gib"),
+           *(lab.Column(f"{name} MiB", f"{name}_mib", "{:.1f}") for name in WAYS),
+           lab.Column("plain / tiled memory", "memory_ratio", "{:.0f}x"),
+           *(lab.Column(f"{name} s", f"{name}_s") for name in WAYS),
+           lab.Column("tiled / plain time", "time_ratio", "{:.2f}x")]
+
+
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.lengths = [n for n in args.lengths if n <= 2048] or [512, 1024, 2048]
     if min(args.lengths) < 1 or args.tile < 1:
-        return user_error("pdm run bench-flash-attention", "--lengths and --tile must be positive")
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    flash = importlib.import_module(f"{package}.flash_attention").flash_attention
-    plain = importlib.import_module("tiny_llm_ref.attention").scaled_dot_product_attention_grouped
+        return lab.user_error(PROG, "--lengths and --tile must be positive")
+    bench = lab.start(args, ("flash_attention",), load=False)
+    flash = bench.selection.flash_attention.flash_attention
+    plain = selector.reference().attention.scaled_dot_product_attention_grouped  # the untiled baseline
     scale = HEAD_DIM**-0.5
-    machine = machine_line()
-    print(f"{args.solution} flash_attention, tiles {args.tile} x {args.tile}, {machine}")
+    print(f"tiles {args.tile} x {args.tile}")
 
     ways = {
         "plain": lambda q, k, v: plain(q, k, v, scale=scale, mask="causal"),
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiled": lambda q, k, v: flash(q, k, v, scale=scale, mask="causal", tile_q=args.tile, tile_kv=args.tile),
     }
     rows = []
-    for length in tqdm(args.lengths, desc="prompt lengths", unit="length"):
+    for length in lab.progress(args.lengths, "prompt lengths"):
         keys = mx.random.split(mx.random.key(length), 3)
         q = mx.random.normal((1, HEADS, length, HEAD_DIM), key=keys[0])
         k = mx.random.normal((1, KV_HEADS, length, HEAD_DIM), key=keys[1])
@@ -131,35 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         del outputs, reference_out
 
-    print()
-    print(f"{'tokens':>7s} {'scores GiB':>10s} | {'plain MiB':>10s} {'mx.fast MiB':>11s} {'tiled MiB':>10s} "
-          f"{'plain/tiled':>11s} | {'plain s':>8s} {'mx.fast s':>9s} {'tiled s':>8s} {'tiled/plain':>11s}")
-
-    def cell(row, name, key, scale_by, width, digits):
-        return f"{row[name][key] / scale_by:{width}.{digits}f}" if row.get(name) else f"{'skipped':>{width}s}"
-
-    for row in rows:
-        tiled = row["tiled"]
-        memory_ratio = f"{row['plain']['peak_bytes'] / tiled['peak_bytes']:10.0f}x" if row.get("plain") else f"{'':>11s}"
-        time_ratio = f"{tiled['seconds'] / row['plain']['seconds']:10.2f}x" if row.get("plain") else f"{'':>11s}"
-        print(f"{row['length']:7d} {row['score_matrix_bytes'] / 2**30:10.2f} | "
-              f"{cell(row, 'plain', 'peak_bytes', 2**20, 10, 0)} {cell(row, 'mx.fast', 'peak_bytes', 2**20, 11, 0)} "
-              f"{cell(row, 'tiled', 'peak_bytes', 2**20, 10, 1)} {memory_ratio} | "
-              f"{cell(row, 'plain', 'seconds', 1, 8, 2)} {cell(row, 'mx.fast', 'seconds', 1, 9, 2)} "
-              f"{cell(row, 'tiled', 'seconds', 1, 8, 2)} {time_ratio}")
+    lab.print_table("peak memory above the inputs and time of one layer's attention", COLUMNS, map(table_row, rows),
+                    caption=f"a run whose L x L scores exceed {args.max_plain_gib:g} GiB is skipped (-)")
     diffs = [row["tiled_max_abs_diff"] for row in rows if "tiled_max_abs_diff" in row]
     if diffs:
         print(f"tiled against the untiled output: max |difference| {max(diffs):.2e}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"solution": args.solution, "machine": machine, "tile": args.tile,
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32"},
-              "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    png = args.out.with_suffix(".png")
-    plot(rows, png, machine)
-    print(f"\nwrote {args.out} and {png}")
-    return 0
+    shape = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32"}
+    return bench.save({"tile": args.tile, "rows": rows, "shape": shape}, [plot(bench, rows)])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     pdm run bench-quantized                          # the Qwen2-0.5B-shape model, float32 vs 8-bit vs 4-bit
     pdm run bench-quantized --model embedded         # the tiny embedded model (seconds)
     pdm run bench-quantized --decode-tokens 16 --bits 4
+    pdm run bench-quantized --quick                  # 4 tokens, 4-bit only
     pdm run bench-quantized --solution student       # time your own src/tiny_llm
 
 The same float32 checkpoint is quantized in-process (group size 64) to each bit width, then decoded
@@ -14,45 +15,32 @@ greedily by four engines on the same weights:
   - float32: Qwen2ModelWeek2 on the unquantized weights (the baseline);
   - mlx-lm: its own model on the same weights (the peer; fused kernels).
 Decode tokens/s counts the steps after the first token. Weight memory is the bytes the model holds.
-Results go to benches/results/quantized.json and quantized.png.
+Results go to benches/results/quantized.json (--out) and quantized_plot.png beside it.
 """
 
 from course import fast_mlx
 
 fast_mlx.setup()
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-from course.user_errors import user_error  # noqa: E402
-from course.models import BENCH, MEANINGLESS_NOTE, is_embedded, load_model, resolve_model  # noqa: E402
+from benches import lab  # noqa: E402
+from course import selector  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+PROG = "pdm run bench-quantized"
 GROUP_SIZE = 64
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run bench-quantized", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=BENCH,
-                        help=f"'{BENCH}' (default), 'embedded', a local float checkpoint or a Hugging Face id")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default 32)")
-    parser.add_argument("--decode-tokens", type=int, default=8, help="tokens to generate (default 8)")
+def build_parser():
+    parser = lab.parser(PROG, __doc__, out="quantized.json")
+    lab.options(parser, prompt_tokens=(32, "prompt length"), decode_tokens=(8, "tokens to generate"))
     parser.add_argument("--bits", type=int, nargs="+", choices=(4, 8), default=[8, 4],
                         help="bit widths to measure (default: 8 4)")
-    parser.add_argument("--solution", choices=("ref", "student"), default="ref",
-                        help="whose quantize.py and qwen2_week2.py to time: the reference (default) or src/tiny_llm")
-    parser.add_argument("--out", type=Path, default=RESULTS / "quantized.json", help="JSON output")
     return parser
 
 
@@ -127,55 +115,46 @@ def mlx_lm_decode(mlx_model, prompt: list[int], n: int) -> tuple[list[int], floa
     return out, time.perf_counter() - start
 
 
-def machine_line() -> str:
-    blas = fast_mlx.blas_in_use().split(" (")[0]
-    return f"{platform.system()} {platform.machine()}, {mx.default_device()}, BLAS {blas}"
+def plot(bench, rows: list[dict]):
+    path = bench.figure_path("plot")
+    with lab.figure(path, bench.machine, ncols=2, figsize=(10, 4)) as (fig, (speed, memory)):
+        labels = [f"{r['weights']}\n{r['engine']}" for r in rows]
+        colors = ["tab:gray" if r["weights"] == "float32" else "tab:blue" if r["weights"] == "8-bit" else "tab:green"
+                  for r in rows]
+        speed.barh(labels, [r["decode_tokens_per_s"] for r in rows], color=colors)
+        speed.set_xlabel("decode tokens/s")
+        speed.invert_yaxis()
+        memory.barh(labels, [r["weight_bytes"] / 2**30 for r in rows], color=colors)
+        memory.set_xlabel("weight memory (GiB)")
+        memory.invert_yaxis()
+        memory.set_yticks([])
+        fig.suptitle("Decoding on quantized weights: speed and memory")
+    return path
 
 
-def plot(rows: list[dict], path: Path, machine: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = [f"{r['weights']}\n{r['engine']}" for r in rows]
-    colors = ["tab:gray" if r["weights"] == "float32" else "tab:blue" if r["weights"] == "8-bit" else "tab:green"
-              for r in rows]
-    speed.barh(labels, [r["decode_tokens_per_s"] for r in rows], color=colors)
-    speed.set_xlabel("decode tokens/s")
-    speed.invert_yaxis()
-    memory.barh(labels, [r["weight_bytes"] / 2**30 for r in rows], color=colors)
-    memory.set_xlabel("weight memory (GiB)")
-    memory.invert_yaxis()
-    memory.set_yticks([])
-    fig.suptitle("Decoding on quantized weights: speed and memory")
-    fig.text(0.99, 0.01, machine, ha="right", va="bottom", fontsize=7)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+COLUMNS = [lab.Column("weights", "weights", "{}"), lab.Column("engine", "engine", "{}"),
+           lab.Column("decode tok/s", "decode_tokens_per_s"), lab.Column("speed vs float32", "speedup", "{:.2f}x"),
+           lab.Column("weights GiB", "weight_gib", "{:.3f}"), lab.Column("memory vs float32", "shrink", "{:.2f}x"),
+           lab.Column("same tokens as mlx-lm", "same", "{}")]
 
 
+@selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.decode_tokens, args.bits = min(args.decode_tokens, 4), [4]
     if args.decode_tokens < 2:
-        return user_error("pdm run bench-quantized", "--decode-tokens must be at least 2 (decode speed counts the tokens after the first)")
+        return lab.user_error(PROG, "--decode-tokens must be at least 2 (decode speed counts the tokens after the first)")
     if args.prompt_tokens < 1:
-        return user_error("pdm run bench-quantized", "--prompt-tokens must be at least 1")
-    path = resolve_model(args.model)
-    if is_embedded(path):
-        print(MEANINGLESS_NOTE)
-    package = "tiny_llm_ref" if args.solution == "ref" else "tiny_llm"
-    quantize = importlib.import_module(f"{package}.quantize")
-    qwen2_week2 = importlib.import_module(f"{package}.qwen2_week2")
-    mlx_model, tokenizer = load_model(args.model)
+        return lab.user_error(PROG, "--prompt-tokens must be at least 1")
+    bench = lab.start(args, ("quantize", "qwen2_week2"))
+    quantize, qwen2_week2 = bench.selection.quantize, bench.selection.qwen2_week2
+    mlx_model, tokenizer = bench.mlx_model, bench.tokenizer
     if any(hasattr(m, "scales") for _, m in mlx_model.named_modules()):
-        return user_error("pdm run bench-quantized", f"{args.model} is already quantized: give a float checkpoint, this bench quantizes it")
+        return lab.user_error(PROG, f"{args.model} is already quantized: give a float checkpoint, this bench quantizes it")
     text = "Decoding reads every weight once per token, so fewer bytes per weight mean faster steps. "
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = (ids * (args.prompt_tokens // len(ids) + 1))[: args.prompt_tokens]
-    machine = machine_line()
-    print(f"model {args.model} ({path.name}), {args.solution} solution, {machine}")
     print(f"prompt {len(prompt)} tokens, {args.decode_tokens} new tokens, greedy; group size {GROUP_SIZE}")
 
     runs = [("float32", "ours", None), ("float32", "mlx-lm", None)]
@@ -184,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                  (f"{bits}-bit", "mlx-lm", bits)]
     quantized = {}
     rows = []
-    for weights, engine, bits in tqdm(runs, desc="decode runs", unit="run"):
+    for weights, engine, bits in lab.progress(runs, "decode runs"):
         source = mlx_model if bits is None else quantized.setdefault(bits, quantized_copy(mlx_model, bits))
         if engine == "mlx-lm":
             mlx_lm_decode(source, prompt[:8], 2)  # warm-up: first calls pay for allocation and threads
@@ -202,29 +181,21 @@ def main(argv: list[str] | None = None) -> int:
                      "weight_bytes": weight_bytes, "tokens": tokens})
 
     baseline = rows[0]
-    print()
-    print(f"{'weights':8s} {'engine':28s} {'decode tok/s':>12s} {'vs float32':>10s} {'weights GiB':>11s} "
-          f"{'vs float32':>10s}  same tokens as mlx-lm")
     for row in rows:
         peer = next(r for r in rows if r["weights"] == row["weights"] and r["engine"] == "mlx-lm")
-        speedup = row["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
-        shrink = row["weight_bytes"] / baseline["weight_bytes"]
-        print(f"{row['weights']:8s} {row['engine']:28s} {row['decode_tokens_per_s']:12.2f} {speedup:9.2f}x "
-              f"{row['weight_bytes'] / 2**30:11.3f} {shrink:9.2f}x  {'yes' if row['tokens'] == peer['tokens'] else 'no'}")
+        row.update(speedup=row["decode_tokens_per_s"] / baseline["decode_tokens_per_s"],
+                   shrink=row["weight_bytes"] / baseline["weight_bytes"], weight_gib=row["weight_bytes"] / 2**30,
+                   same="yes" if row["tokens"] == peer["tokens"] else "no")
+    lab.print_table(f"greedy decoding, {len(prompt)}-token prompt, {args.decode_tokens} new tokens, group size "
+                    f"{GROUP_SIZE}", COLUMNS, rows)
     for bits in args.bits:
         student = next(r for r in rows if r["bits"] == bits and r["engine"] == "ours, dequantize + matmul")
         fast = next(r for r in rows if r["bits"] == bits and r["engine"] == "ours, fused")
         print(f"{bits}-bit: the fused kernel decodes {fast['decode_tokens_per_s'] / student['decode_tokens_per_s']:.2f}x "
               f"as fast as dequantize + matmul")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"model": args.model, "solution": args.solution, "machine": machine, "group_size": GROUP_SIZE,
-              "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    png = args.out.with_suffix(".png")
-    plot(rows, png, machine)
-    print(f"\nwrote {args.out} and {png}")
-    return 0
+    return bench.save({"group_size": GROUP_SIZE, "prompt_tokens": len(prompt), "decode_tokens": args.decode_tokens,
+                       "rows": rows}, [plot(bench, rows)])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ class Day:
     points: dict[int, int] = field(default_factory=dict)  # task number -> points
     # The model-level workload `pdm run compare` runs for this day ("" when the day has none):
     # "model" (week-1 model + simple_generate), "kv-cache" (week-2 model + simple_generate_with_kv_cache),
-    # "batch" (batch_generate, prompts prefilled whole), "chunked-prefill" (batch_generate, small chunks).
+    # "batch" (batch_generate, prompts prefilled whole), "chunked-prefill" (batch_generate, small chunks),
+    # "engine" (week 3's LLMEngine step by step on a small KV pool: scripts/compare_week3.py).
     compare: str = ""
 
     @property
@@ -52,12 +53,14 @@ DAYS: list[Day] = [
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
         {1: 10, 2: 5, 3: 10, 4: 5, 5: 10, 6: 5}, compare="chunked-prefill"),
     Day(3, 1, "One forward pass under a token budget", "week3-01-token-budget.md",
-        ("token_budget", "scheduler", "qwen2_week3", "model_runner", "engine"), {1: 5, 2: 10, 3: 10, 4: 10, 5: 5, 6: 60}),
+        ("token_budget", "scheduler", "qwen2_week3", "model_runner", "engine"), {1: 5, 2: 10, 3: 10, 4: 10, 5: 5, 6: 60},
+        compare="engine"),
     Day(3, 2, "Paged KV cache and preemption", "week3-02-paged-kv-cache.md", ("block_manager", "scheduler"),
-        {1: 10, 2: 5, 3: 10, 4: 40}),
-    Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5, 5: 45}),
+        {1: 10, 2: 5, 3: 10, 4: 40}, compare="engine"),
+    Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5, 5: 45},
+        compare="engine"),
     Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler", "scheduler", "engine"),
-        {1: 5, 2: 10, 3: 10, 4: 40}),
+        {1: 5, 2: 10, 3: 10, 4: 40}, compare="engine"),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
 ]
 

@@ -18,9 +18,8 @@ the student's files with some functions and methods swapped for the reference's:
 
 A swapped-in reference function runs in the student's module (same globals), so it calls the
 student's other functions, and the student's functions call it. Which function belongs to which task
-is read from the untouched skeleton once and kept in `course/tasks.json`
-(`pdm run python -m maint.check_skeleton --write-tasks` refreshes it), because a student's finished
-function carries no marker any more.
+is kept in `course/tasks.json`, written with the skeleton by `pdm run python -m maint.make_skeleton`,
+because a student's finished function carries no marker any more.
 """
 
 from __future__ import annotations
@@ -123,12 +122,6 @@ def unwritten(package_dir: Path = STUDENT_DIR) -> dict[str, dict[str, Task]]:
         if tasks:
             found[path.stem] = tasks
     return found
-
-
-def task_table_of(package_dir: Path = STUDENT_DIR) -> dict:
-    """What course/tasks.json holds, read from an untouched skeleton."""
-    return {module: {name: f"{t} ({t.chapter})" for name, t in tasks.items()}
-            for module, tasks in unwritten(package_dir).items()}
 
 
 def task_table() -> dict[str, dict[str, Task]]:

@@ -5,34 +5,24 @@ yet" and name the chapter, never an import error, a collection error or a crash 
 this on the committed skeleton:
 
     pdm run python -m maint.check_skeleton
-    pdm run python -m maint.check_skeleton --write-tasks   # after adding or renumbering a task
 
-It also checks `course/tasks.json`, the table of which task each skeleton function belongs to (the
-selector, course/selector.py, reads it): `--write-tasks` rewrites it from the untouched skeleton.
+The skeleton itself, and `course/tasks.json`, are written from the reference by
+`pdm run python -m maint.make_skeleton` (its `--check` says when they are stale).
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from course.course_map import DAYS
 from course.isolated_pytest import RunResult, become_subreaper, child_env, run_test_file
-from course.selector import TASKS_FILE, task_table_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m maint.check_skeleton", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write-tasks", action="store_true",
-                        help="rewrite course/tasks.json from the skeleton's markers, then check")
-    return parser
-
-
-def tasks_json_text() -> str:
-    return json.dumps(task_table_of(), indent=1, sort_keys=True) + "\n"
+    return argparse.ArgumentParser(prog="python -m maint.check_skeleton", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def run_student_tests(test_files: list[str]) -> RunResult:
@@ -59,10 +49,7 @@ def classify(run: RunResult) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.write_tasks:
-        TASKS_FILE.write_text(tasks_json_text())
-        print(f"check-skeleton: wrote {TASKS_FILE.relative_to(REPO_ROOT)}")
+    build_parser().parse_args(argv)
     test_files = [d.test_file for d in DAYS if (REPO_ROOT / d.test_file).exists()]
     run = run_student_tests(test_files)
     if run.problems or run.collect_errors:
@@ -75,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     for outcome, ids in outcomes.items():
         print(f"  {outcome:17s} {len(ids)}")
     problems = []
-    if not TASKS_FILE.exists() or TASKS_FILE.read_text() != tasks_json_text():
-        problems.append("course/tasks.json does not match the skeleton's markers "
-                        "(refresh: pdm run python -m maint.check_skeleton --write-tasks)")
     if total == 0:
         problems.append("no day tests were collected")
     if outcomes["error"] or run.review:

@@ -3,6 +3,7 @@
     pdm run compare --week 1 --day 5                 # the week-1 model: logits and greedy text
     pdm run compare --week 2 --day 7                 # batch_generate with chunked prefill
     pdm run compare --week 2 --day 1 --max-tokens 32 --model Qwen/Qwen2-0.5B-Instruct-MLX
+    pdm run compare --week 3 --day 2                 # your engine, step by step, on a small KV pool
 
 The student side is your src/tiny_llm as the selector (course/selector.py) runs it: your code for
 every task you have written, the reference's for every task still raising "not implemented yet" (one
@@ -11,7 +12,9 @@ difference on the prompt's forward pass, the first generated token where the two
 continuations from there, and the time ratio student / reference. The scheduler days (2.5 to 2.7)
 also show how each side scheduled the work: prefill chunks and their sizes, decode steps, how many
 shared an iteration with a chunk, and the longest stall of a decoding request; on the chunked-prefill
-day the logit line compares your chunked prefill with the reference's one-shot prefill. Days without
+day the logit line compares your chunked prefill with the reference's one-shot prefill. Week 3's days
+run both engines on one workload with a small KV pool and compare every step's plan, budget,
+preemptions, blocks in use (and hit rate) and every token (scripts/compare_week3.py). Days without
 a model-level run (attention, RoPE, metrics, ...) say so and give the test command instead.
 
 Exit status: 0 when the student's run matches the reference; 1 when it differs or raises; 2 on bad
@@ -32,7 +35,7 @@ DEFAULT_PROMPTS = [
     "Write a haiku about a cache that never misses.",
     "Explain chunked prefill in one sentence.",
 ]
-WORKLOADS = ("model", "kv-cache", "batch", "chunked-prefill")  # the values of Day.compare, besides ""
+WORKLOADS = ("model", "kv-cache", "batch", "chunked-prefill", "engine")  # the values of Day.compare, besides ""
 LOGIT_TOLERANCE = 1e-3  # float32 on the CPU: a correct implementation differs by ~1e-5
 CONTEXT_TOKENS = 4  # shared tokens shown before the first difference
 
@@ -253,6 +256,10 @@ def compare(args) -> int:
 
     from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
+    if day.compare == "engine":
+        from scripts.compare_week3 import compare_engines
+
+        return compare_engines(args, day, explain_failure)
     mine, ref = selector.for_command("student", strict=args.strict), selector.reference()
     if is_embedded(resolve_model(args.model)):
         print(MEANINGLESS_NOTE)

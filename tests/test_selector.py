@@ -32,7 +32,7 @@ def test_task_table_agrees_with_the_skeleton_and_the_reference():
     table = selector.task_table()
     for module, names in selector.unwritten().items():
         for name, task in names.items():
-            assert table[module][name] == task, f"{module}.{name}: refresh with maint.check_skeleton --write-tasks"
+            assert table[module][name] == task, f"{module}.{name}: refresh with maint.make_skeleton"
     days = {(d.week, d.day): d for d in DAYS}
     for module, names in table.items():
         source = (REFERENCE_DIR / f"{module}.py").read_text()

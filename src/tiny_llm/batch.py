@@ -98,8 +98,10 @@ class Request:
         sets `is_prefill_done`. Called once the prefill is done, it raises ValueError (no model call).
         """
         # TODO: done already -> ValueError; chunk = prompt_tokens[offset : offset + prefill_max_step];
-        # model(1 x L, offset, kv_cache, mask=chunk_causal_mask(...)); materialize, or the first token
-        raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset")
+        # TODO: model(1 x L, offset, kv_cache, mask=chunk_causal_mask(...)); materialize, or the first token
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): prefill one chunk at its absolute offset"
+        )
 
     def record_token(self, token: int) -> None:
         """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
@@ -109,12 +111,16 @@ class Request:
         ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
         """
         # TODO: set next_token; EOS: done ("stop"), not kept; else append, and done ("length") at max_seq_len
-        raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): record an output token; finish at EOS or max_seq_len")
+        raise NotImplementedError(
+            "Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): record an output token; finish at EOS or max_seq_len"
+        )
 
     def decode_done(self, token: int) -> None:
         """A decode step ran `next_token` at position `offset` (now in the cache) and produced `token`."""
         # TODO: the fed token is in the cache now: offset + 1; then record_token(token)
-        raise NotImplementedError("Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the fed token is cached now; record the new one")
+        raise NotImplementedError(
+            "Week 2 Day 6 Task 1 (book/src/week2-06-continuous-batching.md): the fed token is cached now; record the new one"
+        )
 
     def text(self) -> str:
         """The generated text so far (EOS excluded)."""
@@ -125,13 +131,17 @@ class Request:
 def materialize_cache(kv_cache: list) -> None:
     """Evaluate every array a request's KV cache holds (one cache object per layer), so no lazy work is left."""
     # TODO: mx.eval over the arrays each layer's cache object holds (vars(...) reaches them)
-    raise NotImplementedError("Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks")
+    raise NotImplementedError(
+        "Week 2 Day 7 Task 2 (book/src/week2-07-chunked-prefill.md): evaluate the KV cache between chunks"
+    )
 
 
 def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step: int) -> int:
     """The peak memory, in bytes above what was allocated before, of prefilling `prompt` in chunks of `prefill_step` tokens."""
     # TODO: active memory before, reset the peak, prefill chunk by chunk, peak minus before
-    raise NotImplementedError("Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill")
+    raise NotImplementedError(
+        "Week 2 Day 7 Task 3 (book/src/week2-07-chunked-prefill.md): measure the peak memory of a prefill"
+    )
 
 
 # ---------------------------------------------------------------- the chunk's view of attention
@@ -140,7 +150,9 @@ def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step:
 def chunk_positions(offset: int, chunk_len: int) -> mx.array:
     """The absolute positions of a chunk of `chunk_len` tokens after `offset` cached ones: what RoPE rotates by."""
     # TODO: offset, offset + 1, ..., offset + chunk_len - 1
-    raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk")
+    raise NotImplementedError(
+        "Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): absolute positions of a chunk"
+    )
 
 
 def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
@@ -151,7 +163,9 @@ def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32)
     S = offset + chunk_len.
     """
     # TODO: key position <= query position (offset + i): 0, else -inf
-    raise NotImplementedError("Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens")
+    raise NotImplementedError(
+        "Week 2 Day 7 Task 1 (book/src/week2-07-chunked-prefill.md): the causal mask of a chunk after cached tokens"
+    )
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -189,7 +203,9 @@ class SchedulerStats:
     def interleave_ratio(self) -> float | None:
         """Prefill chunks per decode step (None before the first decode step)."""
         # TODO: chunks / decode_steps, None before any decode step
-        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): prefill chunks per decode step"
+        )
 
     def to_dict(self) -> dict:
         """The counters and the two derived figures, JSON-ready."""
@@ -309,7 +325,9 @@ class Scheduler:
         `prefilling`, prefilled, until a slot frees up.
         """
         # TODO: prefilling done? already done -> finish; else a free slot: add_request on every layer, slots[slot] = it
-        raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): move a prefilled request into a free decode slot")
+        raise NotImplementedError(
+            "Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): move a prefilled request into a free decode slot"
+        )
 
     def decode_step(self) -> None:
         """One batched decode step: each running request feeds its `next_token` at its `offset` and gets one token.
@@ -320,7 +338,9 @@ class Scheduler:
         slot (`retire`).
         """
         # TODO: the busy slots; their tokens (n x 1) and offsets; model(...); greedy; decode_done, metrics.token, retire
-        raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): one batched decode step over the slots")
+        raise NotImplementedError(
+            "Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): one batched decode step over the slots"
+        )
 
     def retire(self, slot: int) -> None:
         """Free decode slot `slot`: remove its request from every layer's batch cache and finish it."""
@@ -331,7 +351,9 @@ class Scheduler:
     def release_all(self) -> None:
         """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
         # TODO: remove every held slot from the batch cache; cancel running, prefilling, queued (kv_cache = None)
-        raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): release every slot and cache after an error")
+        raise NotImplementedError(
+            "Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): release every slot and cache after an error"
+        )
 
     # -- chunked prefill (day 2.7)
 
@@ -344,8 +366,10 @@ class Scheduler:
         output token is recorded in `metrics` (unless it is EOS).
         """
         # TODO: take from the queue if nobody prefills; chunk size from the policy (check_chunk_size it);
-        # time try_prefill; stats, policy
-        raise NotImplementedError("Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request")
+        # TODO: time try_prefill; stats, policy
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): run one prefill chunk of the pending request"
+        )
 
     @refuse_after_failure
     def step(self) -> None:
@@ -357,7 +381,9 @@ class Scheduler:
         (RuntimeError) until `release_all()`.
         """
         # TODO: log_stats, prefill_chunk, admit, then (timed) decode_step with stats and policy, and admit again
-        raise NotImplementedError("Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 5 (book/src/week2-07-chunked-prefill.md): one iteration: a prefill chunk, admission, a decode step"
+        )
 
     def log_stats(self) -> None:
         """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.
@@ -369,7 +395,9 @@ class Scheduler:
         tokens the decode slots hold (the sum of their requests' `offset`) / `batch_size * max_seq_len`.
         """
         # TODO: first call: the set-up line; then every log_interval: rates since the last line, counts, KV use
-        raise NotImplementedError("Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 4 (book/src/week2-07-chunked-prefill.md): the start-up line and the periodic stats line"
+        )
 
 
 def batch_generate(
@@ -394,4 +422,6 @@ def batch_generate(
     """
     prompts = check_prompts(prompts)
     # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
-    raise NotImplementedError("Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop")
+    raise NotImplementedError(
+        "Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop"
+    )

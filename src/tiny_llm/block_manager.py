@@ -33,7 +33,9 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     is `block_table[p // block_size] * block_size + p % block_size`.
     """
     # TODO: block_table[p // block_size] * block_size + p % block_size for each p
-    raise NotImplementedError("Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): the pool slots of a range of positions")
+    raise NotImplementedError(
+        "Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): the pool slots of a range of positions"
+    )
 
 
 class BlockManager:
@@ -60,22 +62,30 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """How many more blocks `seq` needs so that its table covers positions 0 .. num_tokens-1."""
         # TODO: blocks_for(num_tokens) - blocks it has, at least 0
-        raise NotImplementedError("Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): how many more blocks a sequence needs")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): how many more blocks a sequence needs"
+        )
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """True if the free blocks suffice for `seq` to hold `num_tokens` positions."""
         # TODO: blocks_needed <= num_free_blocks
-        raise NotImplementedError("Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): whether the free blocks suffice")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): whether the free blocks suffice"
+        )
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_tokens` positions; RuntimeError if the pool cannot."""
         # TODO: RuntimeError if too few free blocks (take nothing); else pop free blocks onto seq.block_table
-        raise NotImplementedError("Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): grow a sequence's block table")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): grow a sequence's block table"
+        )
 
     def free(self, seq: Sequence) -> None:
         """Give every block of `seq` back to the pool and empty its table."""
         # TODO: extend the free list with seq.block_table; empty the table
-        raise NotImplementedError("Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): give a sequence's blocks back")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): give a sequence's blocks back"
+        )
 
     # Day 3.3's prefix cache (prefix_cache.py) overrides these three hooks; without it they do nothing.
 
@@ -108,12 +118,16 @@ class KvPool:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store `T x H x D` keys and values at the T given slots of `layer`."""
         # TODO: keys[layer][slots] = keys; values likewise
-        raise NotImplementedError("Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): store keys and values at their slots")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): store keys and values at their slots"
+        )
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """The keys and values at `slots` (any shape `...`), as `... x H x D`."""
         # TODO: index keys[layer] and values[layer] with slots
-        raise NotImplementedError("Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): read keys and values at slots")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 2 (book/src/week3-02-paged-kv-cache.md): read keys and values at slots"
+        )
 
     def arrays(self) -> list[mx.array]:
         """Every pool array: what a step must evaluate so the writes happen."""

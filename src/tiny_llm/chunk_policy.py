@@ -81,17 +81,23 @@ class AdaptiveChunkPolicy:
         decode step yet: the decode time counts as 0, so the whole target goes to the chunk.
         """
         # TODO: nobody decoding: max_chunk; nothing measured: initial_chunk; else (target - decode) / per token, clamped
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): the largest chunk within the latency target")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): the largest chunk within the latency target"
+        )
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` prompt tokens took `seconds`: update the per-token cost."""
         # TODO: skip empty chunks; seconds_per_token = _average(old, seconds / tokens)
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): update the per-token prefill cost")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): update the per-token prefill cost"
+        )
 
     def observe_decode(self, batch: int, seconds: float) -> None:
         """A decode step of `batch` requests took `seconds`: update the decode-step cost."""
         # TODO: decode_seconds = _average(old, seconds)
-        raise NotImplementedError("Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): update the decode-step cost")
+        raise NotImplementedError(
+            "Week 2 Day 7 Task 6 (book/src/week2-07-chunked-prefill.md): update the decode-step cost"
+        )
 
     def describe(self) -> str:
         """One line for the scheduler's start-up log."""

@@ -25,10 +25,8 @@ def tile_causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, L: int,
     also a prefill chunk after S - L cached tokens) and sees keys 0 .. S - L + i: 0 there, -inf elsewhere.
     """
     # TODO: query positions q_start.. shifted by S - L, key positions k_start..;
-    # 0 where key <= query, -inf elsewhere
-    raise NotImplementedError(
-        "Week 2 Day 4 Task 1 (book/src/week2-04-flash-attention.md): a tile of the causal mask"
-    )
+    # TODO: 0 where key <= query, -inf elsewhere
+    raise NotImplementedError("Week 2 Day 4 Task 1 (book/src/week2-04-flash-attention.md): a tile of the causal mask")
 
 
 def flash_attention(
@@ -46,8 +44,8 @@ def flash_attention(
     future are skipped), or an additive array that broadcasts to `B.. x H_q x L x S`, read a tile at a
     time. Returns `B.. x H_q x L x D` in query's dtype.
     """
-    # TODO: for each query tile: running max, running sum and output over the key tiles, rescaled
-    # when the max grows; skip key tiles in the causal future; mx.eval each query tile's output
+    # TODO: for each query tile: running max, running sum and output over the key tiles, rescaled when the max grows;
+    # TODO: skip key tiles in the causal future; mx.eval each query tile's output
     raise NotImplementedError(
         "Week 2 Day 4 Task 2 (book/src/week2-04-flash-attention.md): tiled attention with an online softmax"
     )

@@ -55,9 +55,7 @@ class TinyKvFullCache(TinyKvCache):
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
         # TODO: concatenate after the held keys/values on axis 2; update offset; pass mask through
-        raise NotImplementedError(
-            "Week 2 Day 1 Task 1 (book/src/week2-01-kv-cache.md): append the new keys and values"
-        )
+        raise NotImplementedError("Week 2 Day 1 Task 1 (book/src/week2-01-kv-cache.md): append the new keys and values")
 
 
 class BatchingKvCache(TinyKvCache):
@@ -87,9 +85,7 @@ class BatchingKvCache(TinyKvCache):
     def remove_request(self, id: int) -> None:
         """Free slot `id` (the request finished); the other slots are untouched."""
         # TODO: check the slot holds a request, then empty it
-        raise NotImplementedError(
-            "Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): free a slot"
-        )
+        raise NotImplementedError("Week 2 Day 5 Task 1 (book/src/week2-05-batching-the-model.md): free a slot")
 
     def update_and_fetch(
         self,
@@ -105,10 +101,9 @@ class BatchingKvCache(TinyKvCache):
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
         # TODO: which slot each row is (all slots, or the held ones only); each held slot appends its row;
-        # pad every request on the left to the longest; stack rows and masks
+        # TODO: pad every request on the left to the longest; stack rows and masks
         raise NotImplementedError(
-            "Week 2 Day 5 Task 2 (book/src/week2-05-batching-the-model.md): "
-            "append each slot's keys, align the rows, build the B x 1 x L x S mask"
+            "Week 2 Day 5 Task 2 (book/src/week2-05-batching-the-model.md): append each slot's keys, align the rows, build the B x 1 x L x S mask"
         )
 
 

@@ -16,6 +16,7 @@ the longest gap between two consecutive tokens of one request, which is what hea
 looks like from the outside. The clock is injected, so tests drive it by hand.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
@@ -47,9 +48,7 @@ class RequestMetrics:
     def ttft(self) -> float | None:
         """Time to first token: first token time minus arrival (None before the first token)."""
         # TODO: the first token time minus arrival; None before the first token
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time to first token"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time to first token")
 
     @property
     def itls(self) -> list[float]:
@@ -63,17 +62,13 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         """Time per output token after the first: (e2e - TTFT) / (n - 1); None until finished with n >= 2."""
         # TODO: (e2e - TTFT) / (n - 1); None unless finished with at least two tokens
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time per output token"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): time per output token")
 
     @property
     def e2e_latency(self) -> float | None:
         """End-to-end latency: finish minus arrival (None until the request finished)."""
         # TODO: finish minus arrival; None before finish
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): end-to-end latency"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 1 (book/src/week2-02-serving-metrics.md): end-to-end latency")
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -114,9 +109,7 @@ class MetricsRecorder:
     def token(self, request_id: Hashable) -> None:
         """The request produced one output token, now."""
         # TODO: append clock() to the request's token_times
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): record one output token"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): record one output token")
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done (EOS, length limit, or cancelled)."""
@@ -140,17 +133,13 @@ class MetricsRecorder:
     def to_json(self) -> dict:
         """A JSON-ready dict: the summary and every request's timeline (`from_json` reads it back)."""
         # TODO: {'summary': ..., 'requests': [one dict per request]}
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): the JSON form"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): the JSON form")
 
     @classmethod
     def from_json(cls, data: dict, clock: Callable[[], float] = time.perf_counter) -> "MetricsRecorder":
         """Rebuild a recorder from `to_json()` output (after a trip through json.dumps / json.loads)."""
         # TODO: a recorder holding RequestMetrics rebuilt from data['requests']
-        raise NotImplementedError(
-            "Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): read the JSON form back"
-        )
+        raise NotImplementedError("Week 2 Day 2 Task 3 (book/src/week2-02-serving-metrics.md): read the JSON form back")
 
 
 def format_summary(summary: dict) -> str:

@@ -40,20 +40,28 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> RaggedBatch:
         """The plan as a `RaggedBatch`: token ids, positions, pool slots, attention views, sampling rows."""
         # TODO: token ids, positions, write slots (slot_mapping), sample rows, decode view, chunk views
-        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): lay the plan out as a RaggedBatch")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): lay the plan out as a RaggedBatch"
+        )
 
     def decode_view(self, decodes: list[ScheduledChunk]) -> tuple[mx.array | None, mx.array | None]:
         """Slots of every decoding sequence's keys, padded to the longest (`n x S`), and the mask hiding the padding."""
         # TODO: slots of positions 0..start per decode, padded with slot 0 to the longest; mask 0 / -inf, n x 1 x 1 x S
-        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): the decode rows' key slots and padding mask")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): the decode rows' key slots and padding mask"
+        )
 
     def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
         """A prefill chunk's keys (its sequence's positions 0 .. end-1) and its mask: day 2.7's chunk mask,
         which is week 1's `causal_mask(L, S)` with L the chunk's length and S its end."""
         # TODO: slots of positions 0 .. start+length-1 and causal_mask(length, start + length)
-        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): a prefill chunk's key slots and chunk mask")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): a prefill chunk's key slots and chunk mask"
+        )
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
         # TODO: argmax for all rows; a sampled sequence uses make_sampler (seed: mx.random.seed(seed + outputs so far))
-        raise NotImplementedError("Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): pick each sequence's next token")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): pick each sequence's next token"
+        )

@@ -33,12 +33,16 @@ def hash_block(parent_hash: bytes, tokens: list[int]) -> bytes:
     A cryptographic hash, because two different prefixes with the same name would silently share
     the wrong keys and values.
     """
-    raise NotImplementedError("Week 3 Day 3 Task 1 (book/src/week3-03-prefix-caching.md): name a full block by SHA-256 of its parent name and its token ids")
+    raise NotImplementedError(
+        "Week 3 Day 3 Task 1 (book/src/week3-03-prefix-caching.md): name a full block by SHA-256 of its parent name and its token ids"
+    )
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     """The names of every full block of `token_ids`, in order: each one chains its parent's."""
-    raise NotImplementedError("Week 3 Day 3 Task 1 (book/src/week3-03-prefix-caching.md): the chained names of every full block")
+    raise NotImplementedError(
+        "Week 3 Day 3 Task 1 (book/src/week3-03-prefix-caching.md): the chained names of every full block"
+    )
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -65,19 +69,27 @@ class PrefixCachingBlockManager(BlockManager):
         Walk the names of its full blocks while they are cached, leaving at least the last token to
         compute; take each hit (off the free list if nobody holds it) and count one more reference.
         """
-        raise NotImplementedError("Week 3 Day 3 Task 3 (book/src/week3-03-prefix-caching.md): share the cached blocks of the leading full blocks")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 3 (book/src/week3-03-prefix-caching.md): share the cached blocks of the leading full blocks"
+        )
 
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
         """Count an admission: all its tokens were looked up, `cached_tokens` of them were hits."""
-        raise NotImplementedError("Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): count looked-up and hit tokens")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): count looked-up and hit tokens"
+        )
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` with fresh blocks from the front of the free list, evicting their names."""
-        raise NotImplementedError("Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): take fresh blocks from the front of the free list, evicting their names")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): take fresh blocks from the front of the free list, evicting their names"
+        )
 
     def evict(self, block: int) -> None:
         """Forget a free block's name, if it has one: its contents are about to be overwritten."""
-        raise NotImplementedError("Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): forget a reused block name")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): forget a reused block name"
+        )
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Name the blocks of `seq` that are now full and computed, so later requests can find them.
@@ -85,7 +97,9 @@ class PrefixCachingBlockManager(BlockManager):
         A name already cached for another block (two requests computed the same prefix at the same
         time) keeps its first block; this one stays unnamed and is freed like any other.
         """
-        raise NotImplementedError("Week 3 Day 3 Task 3 (book/src/week3-03-prefix-caching.md): name the newly computed full blocks")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 3 (book/src/week3-03-prefix-caching.md): name the newly computed full blocks"
+        )
 
     def free(self, seq: Sequence) -> None:
         """Drop one reference to each block of `seq`; a block nobody holds goes back on the free list.
@@ -93,13 +107,19 @@ class PrefixCachingBlockManager(BlockManager):
         Named blocks go to the back (most recently used; a sequence's first blocks last, as they are the
         most shared), unnamed ones to the front, to be taken first.
         """
-        raise NotImplementedError("Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): drop one reference per block; free unreferenced blocks, named ones at the back")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): drop one reference per block; free unreferenced blocks, named ones at the back"
+        )
 
     @property
     def hit_rate(self) -> float:
         """Tokens served from the cache / tokens looked up, 0..1 (0 before any lookup)."""
-        raise NotImplementedError("Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): hit tokens / looked-up tokens")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): hit tokens / looked-up tokens"
+        )
 
     def reset(self) -> None:
         """Forget every cached name and zero the counters (benchmarks start each run cold)."""
-        raise NotImplementedError("Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): forget every name and zero the counters")
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 4 (book/src/week3-03-prefix-caching.md): forget every name and zero the counters"
+        )

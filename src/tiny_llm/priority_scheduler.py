@@ -53,12 +53,16 @@ class PriorityPolicy:
     def effective_priority(self, seq: Sequence) -> int:
         """`seq.priority`, plus one for every `aging_steps` steps since it arrived."""
         # TODO: seq.priority + steps since its arrival // aging_steps
-        raise NotImplementedError("Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): priority plus one per aging_steps steps waited")
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): priority plus one per aging_steps steps waited"
+        )
 
     def rank(self, seq: Sequence) -> tuple[int, int]:
         """Sort key, most urgent first: higher effective priority, then earlier arrival."""
         # TODO: (-effective priority, arrival step)
-        raise NotImplementedError("Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): sort key: higher effective priority, then earlier arrival")
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): sort key: higher effective priority, then earlier arrival"
+        )
 
     def order(self, seqs) -> list[Sequence]:
         """`seqs` most urgent first; stable, so among equals the given order stands.
@@ -67,7 +71,9 @@ class PriorityPolicy:
         rather than kept in a heap whose keys would go stale.
         """
         # TODO: sort by rank (Python's sort is stable)
-        raise NotImplementedError("Week 3 Day 4 Task 2 (book/src/week3-04-priorities.md): most urgent first, stable among equals")
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 2 (book/src/week3-04-priorities.md): most urgent first, stable among equals"
+        )
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether `seq` is strictly more urgent than `other`, so it may take `other`'s blocks."""

@@ -21,8 +21,8 @@ def quantize(w: mx.array, group_size: int = 64, bits: int = 4) -> tuple[mx.array
 
     Bit for bit what `mx.quantize(w, group_size, bits)` returns; scales and biases keep `w`'s dtype.
     """
-    # TODO: per group: scale and bias (pin the larger-magnitude end), q = round((w - bias) / scale)
-    # clipped to 0 .. 2**bits - 1, then 32 // bits values per uint32, the first in the lowest bits
+    # TODO: per group: scale and bias (pin the larger-magnitude end), q = round((w - bias) / scale) clipped to
+    # TODO: 0 .. 2**bits - 1; pack 32 // bits values per uint32, the first in the lowest bits
     raise NotImplementedError(
         "Week 2 Day 3 Task 1 (book/src/week2-03-quantized-weights.md): group-wise affine quantization, packed"
     )
@@ -37,9 +37,7 @@ def dequantize(
     `mx.dequantize` returns.
     """
     # TODO: unpack the words with shifts and a mask, then scale * q + bias per group (dtype of scales)
-    raise NotImplementedError(
-        "Week 2 Day 3 Task 2 (book/src/week2-03-quantized-weights.md): unpack and dequantize"
-    )
+    raise NotImplementedError("Week 2 Day 3 Task 2 (book/src/week2-03-quantized-weights.md): unpack and dequantize")
 
 
 @dataclass
@@ -78,9 +76,7 @@ def quantized_linear(x: mx.array, w: QuantizedWeight, bias: mx.array | None = No
     which the fused `mx.quantized_matmul` never does.
     """
     # TODO: dequantize the weight, then x @ W.T + bias
-    raise NotImplementedError(
-        "Week 2 Day 3 Task 3 (book/src/week2-03-quantized-weights.md): quantized linear layer"
-    )
+    raise NotImplementedError("Week 2 Day 3 Task 3 (book/src/week2-03-quantized-weights.md): quantized linear layer")
 
 
 class QuantizedEmbedding:

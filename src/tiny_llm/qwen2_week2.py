@@ -93,7 +93,7 @@ class Qwen2MultiHeadAttention:
         "causal", which a batching cache replaces with its own `B x 1 x L x S` mask).
         """
         # TODO: project, RoPE at `offset`, heads first, cache.update_and_fetch, grouped attention
-        # (flash_attention.flash_attention instead when self.use_flash_attention and L > 1: day 2.4)
+        # TODO: flash_attention.flash_attention instead when self.use_flash_attention and L > 1 (day 2.4)
         raise NotImplementedError(
             "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): attention over the new tokens and the cache"
         )
@@ -224,9 +224,7 @@ class Qwen2ModelWeek2:
     def make_cache(self) -> list[TinyKvFullCache]:
         """A fresh, empty cache for one request: one `TinyKvFullCache` per layer."""
         # TODO: a fresh TinyKvFullCache for each of the num_hidden_layers layers
-        raise NotImplementedError(
-            "Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): one TinyKvFullCache per layer"
-        )
+        raise NotImplementedError("Week 2 Day 1 Task 2 (book/src/week2-01-kv-cache.md): one TinyKvFullCache per layer")
 
     def make_batch_cache(self, batch_size: int, max_seq_len: int) -> list[BatchingKvCache]:
         """A cache for a batch of up to `batch_size` requests of at most `max_seq_len` tokens, one per layer."""

@@ -83,18 +83,24 @@ class Qwen2RaggedAttention:
                  layer: int) -> mx.array:
         """`T x E` -> `T x E`: project all rows at once, store the new keys, attend per sequence."""
         # TODO: project q/k/v for all rows, rotate, write k/v to the pool, decode group then each chunk, concatenate, wo
-        raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): ragged attention over all T rows")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): ragged attention over all T rows"
+        )
 
     def decode_attention(self, q: mx.array, batch: RaggedBatch, pool: KvPool, layer: int) -> mx.array:
         """The decode rows (`n x H_q x D`), one per sequence, as one padded batch -> `n x H_q x D`."""
-        # TODO: gather decode_key_slots, transpose to n x H x S x D (mx.contiguous: a transposed view makes
-        # the CPU matmul many times slower), grouped attention with decode_mask
-        raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): the decode rows' attention as one padded batch")
+        # TODO: gather decode_key_slots, transpose to n x H x S x D and mx.contiguous it (MLX's CPU matmul
+        # TODO: is many times slower on a transposed view); grouped attention with decode_mask
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): the decode rows' attention as one padded batch"
+        )
 
     def chunk_attention(self, q: mx.array, chunk: PrefillChunk, pool: KvPool, layer: int) -> mx.array:
         """One sequence's prefill chunk (`L x H_q x D`) over its cached keys and its own -> `L x H_q x D`."""
         # TODO: gather the chunk's key slots, H x S x D (mx.contiguous), grouped attention with the chunk mask
-        raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): one prefill chunk's attention")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): one prefill chunk's attention"
+        )
 
 
 class Qwen2RaggedBlock:
@@ -162,4 +168,6 @@ class Qwen2ModelWeek3:
         The keys and values of all T tokens are written into `pool` on the way.
         """
         # TODO: RoPE angles once, embedding, layers, then norm + lm_head on batch.sample_rows only
-        raise NotImplementedError("Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): the ragged forward pass, logits at sampling rows only")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): the ragged forward pass, logits at sampling rows only"
+        )

@@ -21,13 +21,15 @@ def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = No
 
     def sample(logprobs: mx.array) -> mx.array:
         """Pick one token id per row of `logprobs` (`B x V`)."""
-        # TODO Task 1: temp 0 -> argmax; otherwise divide by temp and draw with mx.random.categorical.
-        # TODO Task 2: before drawing, keep only the top_k largest logits (the rest become -inf).
-        # TODO Task 3: then keep only the smallest set of most likely tokens whose mass reaches top_p.
+        # TODO: temp 0 -> argmax; otherwise divide by temp into `logits` (drawn with mx.random.categorical below)
+        raise NotImplementedError("Week 1 Day 7 Task 1 (book/src/week1-07-sampling.md): greedy and temperature")
         if top_k is not None and top_k < logprobs.shape[-1]:
+            # TODO: before drawing, keep only the top_k largest logits (the rest become -inf)
             raise NotImplementedError("Week 1 Day 7 Task 2 (book/src/week1-07-sampling.md): top-k")
         if top_p is not None and 0 < top_p < 1:
+            # TODO: then keep only the smallest set of most likely tokens whose mass reaches top_p
             raise NotImplementedError("Week 1 Day 7 Task 3 (book/src/week1-07-sampling.md): top-p")
-        raise NotImplementedError("Week 1 Day 7 Task 1 (book/src/week1-07-sampling.md): greedy and temperature")
+        # categorical() draws index i with probability softmax(logits)_i; -inf entries are never drawn.
+        return mx.random.categorical(logits, axis=-1)
 
     return sample

@@ -174,17 +174,23 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step: decodes first, then prefill chunks, within the token budget and the free blocks."""
         # TODO: order the queues; make room (day 3.4); budget for the decodes; decodes; prefills with the rest; nobody moved: preempt the last
-        raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan a step: decodes first, then prefill chunks")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan a step: decodes first, then prefill chunks"
+        )
 
     def schedule_decodes(self, plan: StepPlan) -> None:
         """One decode chunk for every decoding running sequence, preempting from the back when blocks run out."""
         # TODO: for each decoding running sequence: make room (preempt from the back while blocks lack), allocate, add a chunk of 1
-        raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): one decode chunk per decoding sequence")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): one decode chunk per decoding sequence"
+        )
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
         """Prefill chunks within `budget` tokens: part-way and waiting sequences in the order policy's order."""
         # TODO: part-way and waiting sequences in self.order.order(...): plan_chunk for running ones, self.admit(...) for waiting ones while slots last; stop admitting after a refusal
-        raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): prefill chunks within the budget")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): prefill chunks within the budget"
+        )
 
     def plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Plan the next chunk of `seq`'s uncomputed tokens: as many as the budget and the free blocks allow."""
@@ -217,7 +223,9 @@ class Scheduler:
         under first come, first served nobody outranks anybody, and nothing happens.
         """
         # TODO: while the back of running is outranked by waiting[0] and waiting[0] cannot be admitted: preempt it
-        raise NotImplementedError("Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): preempt outranked running sequences until the most urgent waiting one fits")
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): preempt outranked running sequences until the most urgent waiting one fits"
+        )
 
     def can_admit(self, seq: Sequence) -> bool:
         """True when `seq`'s first chunk would get a slot, budget and blocks in this step (day 3.4).
@@ -226,12 +234,16 @@ class Scheduler:
         chunk plus a block for every decode that starts a new one.
         """
         # TODO: a free slot; budget left after the decodes; blocks for the first chunk plus every decode's new block
-        raise NotImplementedError("Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): slot, budget and blocks for its first chunk")
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 3 (book/src/week3-04-priorities.md): slot, budget and blocks for its first chunk"
+        )
 
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Take `seq` off the running list: free its blocks, forget its cache, put it first in the waiting queue."""
         # TODO: remove from running, free blocks, num_computed_tokens = 0, WAITING, front of the queue, count, record, log
-        raise NotImplementedError("Week 3 Day 2 Task 3 (book/src/week3-02-paged-kv-cache.md): preempt a sequence by recompute")
+        raise NotImplementedError(
+            "Week 3 Day 2 Task 3 (book/src/week3-02-paged-kv-cache.md): preempt a sequence by recompute"
+        )
 
     # ------------------------------------------------------------ after the model ran
 
@@ -241,7 +253,9 @@ class Scheduler:
         `tokens` holds one token per sampling chunk, in plan order. Returns a StepOutput per sampling chunk.
         """
         # TODO: num_computed_tokens += length; block_manager.cache_computed_blocks(seq) (day 3.3's hook); a sampling chunk appends its token
-        raise NotImplementedError("Week 3 Day 1 Task 5 (book/src/week3-01-token-budget.md): move every chunk's sequence forward")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 5 (book/src/week3-01-token-budget.md): move every chunk's sequence forward"
+        )
 
     def append_token(self, seq: Sequence, token: int) -> StepOutput:
         """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""

@@ -81,7 +81,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose keys and values are in the KV cache
         self.block_table: list[int] = []  # block ids of the KV pool, in position order
-        self.finish_reason: str | None = None  # "eos" | "length" | "abort" | "stop"
+        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) | "length" | "abort"
         self.num_preemptions = 0
 
     @property

@@ -207,7 +207,6 @@ class EngineThread:
         """
         raise NotImplementedError("Week 3 Day 5 Task 4 (book/src/week3-05-serving.md): the engine thread's turn")
 
-
     def _run(self) -> None:
         try:
             while self.run_once():

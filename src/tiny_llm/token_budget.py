@@ -79,12 +79,16 @@ class AdaptiveTokenBudget:
     def budget(self, num_decoding: int) -> int:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
         # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens; else num_decoding + (target() - base) / per token, clamped
-        raise NotImplementedError("Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target"
+        )
 
     def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
         """Update the averages from one step: decode-only steps give the base, the others the per-token cost."""
         # TODO: decode-only step: base_seconds; otherwise seconds_per_token from (seconds - base) / prefill tokens
-        raise NotImplementedError("Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages")
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages"
+        )
 
     def target(self) -> float:
         """The step time to aim for, in seconds (provided)."""

@@ -1,5 +1,7 @@
-"""tiny_llm_ref: the reference solution of the course, a Qwen2 model and its serving path from mlx.core operations.
+"""The course's package: a Qwen2 model and its serving path, built from mlx.core operations.
 
-Modules are imported by name (`tiny_llm_ref.attention`, `tiny_llm_ref.qwen2_week1`, ...); this file
-imports none of them, so the test harness can swap any one module for a student's.
+`src_ref/tiny_llm_ref` is the reference solution; `src/tiny_llm` is yours, written from it by
+`maint/make_skeleton.py` with every task's body replaced by a TODO. Modules are imported by name
+(`attention`, `qwen2_week1`, ...); this file imports none of them, so the test harness can swap
+any one module for the other package's.
 """

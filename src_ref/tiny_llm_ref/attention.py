@@ -22,12 +22,15 @@ def scaled_dot_product_attention_simple(
     query is `B.. x L x D`, key and value `B.. x S x D`; `scale` defaults to 1/sqrt(D); `mask` is
     additive (0 keeps a score, -inf removes it) and broadcasts to `B.. x L x S`. Returns `B.. x L x D`.
     """
+    # BEGIN TASK Week 1 Day 1 Task 1: scaled dot-product attention
+    # TODO: scores = query @ key^T * scale (+ mask); softmax over the keys; weights @ value
     factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     scores = (query @ key.swapaxes(-2, -1)) * factor  # B.. x L x S: how well query i matches key j
     if mask is not None:
         scores = scores + mask.astype(scores.dtype)
     weights = softmax(scores, axis=-1)  # each query's weights over the keys sum to 1
     return weights @ value
+    # END TASK
 
 
 class SimpleMultiHeadAttention:
@@ -39,14 +42,20 @@ class SimpleMultiHeadAttention:
     def __init__(self, hidden_size: int, num_heads: int, wq: mx.array, wk: mx.array, wv: mx.array,
                  wo: mx.array):
         """Keep the four projection weights; `hidden_size` must be a multiple of `num_heads`."""
+        # BEGIN TASK Week 1 Day 1 Task 2: multi-head attention
+        # TODO: keep the weights; head_dim = hidden_size // num_heads
         assert hidden_size % num_heads == 0, "hidden_size must split evenly into heads"
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        # END TASK
 
     def __call__(self, query: mx.array, key: mx.array, value: mx.array, mask: mx.array | None = None) -> mx.array:
         """query `N x L x E`, key and value `N x S x E` -> `N x L x E`; `mask` broadcasts to `N x H x L x S`."""
+        # BEGIN TASK Week 1 Day 1 Task 2: multi-head attention
+        # TODO: project, reshape N x L x E -> N x L x H x D, transpose to N x H x L x D,
+        # TODO: attend, transpose back, reshape to N x L x E, project with wo
         n, l, _ = query.shape
         s = key.shape[1]
         # Project, then split E into H heads of D and move the head axis in front of the sequence:
@@ -58,6 +67,7 @@ class SimpleMultiHeadAttention:
         # Put the heads back side by side (N x L x H*D) and mix them with the output projection.
         out = out.transpose(0, 2, 1, 3).reshape(n, l, self.hidden_size)
         return linear(out, self.wo)
+        # END TASK
 
 
 def causal_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array:
@@ -66,10 +76,13 @@ def causal_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array:
     The L queries are the last L of the S positions: query i sits at absolute position S - L + i and
     sees keys 0 .. S - L + i. With 5 tokens cached and 3 new (L=3, S=8), row 0 sees 6 keys.
     """
+    # BEGIN TASK Week 1 Day 3 Task 2: causal mask
+    # TODO: query i sits at position S - L + i and sees keys 0 .. S - L + i
     query_positions = mx.arange(L)[:, None] + (S - L)
     key_positions = mx.arange(S)[None, :]
     allowed = key_positions <= query_positions
     return mx.where(allowed, mx.array(0.0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+    # END TASK
 
 
 def scaled_dot_product_attention_grouped(
@@ -86,6 +99,9 @@ def scaled_dot_product_attention_grouped(
     broadcasts to `B.. x H_q x L x S`, or the string "causal" for causal_mask(L, S). Returns
     `B.. x H_q x L x D`.
     """
+    # BEGIN TASK Week 1 Day 3 Task 1: grouped-query attention
+    # TODO: reshape query to B.. x H x n x L x D and key/value to B.. x H x 1 x S x D; broadcast does the sharing;
+    # TODO: Task 2 adds mask == "causal"
     *batch, h_q, l, d = query.shape
     h, s = key.shape[-3], key.shape[-2]
     assert h_q % h == 0, "the number of query heads must be a multiple of the key/value heads"
@@ -110,3 +126,4 @@ def scaled_dot_product_attention_grouped(
         scores = scores + mask.astype(scores.dtype)  # a float32 mask must not promote half-precision scores
     out = softmax(scores, axis=-1) @ value  # B.. x H x n x L x D
     return out.reshape(*batch, h_q, l, d)
+    # END TASK

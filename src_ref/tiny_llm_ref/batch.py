@@ -97,6 +97,9 @@ class Request:
         The last chunk also picks the first output token (greedy), records it with `record_token`, and
         sets `is_prefill_done`. Called once the prefill is done, it raises ValueError (no model call).
         """
+        # BEGIN TASK Week 2 Day 7 Task 3: prefill one chunk at its absolute offset
+        # TODO: done already -> ValueError; chunk = prompt_tokens[offset : offset + prefill_max_step];
+        # TODO: model(1 x L, offset, kv_cache, mask=chunk_causal_mask(...)); materialize, or the first token
         if self.is_prefill_done:
             raise ValueError(f"request {self.prompt_idx}: prefill already complete")
         start = self.offset
@@ -112,6 +115,7 @@ class Request:
         self.is_prefill_done = True
         self.record_token(greedy(logits)[0])
         return len(chunk)
+        # END TASK
 
     def record_token(self, token: int) -> None:
         """Take `token` as the request's newest output (`next_token`); finish at EOS or at `max_seq_len`.
@@ -120,6 +124,8 @@ class Request:
         and is not part of the output. Any other token is appended to `output_tokens`, and the request
         ends with finish_reason "length" once prompt plus output tokens reach `max_seq_len`.
         """
+        # BEGIN TASK Week 2 Day 6 Task 1: record an output token; finish at EOS or max_seq_len
+        # TODO: set next_token; EOS: done ("stop"), not kept; else append, and done ("length") at max_seq_len
         self.next_token = token
         if token in self.eos_token_ids:
             self.is_done, self.finish_reason = True, "stop"
@@ -127,25 +133,37 @@ class Request:
         self.output_tokens.append(token)
         if self.max_seq_len is not None and len(self.prompt_tokens) + len(self.output_tokens) >= self.max_seq_len:
             self.is_done, self.finish_reason = True, "length"
+        # END TASK
 
     def decode_done(self, token: int) -> None:
         """A decode step ran `next_token` at position `offset` (now in the cache) and produced `token`."""
+        # BEGIN TASK Week 2 Day 6 Task 1: the fed token is cached now; record the new one
+        # TODO: the fed token is in the cache now: offset + 1; then record_token(token)
         self.offset += 1
         self.record_token(token)
+        # END TASK
 
     def text(self) -> str:
         """The generated text so far (EOS excluded)."""
+        # BEGIN TASK Week 2 Day 6 Task 1: the generated text
+        # TODO: decode output_tokens with the tokenizer
         return self.tokenizer.decode(self.output_tokens)
+        # END TASK
 
 
 def materialize_cache(kv_cache: list) -> None:
     """Evaluate every array a request's KV cache holds (one cache object per layer), so no lazy work is left."""
+    # BEGIN TASK Week 2 Day 7 Task 2: evaluate the KV cache between chunks
+    # TODO: mx.eval over the arrays each layer's cache object holds (vars(...) reaches them)
     # mx.eval walks lists, tuples and dicts and skips what is not an array (offsets, None).
     mx.eval([vars(layer_cache) for layer_cache in kv_cache])
+    # END TASK
 
 
 def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step: int) -> int:
     """The peak memory, in bytes above what was allocated before, of prefilling `prompt` in chunks of `prefill_step` tokens."""
+    # BEGIN TASK Week 2 Day 7 Task 3: measure the peak memory of a prefill
+    # TODO: active memory before, reset the peak, prefill chunk by chunk, peak minus before
     request = Request(model, tokenizer, prompt, prefill_step)
     mx.synchronize()
     baseline = mx.get_active_memory()
@@ -153,6 +171,7 @@ def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step:
     while not request.is_prefill_done:
         request.try_prefill()
     return mx.get_peak_memory() - baseline
+    # END TASK
 
 
 # ---------------------------------------------------------------- the chunk's view of attention
@@ -160,7 +179,10 @@ def prefill_peak_memory(model, tokenizer, prompt: str | list[int], prefill_step:
 
 def chunk_positions(offset: int, chunk_len: int) -> mx.array:
     """The absolute positions of a chunk of `chunk_len` tokens after `offset` cached ones: what RoPE rotates by."""
+    # BEGIN TASK Week 2 Day 7 Task 1: absolute positions of a chunk
+    # TODO: offset, offset + 1, ..., offset + chunk_len - 1
     return mx.arange(offset, offset + chunk_len)
+    # END TASK
 
 
 def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
@@ -170,10 +192,13 @@ def chunk_causal_mask(offset: int, chunk_len: int, dtype: mx.Dtype = mx.float32)
     cached ones, and the chunk's own up to itself. It is `causal_mask(L, S)` with L = chunk_len and
     S = offset + chunk_len.
     """
+    # BEGIN TASK Week 2 Day 7 Task 1: the causal mask of a chunk after cached tokens
+    # TODO: key position <= query position (offset + i): 0, else -inf
     query_positions = chunk_positions(offset, chunk_len)[:, None]
     key_positions = mx.arange(offset + chunk_len)[None, :]
     allowed = key_positions <= query_positions
     return mx.where(allowed, mx.array(0.0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+    # END TASK
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -193,26 +218,38 @@ class SchedulerStats:
 
     def record_chunk(self, tokens: int, seconds: float) -> None:
         """Count one prefill chunk of `tokens` prompt tokens that took `seconds`."""
+        # BEGIN TASK Week 2 Day 7 Task 4: count a prefill chunk
+        # TODO: one more chunk, its tokens and seconds
         self.chunks += 1
         self.prefill_tokens += tokens
         self.chunk_seconds += seconds
+        # END TASK
 
     def record_decode_step(self, batch: int, seconds: float, interleaved: bool) -> None:
         """Count one decode step of `batch` requests that took `seconds`; `interleaved`: a chunk ran in the same iteration."""
+        # BEGIN TASK Week 2 Day 7 Task 4: count a decode step
+        # TODO: one more step, batch tokens, seconds; interleaved counts
         self.decode_steps += 1
         self.decode_tokens += batch
         self.decode_seconds += seconds
         self.interleaved_steps += int(interleaved)
+        # END TASK
 
     @property
     def avg_chunk_time(self) -> float | None:
         """Mean seconds per prefill chunk (None before the first chunk)."""
+        # BEGIN TASK Week 2 Day 7 Task 4: mean seconds per chunk
+        # TODO: chunk_seconds / chunks, None before any chunk
         return self.chunk_seconds / self.chunks if self.chunks else None
+        # END TASK
 
     @property
     def interleave_ratio(self) -> float | None:
         """Prefill chunks per decode step (None before the first decode step)."""
+        # BEGIN TASK Week 2 Day 7 Task 4: prefill chunks per decode step
+        # TODO: chunks / decode_steps, None before any decode step
         return self.chunks / self.decode_steps if self.decode_steps else None
+        # END TASK
 
     def to_dict(self) -> dict:
         """The counters and the two derived figures, JSON-ready."""
@@ -331,6 +368,8 @@ class Scheduler:
         Its per-layer caches join the batch cache in that slot. With every slot busy it stays in
         `prefilling`, prefilled, until a slot frees up.
         """
+        # BEGIN TASK Week 2 Day 6 Task 2: move a prefilled request into a free decode slot
+        # TODO: prefilling done? already done -> finish; else a free slot: add_request on every layer, slots[slot] = it
         request = self.prefilling
         if request is None or not request.is_prefill_done:
             return
@@ -346,6 +385,7 @@ class Scheduler:
             layer_cache.add_request(prefilled, slot)
         self.slots[slot] = request
         self.prefilling = None
+        # END TASK
 
     def decode_step(self) -> None:
         """One batched decode step: each running request feeds its `next_token` at its `offset` and gets one token.
@@ -355,6 +395,8 @@ class Scheduler:
         request (`decode_done`) and to `metrics` (EOS excluded); requests that are now done leave their
         slot (`retire`).
         """
+        # BEGIN TASK Week 2 Day 6 Task 2: one batched decode step over the slots
+        # TODO: the busy slots; their tokens (n x 1) and offsets; model(...); greedy; decode_done, metrics.token, retire
         busy = [slot for slot, request in enumerate(self.slots) if request is not None]
         tokens = [self.slots[slot].next_token for slot in busy]
         offsets = [self.slots[slot].offset for slot in busy]
@@ -366,18 +408,24 @@ class Scheduler:
                 self.metrics.token(request.prompt_idx)
             if request.is_done:
                 self.retire(slot)
+        # END TASK
 
     def retire(self, slot: int) -> None:
         """Free decode slot `slot`: remove its request from every layer's batch cache and finish it."""
+        # BEGIN TASK Week 2 Day 6 Task 2: free a decode slot
+        # TODO: remove_request(slot) on every layer, empty the slot, finish(request)
         request = self.slots[slot]
         for layer_cache in self.batch_cache:
             layer_cache.remove_request(slot)
         self.slots[slot] = None
         self.finish(request)
+        # END TASK
 
     @clear_failure
     def release_all(self) -> None:
         """Give back every slot and cache after an error: running, prefilling and queued requests are cancelled."""
+        # BEGIN TASK Week 2 Day 6 Task 3: release every slot and cache after an error
+        # TODO: remove every held slot from the batch cache; cancel running, prefilling, queued (kv_cache = None)
         cancelled = [r for r in self.slots if r is not None] + list(self.queue)
         if self.prefilling is not None:
             cancelled.append(self.prefilling)
@@ -391,6 +439,7 @@ class Scheduler:
             request.is_done, request.finish_reason = True, "abort"
         self.prefilling = None
         self.queue.clear()
+        # END TASK
 
     # -- chunked prefill (day 2.7)
 
@@ -402,6 +451,9 @@ class Scheduler:
         `clock`, counted in `stats` and reported to the policy. When the prefill is done, its first
         output token is recorded in `metrics` (unless it is EOS).
         """
+        # BEGIN TASK Week 2 Day 7 Task 5: run one prefill chunk of the pending request
+        # TODO: take from the queue if nobody prefills; chunk size from the policy (check_chunk_size it);
+        # TODO: time try_prefill; stats, policy
         if self.prefilling is None:
             if not self.queue:
                 return 0
@@ -419,6 +471,7 @@ class Scheduler:
         if request.is_prefill_done and request.finish_reason != "stop":
             self.metrics.token(request.prompt_idx)  # the first token: time to first token ends here
         return tokens
+        # END TASK
 
     @refuse_after_failure
     def step(self) -> None:
@@ -429,6 +482,8 @@ class Scheduler:
         to a request that waits, prefilled, for one. After a step that raised, `step` refuses to run
         (RuntimeError) until `release_all()`.
         """
+        # BEGIN TASK Week 2 Day 7 Task 5: one iteration: a prefill chunk, admission, a decode step
+        # TODO: log_stats, prefill_chunk, admit, then (timed) decode_step with stats and policy, and admit again
         self.log_stats()
         chunk_tokens = self.prefill_chunk()
         self.admit()  # the request whose last chunk just ran takes a free slot
@@ -441,6 +496,7 @@ class Scheduler:
         self.stats.record_decode_step(batch, seconds, interleaved=chunk_tokens > 0)
         self.policy.observe_decode(batch, seconds)
         self.admit()  # a slot this decode step freed goes at once to a request waiting, prefilled
+        # END TASK
 
     def log_stats(self) -> None:
         """Log the set-up on the first call, then a stats line whenever `log_interval` seconds have passed.
@@ -451,6 +507,8 @@ class Scheduler:
         the previous line (not since the start), running and waiting requests, and KV cache use: the
         tokens the decode slots hold (the sum of their requests' `offset`) / `batch_size * max_seq_len`.
         """
+        # BEGIN TASK Week 2 Day 7 Task 4: the start-up line and the periodic stats line
+        # TODO: first call: the set-up line; then every log_interval: rates since the last line, counts, KV use
         now = self.clock()
         if self.last_log_time is None:
             if self.prefill_step >= self.max_seq_len:
@@ -474,6 +532,7 @@ class Scheduler:
                  f"KV cache {100 * held / capacity:.1f}% ({held}/{capacity} tokens)")
         self.last_log_time = now
         self.last_log_tokens = (prompt_tokens, generated_tokens)
+        # END TASK
 
 
 def batch_generate(
@@ -497,6 +556,8 @@ def batch_generate(
     propagates. No prompts: an empty list.
     """
     prompts = check_prompts(prompts)
+    # BEGIN TASK Week 2 Day 6 Task 3: the continuous batching loop
+    # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
     scheduler = Scheduler(model, tokenizer, max_seq_len, batch_size, prefill_step, policy=policy, metrics=metrics, log=log)
     for prompt_idx, prompt in enumerate(prompts):
         scheduler.add_request(prompt, prompt_idx)  # validates every prompt before the model runs
@@ -507,3 +568,4 @@ def batch_generate(
         scheduler.release_all()
         raise
     return sorted((request.prompt_idx, request.text()) for request in scheduler.finished)
+    # END TASK

@@ -32,7 +32,10 @@ def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) 
     Position p sits in block `block_table[p // block_size]` at offset `p % block_size`, so its slot
     is `block_table[p // block_size] * block_size + p % block_size`.
     """
+    # BEGIN TASK Week 3 Day 2 Task 2: the pool slots of a range of positions
+    # TODO: block_table[p // block_size] * block_size + p % block_size for each p
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    # END TASK
 
 
 class BlockManager:
@@ -58,24 +61,36 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """How many more blocks `seq` needs so that its table covers positions 0 .. num_tokens-1."""
+        # BEGIN TASK Week 3 Day 2 Task 1: how many more blocks a sequence needs
+        # TODO: blocks_for(num_tokens) - blocks it has, at least 0
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+        # END TASK
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """True if the free blocks suffice for `seq` to hold `num_tokens` positions."""
+        # BEGIN TASK Week 3 Day 2 Task 1: whether the free blocks suffice
+        # TODO: blocks_needed <= num_free_blocks
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+        # END TASK
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_tokens` positions; RuntimeError if the pool cannot."""
+        # BEGIN TASK Week 3 Day 2 Task 1: grow a sequence's block table
+        # TODO: RuntimeError if too few free blocks (take nothing); else pop free blocks onto seq.block_table
         needed = self.blocks_needed(seq, num_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"{needed} blocks needed for {seq.request_id!r}, {self.num_free_blocks} free")
         for _ in range(needed):
             seq.block_table.append(self.free_blocks.popleft())
+        # END TASK
 
     def free(self, seq: Sequence) -> None:
         """Give every block of `seq` back to the pool and empty its table."""
+        # BEGIN TASK Week 3 Day 2 Task 1: give a sequence's blocks back
+        # TODO: extend the free list with seq.block_table; empty the table
         self.free_blocks.extend(seq.block_table)
         seq.block_table = []
+        # END TASK
 
     # Day 3.3's prefix cache (prefix_cache.py) overrides these three hooks; without it they do nothing.
 
@@ -107,12 +122,18 @@ class KvPool:
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store `T x H x D` keys and values at the T given slots of `layer`."""
+        # BEGIN TASK Week 3 Day 2 Task 2: store keys and values at their slots
+        # TODO: keys[layer][slots] = keys; values likewise
         self.keys[layer][slots] = keys
         self.values[layer][slots] = values
+        # END TASK
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """The keys and values at `slots` (any shape `...`), as `... x H x D`."""
+        # BEGIN TASK Week 3 Day 2 Task 2: read keys and values at slots
+        # TODO: index keys[layer] and values[layer] with slots
         return self.keys[layer][slots], self.values[layer][slots]
+        # END TASK
 
     def arrays(self) -> list[mx.array]:
         """Every pool array: what a step must evaluate so the writes happen."""

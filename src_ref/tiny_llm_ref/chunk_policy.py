@@ -80,6 +80,8 @@ class AdaptiveChunkPolicy:
         Nobody decoding: `max_chunk`. No chunk measured yet: `initial_chunk`. A chunk measured but no
         decode step yet: the decode time counts as 0, so the whole target goes to the chunk.
         """
+        # BEGIN TASK Week 2 Day 7 Task 6: the largest chunk within the latency target
+        # TODO: nobody decoding: max_chunk; nothing measured: initial_chunk; else (target - decode) / per token, clamped
         if num_decoding == 0:
             return self.max_chunk  # nobody is waiting for a token: prefill as fast as possible
         if self.seconds_per_token is None:
@@ -87,16 +89,23 @@ class AdaptiveChunkPolicy:
         budget = self.target_itl - (self.decode_seconds or 0.0)
         size = int(budget / self.seconds_per_token)
         return max(self.min_chunk, min(self.max_chunk, size))
+        # END TASK
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` prompt tokens took `seconds`: update the per-token cost."""
+        # BEGIN TASK Week 2 Day 7 Task 6: update the per-token prefill cost
+        # TODO: skip empty chunks; seconds_per_token = _average(old, seconds / tokens)
         if tokens <= 0:
             return
         self.seconds_per_token = self._average(self.seconds_per_token, seconds / tokens)
+        # END TASK
 
     def observe_decode(self, batch: int, seconds: float) -> None:
         """A decode step of `batch` requests took `seconds`: update the decode-step cost."""
+        # BEGIN TASK Week 2 Day 7 Task 6: update the decode-step cost
+        # TODO: decode_seconds = _average(old, seconds)
         self.decode_seconds = self._average(self.decode_seconds, seconds)
+        # END TASK
 
     def describe(self) -> str:
         """One line for the scheduler's start-up log."""

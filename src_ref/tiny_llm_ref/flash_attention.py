@@ -24,9 +24,13 @@ def tile_causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, L: int,
     Query i sits at absolute position S - L + i (the L queries are the last L of S positions, which is
     also a prefill chunk after S - L cached tokens) and sees keys 0 .. S - L + i: 0 there, -inf elsewhere.
     """
+    # BEGIN TASK Week 2 Day 4 Task 1: a tile of the causal mask
+    # TODO: query positions q_start.. shifted by S - L, key positions k_start..;
+    # TODO: 0 where key <= query, -inf elsewhere
     query_positions = mx.arange(q_start, q_start + q_len)[:, None] + (S - L)
     key_positions = mx.arange(k_start, k_start + k_len)[None, :]
     return mx.where(key_positions <= query_positions, mx.array(0.0), mx.array(-mx.inf))
+    # END TASK
 
 
 def flash_attention(
@@ -44,6 +48,9 @@ def flash_attention(
     future are skipped), or an additive array that broadcasts to `B.. x H_q x L x S`, read a tile at a
     time. Returns `B.. x H_q x L x D` in query's dtype.
     """
+    # BEGIN TASK Week 2 Day 4 Task 2: tiled attention with an online softmax
+    # TODO: for each query tile: running max, running sum and output over the key tiles, rescaled when the max grows;
+    # TODO: skip key tiles in the causal future; mx.eval each query tile's output
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"the only mask name is 'causal', not {mask!r}")
     if tile_q < 1 or tile_kv < 1:
@@ -98,3 +105,4 @@ def flash_attention(
         mx.eval(out_tiles[-1])
     out = mx.concatenate(out_tiles, axis=-2).astype(query.dtype)
     return out.reshape(*batch, h_q, l, d)
+    # END TASK

@@ -25,6 +25,8 @@ def simple_generate(
     `max_tokens` below 1.
     """
     check_generate(prompt, max_tokens, sampler, on_text)
+    # BEGIN TASK Week 1 Day 6 Task 1: greedy generation loop
+    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; detokenize and call on_text
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     detokenizer = tokenizer.detokenizer  # a fresh streaming detokenizer
     for _ in range(max_tokens):
@@ -50,6 +52,7 @@ def simple_generate(
     if segment and on_text is not None:
         on_text(segment)
     return detokenizer.text
+    # END TASK
 
 
 def simple_generate_with_kv_cache(
@@ -68,6 +71,8 @@ def simple_generate_with_kv_cache(
     and, for greedy decoding, the same tokens, and the same checks of its arguments. Returns the text.
     """
     check_generate(prompt, max_tokens, sampler, on_text)
+    # BEGIN TASK Week 2 Day 1 Task 3: generation with the KV cache
+    # TODO: make_cache(); prefill the prompt at offset 0; then feed one token per step at the next offset
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     cache = model.make_cache()
     detokenizer = tokenizer.detokenizer
@@ -92,3 +97,4 @@ def simple_generate_with_kv_cache(
     if segment and on_text is not None:
         on_text(segment)
     return detokenizer.text
+    # END TASK

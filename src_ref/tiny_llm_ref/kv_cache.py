@@ -54,6 +54,8 @@ class TinyKvFullCache(TinyKvCache):
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
+        # BEGIN TASK Week 2 Day 1 Task 1: append the new keys and values
+        # TODO: concatenate after the held keys/values on axis 2; update offset; pass mask through
         if self.key_values is None:
             keys, values = key, value
         else:
@@ -66,6 +68,7 @@ class TinyKvFullCache(TinyKvCache):
         # One request needs no special mask: "causal" with S = offset + L already lets query i
         # (at absolute position offset + i) see keys 0 .. offset + i.
         return keys, values, self.offset, mask
+        # END TASK
 
 
 class BatchingKvCache(TinyKvCache):
@@ -87,17 +90,23 @@ class BatchingKvCache(TinyKvCache):
 
     def add_request(self, prefilled: TinyKvCache, id: int) -> None:
         """Put a request's (prefilled) cache for this layer into slot `id`, which must be free."""
+        # BEGIN TASK Week 2 Day 5 Task 1: put a request's cache into a slot
+        # TODO: check the slot is in range and free, then keep `prefilled` in it
         if not 0 <= id < self.max_active_requests:
             raise ValueError(f"slot {id} out of range: this cache has {self.max_active_requests} slots")
         if self.kv_caches[id] is not None:
             raise ValueError(f"slot {id} is already taken")
         self.kv_caches[id] = prefilled
+        # END TASK
 
     def remove_request(self, id: int) -> None:
         """Free slot `id` (the request finished); the other slots are untouched."""
+        # BEGIN TASK Week 2 Day 5 Task 1: free a slot
+        # TODO: check the slot holds a request, then empty it
         if not 0 <= id < self.max_active_requests or self.kv_caches[id] is None:
             raise ValueError(f"slot {id} holds no request")
         self.kv_caches[id] = None
+        # END TASK
 
     def update_and_fetch(
         self,
@@ -112,6 +121,9 @@ class BatchingKvCache(TinyKvCache):
         number of new query tokens L (default: `key.shape[2]`); `mask` is the mask the model would use
         without this cache (for example "causal"), which a cache may pass on or replace.
         """
+        # BEGIN TASK Week 2 Day 5 Task 2: append each slot's keys, align the rows, build the B x 1 x L x S mask
+        # TODO: which slot each row is (all slots, or the held ones only); each held slot appends its row;
+        # TODO: pad every request on the left to the longest; stack rows and masks
         batch, heads, length, dim = key.shape
         held = [slot for slot, cache in enumerate(self.kv_caches) if cache is not None]
         # Row r of the batch is slot r, or, in a batch of the held slots only, the r-th held slot.
@@ -153,6 +165,7 @@ class BatchingKvCache(TinyKvCache):
         all_values = mx.concatenate(rows_values, axis=0)
         # 3. One mask per row, shared by all heads: B x 1 x L x S.
         return all_keys, all_values, seq_len, mx.stack(masks)[:, None, :, :]
+        # END TASK
 
 
 def aligned_causal_mask(length: int, held: int, seq_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
@@ -162,7 +175,10 @@ def aligned_causal_mask(length: int, held: int, seq_len: int, dtype: mx.Dtype = 
     keys 0 .. held - L + i, which sit in columns seq_len - held .. seq_len - L + i. The columns before
     seq_len - held are padding. Allowed entries are 0, the others -inf.
     """
+    # BEGIN TASK Week 2 Day 5 Task 1: the causal mask of one right-aligned request
+    # TODO: 0 where seq_len - held <= column <= seq_len - length + row, -inf elsewhere
     columns = mx.arange(seq_len)[None, :]
     rows = mx.arange(length)[:, None]
     allowed = (columns >= seq_len - held) & (columns <= seq_len - length + rows)
     return mx.where(allowed, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+    # END TASK

@@ -47,32 +47,46 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token: first token time minus arrival (None before the first token)."""
+        # BEGIN TASK Week 2 Day 2 Task 1: time to first token
+        # TODO: the first token time minus arrival; None before the first token
         if not self.token_times:
             return None
         return self.token_times[0] - self.arrival
+        # END TASK
 
     @property
     def itls(self) -> list[float]:
         """Inter-token latencies: the gap before each token after the first (n - 1 values for n tokens)."""
+        # BEGIN TASK Week 2 Day 2 Task 1: the inter-token latencies
+        # TODO: differences of consecutive token times
         return [later - earlier for earlier, later in zip(self.token_times, self.token_times[1:])]
+        # END TASK
 
     @property
     def tpot(self) -> float | None:
         """Time per output token after the first: (e2e - TTFT) / (n - 1); None until finished with n >= 2."""
+        # BEGIN TASK Week 2 Day 2 Task 1: time per output token
+        # TODO: (e2e - TTFT) / (n - 1); None unless finished with at least two tokens
         if self.finish is None or self.output_tokens < 2:
             return None
         return (self.e2e_latency - self.ttft) / (self.output_tokens - 1)
+        # END TASK
 
     @property
     def e2e_latency(self) -> float | None:
         """End-to-end latency: finish minus arrival (None until the request finished)."""
+        # BEGIN TASK Week 2 Day 2 Task 1: end-to-end latency
+        # TODO: finish minus arrival; None before finish
         if self.finish is None:
             return None
         return self.finish - self.arrival
+        # END TASK
 
 
 def percentile(values: list[float], p: float) -> float | None:
     """The p-th percentile (0 <= p <= 100) with linear interpolation, as numpy.percentile; None if empty."""
+    # BEGIN TASK Week 2 Day 2 Task 2: the p-th percentile with linear interpolation
+    # TODO: sort a copy; rank = p / 100 * (n - 1); interpolate between floor and ceil
     if not values:
         return None
     ordered = sorted(values)
@@ -82,6 +96,7 @@ def percentile(values: list[float], p: float) -> float | None:
     above = min(below + 1, len(ordered) - 1)
     weight = rank - below
     return ordered[below] + (ordered[above] - ordered[below]) * weight
+    # END TASK
 
 
 def _distribution(values: list[float]) -> dict:
@@ -106,17 +121,26 @@ class MetricsRecorder:
 
     def arrive(self, request_id: Hashable, prompt_tokens: int) -> None:
         """A request entered the server with a prompt of `prompt_tokens` tokens."""
+        # BEGIN TASK Week 2 Day 2 Task 3: record a request's arrival
+        # TODO: a new RequestMetrics at clock(); ValueError for an id seen before
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already arrived")
         self.requests[request_id] = RequestMetrics(request_id, prompt_tokens, arrival=self.clock())
+        # END TASK
 
     def token(self, request_id: Hashable) -> None:
         """The request produced one output token, now."""
+        # BEGIN TASK Week 2 Day 2 Task 3: record one output token
+        # TODO: append clock() to the request's token_times
         self.requests[request_id].token_times.append(self.clock())
+        # END TASK
 
     def finish(self, request_id: Hashable) -> None:
         """The request is done (EOS, length limit, or cancelled)."""
+        # BEGIN TASK Week 2 Day 2 Task 3: record a request's finish
+        # TODO: set the request's finish to clock()
         self.requests[request_id].finish = self.clock()
+        # END TASK
 
     def summary(self) -> dict:
         """Percentiles of TTFT, ITL, TPOT and e2e latency, throughput and the longest stall, over finished requests.
@@ -125,6 +149,8 @@ class MetricsRecorder:
         output_tokens_per_s, requests_per_s, ttft, itl, tpot, e2e (each a dict of p50, p90, p99, mean,
         max in seconds), longest_stall_s, longest_stall_request, and note (a sentence when nothing finished).
         """
+        # BEGIN TASK Week 2 Day 2 Task 3: percentiles, throughput and the longest stall
+        # TODO: finished requests only; every key listed in the docstring, None when unknown
         done = [r for r in self.requests.values() if r.finish is not None]
         summary = {
             "count": len(done),
@@ -155,9 +181,12 @@ class MetricsRecorder:
             summary["longest_stall_s"] = longest
             summary["longest_stall_request"] = request_id
         return summary
+        # END TASK
 
     def to_json(self) -> dict:
         """A JSON-ready dict: the summary and every request's timeline (`from_json` reads it back)."""
+        # BEGIN TASK Week 2 Day 2 Task 3: the JSON form
+        # TODO: {'summary': ..., 'requests': [one dict per request]}
         return {
             "summary": self.summary(),
             "requests": [
@@ -171,10 +200,13 @@ class MetricsRecorder:
                 for r in self.requests.values()
             ],
         }
+        # END TASK
 
     @classmethod
     def from_json(cls, data: dict, clock: Callable[[], float] = time.perf_counter) -> "MetricsRecorder":
         """Rebuild a recorder from `to_json()` output (after a trip through json.dumps / json.loads)."""
+        # BEGIN TASK Week 2 Day 2 Task 3: read the JSON form back
+        # TODO: a recorder holding RequestMetrics rebuilt from data['requests']
         recorder = cls(clock=clock)
         for item in data["requests"]:
             request = RequestMetrics(
@@ -186,6 +218,7 @@ class MetricsRecorder:
             )
             recorder.requests[request.request_id] = request
         return recorder
+        # END TASK
 
 
 def format_summary(summary: dict) -> str:

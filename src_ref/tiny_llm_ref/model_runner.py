@@ -39,6 +39,8 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> RaggedBatch:
         """The plan as a `RaggedBatch`: token ids, positions, pool slots, attention views, sampling rows."""
+        # BEGIN TASK Week 3 Day 1 Task 4: lay the plan out as a RaggedBatch
+        # TODO: token ids, positions, write slots (slot_mapping), sample rows, decode view, chunk views
         token_ids, positions, write_slots, sample_rows = [], [], [], []
         for chunk in plan.chunks:
             end = chunk.start + chunk.length
@@ -58,9 +60,12 @@ class ModelRunner:
             chunks=[self.chunk_view(chunk) for chunk in plan.prefills],
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
         )
+        # END TASK
 
     def decode_view(self, decodes: list[ScheduledChunk]) -> tuple[mx.array | None, mx.array | None]:
         """Slots of every decoding sequence's keys, padded to the longest (`n x S`), and the mask hiding the padding."""
+        # BEGIN TASK Week 3 Day 1 Task 4: the decode rows' key slots and padding mask
+        # TODO: slots of positions 0..start per decode, padded with slot 0 to the longest; mask 0 / -inf, n x 1 x 1 x S
         if not decodes:
             return None, None
         lengths = [chunk.start + 1 for chunk in decodes]  # the cached keys and the decode token's own
@@ -70,16 +75,22 @@ class ModelRunner:
         valid = mx.arange(longest)[None, :] < mx.array(lengths)[:, None]
         mask = mx.where(valid, 0.0, -mx.inf).astype(self.model.dtype)
         return mx.array(slots), mask[:, None, None, :]
+        # END TASK
 
     def chunk_view(self, chunk: ScheduledChunk) -> PrefillChunk:
         """A prefill chunk's keys (its sequence's positions 0 .. end-1) and its mask: day 2.7's chunk mask,
         which is week 1's `causal_mask(L, S)` with L the chunk's length and S its end."""
+        # BEGIN TASK Week 3 Day 1 Task 4: a prefill chunk's key slots and chunk mask
+        # TODO: slots of positions 0 .. start+length-1 and causal_mask(length, start + length)
         end = chunk.start + chunk.length
         slots = slot_mapping(chunk.seq.block_table, 0, end, self.block_size)
         return PrefillChunk(chunk.length, mx.array(slots), causal_mask(chunk.length, end, self.model.dtype))
+        # END TASK
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
+        # BEGIN TASK Week 3 Day 1 Task 4: pick each sequence's next token
+        # TODO: argmax for all rows; a sampled sequence uses make_sampler (seed: mx.random.seed(seed + outputs so far))
         if not seqs:
             return []
         tokens = mx.argmax(logits, axis=-1).tolist()
@@ -97,3 +108,4 @@ class ModelRunner:
             logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
             tokens[row] = sampler(logprobs).item()
         return tokens
+        # END TASK

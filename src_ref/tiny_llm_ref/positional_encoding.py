@@ -12,6 +12,8 @@ class RoPE:
 
     def __init__(self, dims: int, seq_len: int, base: int = 10000, traditional: bool = False):
         """`dims` is the head dimension (even), `seq_len` the most positions the model will see."""
+        # BEGIN TASK Week 1 Day 2 Task 1: RoPE frequencies
+        # TODO: one frequency per pair of features: base ** (-2i / dims)
         assert dims % 2 == 0, "RoPE rotates pairs of features: dims must be even"
         self.dims = dims
         self.seq_len = seq_len
@@ -19,6 +21,7 @@ class RoPE:
         half = dims // 2
         # One angular frequency per pair: fast-turning pairs for fine position, slow ones for coarse.
         self.inv_freq = base ** (-mx.arange(0, half, dtype=mx.float32) * 2.0 / dims)
+        # END TASK
 
     def __call__(self, x: mx.array, offset: int | slice | list[int] | None = None) -> mx.array:
         """Rotate `x` (`N x L x H x D`) for positions given by `offset`.
@@ -26,6 +29,8 @@ class RoPE:
         offset None: positions 0 .. L-1; an int p: positions p .. p+L-1; a slice: exactly those
         positions; a list of N ints: sequence n starts at offset[n].
         """
+        # BEGIN TASK Week 1 Day 2 Task 1: rotate x by its positions
+        # TODO: Task 1: offset None (positions 0 .. L-1), both layouts; Task 2: int, slice and per-sequence offsets
         length, d = x.shape[1], x.shape[-1]
         # The absolute position of every token: shape L (shared by the batch) or N x L (one row each).
         if offset is None:
@@ -66,3 +71,4 @@ class RoPE:
         else:
             out = mx.concatenate([y1, y2], axis=-1)
         return out.astype(x.dtype)
+        # END TASK

@@ -33,17 +33,21 @@ def hash_block(parent_hash: bytes, tokens: list[int]) -> bytes:
     A cryptographic hash, because two different prefixes with the same name would silently share
     the wrong keys and values.
     """
+    # BEGIN TASK Week 3 Day 3 Task 1: name a full block by SHA-256 of its parent name and its token ids
     payload = parent_hash + b"".join(token.to_bytes(4, "little") for token in tokens)
     return hashlib.sha256(payload).digest()
+    # END TASK
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     """The names of every full block of `token_ids`, in order: each one chains its parent's."""
+    # BEGIN TASK Week 3 Day 3 Task 1: the chained names of every full block
     hashes, parent = [], ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+    # END TASK
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -70,6 +74,7 @@ class PrefixCachingBlockManager(BlockManager):
         Walk the names of its full blocks while they are cached, leaving at least the last token to
         compute; take each hit (off the free list if nobody holds it) and count one more reference.
         """
+        # BEGIN TASK Week 3 Day 3 Task 3: share the cached blocks of the leading full blocks
         if seq.block_table:
             return 0
         names = prefix_block_hashes(seq.token_ids, self.block_size)
@@ -85,14 +90,18 @@ class PrefixCachingBlockManager(BlockManager):
         self.seq_names[seq] = names[: len(seq.block_table)]
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
+        # END TASK
 
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
         """Count an admission: all its tokens were looked up, `cached_tokens` of them were hits."""
+        # BEGIN TASK Week 3 Day 3 Task 4: count looked-up and hit tokens
         self.queried_tokens += seq.num_tokens
         self.hit_tokens += cached_tokens
+        # END TASK
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` with fresh blocks from the front of the free list, evicting their names."""
+        # BEGIN TASK Week 3 Day 3 Task 2: take fresh blocks from the front of the free list, evicting their names
         needed = self.blocks_needed(seq, num_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"{needed} blocks needed for {seq.request_id!r}, {self.num_free_blocks} free")
@@ -101,12 +110,15 @@ class PrefixCachingBlockManager(BlockManager):
             self.evict(block)
             self.ref_counts[block] = 1
             seq.block_table.append(block)
+        # END TASK
 
     def evict(self, block: int) -> None:
         """Forget a free block's name, if it has one: its contents are about to be overwritten."""
+        # BEGIN TASK Week 3 Day 3 Task 2: forget a reused block name
         name = self.block_names.pop(block, None)
         if name is not None:
             del self.cached_blocks[name]
+        # END TASK
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Name the blocks of `seq` that are now full and computed, so later requests can find them.
@@ -114,6 +126,7 @@ class PrefixCachingBlockManager(BlockManager):
         A name already cached for another block (two requests computed the same prefix at the same
         time) keeps its first block; this one stays unnamed and is freed like any other.
         """
+        # BEGIN TASK Week 3 Day 3 Task 3: name the newly computed full blocks
         names = self.seq_names.setdefault(seq, [])
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= len(names):
@@ -128,6 +141,7 @@ class PrefixCachingBlockManager(BlockManager):
             if parent not in self.cached_blocks and block not in self.block_names:
                 self.cached_blocks[parent] = block
                 self.block_names[block] = parent
+        # END TASK
 
     def free(self, seq: Sequence) -> None:
         """Drop one reference to each block of `seq`; a block nobody holds goes back on the free list.
@@ -135,6 +149,7 @@ class PrefixCachingBlockManager(BlockManager):
         Named blocks go to the back (most recently used; a sequence's first blocks last, as they are the
         most shared), unnamed ones to the front, to be taken first.
         """
+        # BEGIN TASK Week 3 Day 3 Task 2: drop one reference per block; free unreferenced blocks, named ones at the back
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] > 0:
@@ -144,17 +159,22 @@ class PrefixCachingBlockManager(BlockManager):
                 self.free_blocks.move_to_end(block, last=False)
         seq.block_table = []
         self.seq_names.pop(seq, None)
+        # END TASK
 
     @property
     def hit_rate(self) -> float:
         """Tokens served from the cache / tokens looked up, 0..1 (0 before any lookup)."""
+        # BEGIN TASK Week 3 Day 3 Task 4: hit tokens / looked-up tokens
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        # END TASK
 
     def reset(self) -> None:
         """Forget every cached name and zero the counters (benchmarks start each run cold)."""
+        # BEGIN TASK Week 3 Day 3 Task 4: forget every name and zero the counters
         self.cached_blocks.clear()
         self.block_names.clear()
         for names in self.seq_names.values():
             names.clear()
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # END TASK

@@ -52,12 +52,18 @@ class PriorityPolicy:
 
     def effective_priority(self, seq: Sequence) -> int:
         """`seq.priority`, plus one for every `aging_steps` steps since it arrived."""
+        # BEGIN TASK Week 3 Day 4 Task 1: priority plus one per aging_steps steps waited
+        # TODO: seq.priority + steps since its arrival // aging_steps
         waited = self.num_steps - self.arrival_step[seq]
         return seq.priority + waited // self.aging_steps
+        # END TASK
 
     def rank(self, seq: Sequence) -> tuple[int, int]:
         """Sort key, most urgent first: higher effective priority, then earlier arrival."""
+        # BEGIN TASK Week 3 Day 4 Task 1: sort key: higher effective priority, then earlier arrival
+        # TODO: (-effective priority, arrival step)
         return (-self.effective_priority(seq), self.arrival_step[seq])
+        # END TASK
 
     def order(self, seqs) -> list[Sequence]:
         """`seqs` most urgent first; stable, so among equals the given order stands.
@@ -65,11 +71,17 @@ class PriorityPolicy:
         Effective priorities change as sequences age, so the queues are sorted again every step
         rather than kept in a heap whose keys would go stale.
         """
+        # BEGIN TASK Week 3 Day 4 Task 2: most urgent first, stable among equals
+        # TODO: sort by rank (Python's sort is stable)
         return sorted(seqs, key=self.rank)
+        # END TASK
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether `seq` is strictly more urgent than `other`, so it may take `other`'s blocks."""
+        # BEGIN TASK Week 3 Day 4 Task 2: strictly more urgent
+        # TODO: compare ranks
         return self.rank(seq) < self.rank(other)
+        # END TASK
 
     def describe(self) -> str:
         """One line for the engine's start-up log (provided)."""

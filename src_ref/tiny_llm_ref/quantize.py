@@ -21,6 +21,9 @@ def quantize(w: mx.array, group_size: int = 64, bits: int = 4) -> tuple[mx.array
 
     Bit for bit what `mx.quantize(w, group_size, bits)` returns; scales and biases keep `w`'s dtype.
     """
+    # BEGIN TASK Week 2 Day 3 Task 1: group-wise affine quantization, packed
+    # TODO: per group: scale and bias (pin the larger-magnitude end), q = round((w - bias) / scale) clipped to
+    # TODO: 0 .. 2**bits - 1; pack 32 // bits values per uint32, the first in the lowest bits
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits!r}")
     if w.ndim != 2 or w.shape[-1] % group_size != 0:
@@ -51,6 +54,7 @@ def quantize(w: mx.array, group_size: int = 64, bits: int = 4) -> tuple[mx.array
     shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
     packed = (q << shifts).sum(axis=-1).astype(mx.uint32)
     return packed, scales.squeeze(-1).astype(w.dtype), biases.squeeze(-1).astype(w.dtype)
+    # END TASK
 
 
 def dequantize(
@@ -61,6 +65,8 @@ def dequantize(
     Every value is `scale * q + bias` of its group, in the dtype of `scales`; bit for bit what
     `mx.dequantize` returns.
     """
+    # BEGIN TASK Week 2 Day 3 Task 2: unpack and dequantize
+    # TODO: unpack the words with shifts and a mask, then scale * q + bias per group (dtype of scales)
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, not {bits!r}")
     *rest, words = w_q.shape
@@ -72,6 +78,7 @@ def dequantize(
     q = q.reshape(*rest, in_features // group_size, group_size).astype(scales.dtype)
     w = scales[..., None] * q + biases[..., None]
     return w.reshape(*rest, in_features)
+    # END TASK
 
 
 @dataclass
@@ -109,10 +116,13 @@ def quantized_linear(x: mx.array, w: QuantizedWeight, bias: mx.array | None = No
     Dequantize, then multiply: readable, but it writes a float copy of the weight on every call,
     which the fused `mx.quantized_matmul` never does.
     """
+    # BEGIN TASK Week 2 Day 3 Task 3: quantized linear layer
+    # TODO: dequantize the weight, then x @ W.T + bias
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but the weight takes {w.shape[1]}")
     w_float = dequantize(w.weight, w.scales, w.biases, w.group_size, w.bits)
     return linear(x, w_float, bias)
+    # END TASK
 
 
 class QuantizedEmbedding:

@@ -34,6 +34,8 @@ class Qwen2MultiHeadAttention:
         theta: int = 1000000,
     ):
         """Keep the weights and build the RoPE (Qwen2 uses the non-traditional layout)."""
+        # BEGIN TASK Week 1 Day 5 Task 1: Qwen2 attention
+        # TODO: keep the weights; build RoPE(head_dim, max_seq_len, theta)
         assert hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -43,9 +45,13 @@ class Qwen2MultiHeadAttention:
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.bq, self.bk, self.bv = bq, bk, bv
         self.rope = RoPE(self.head_dim, max_seq_len, theta, traditional=False)
+        # END TASK
 
     def __call__(self, x: mx.array, mask: mx.array | str | None) -> mx.array:
         """`B x L x E` -> `B x L x E`; the tokens are at positions 0 .. L-1; `mask` as in grouped attention."""
+        # BEGIN TASK Week 1 Day 5 Task 1: Qwen2 attention
+        # TODO: q/k/v projections with biases, reshape to B x L x H x D, RoPE on q and k,
+        # TODO: transpose to B x H x L x D, grouped attention, transpose back, o_proj
         b, l, _ = x.shape
         # Project and split into heads, keeping the B x L x H x D layout that RoPE expects.
         q = linear(x, self.wq, self.bq).reshape(b, l, self.num_heads, self.head_dim)
@@ -59,6 +65,7 @@ class Qwen2MultiHeadAttention:
         out = scaled_dot_product_attention_grouped(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, l, self.hidden_size)
         return linear(out, self.wo)
+        # END TASK
 
 
 class Qwen2TransformerBlock:
@@ -87,18 +94,24 @@ class Qwen2TransformerBlock:
         theta: int = 1000000,
     ):
         """Build the two norms, the attention and the MLP from their weights."""
+        # BEGIN TASK Week 1 Day 5 Task 2: transformer block
+        # TODO: two RMSNorms, the attention, the MLP
         self.input_layernorm = RMSNorm(hidden_size, w_input_layernorm, eps=rms_norm_eps)
         self.self_attn = Qwen2MultiHeadAttention(
             hidden_size, num_attention_heads, num_kv_heads, wq, wk, wv, wo, bq, bk, bv, max_seq_len, theta
         )
         self.post_attention_layernorm = RMSNorm(hidden_size, w_post_attention_layernorm, eps=rms_norm_eps)
         self.mlp = Qwen2MLP(hidden_size, intermediate_size, w_gate, w_up, w_down)
+        # END TASK
 
     def __call__(self, x: mx.array, mask: mx.array | str | None) -> mx.array:
         """`B x L x E` -> `B x L x E`."""
+        # BEGIN TASK Week 1 Day 5 Task 2: transformer block
+        # TODO: h = x + attn(norm(x)); out = h + mlp(norm(h))
         # Each sub-block reads a normalized copy of the residual stream and adds its result back.
         h = x + self.self_attn(self.input_layernorm(x), mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+        # END TASK
 
 
 class Qwen2ModelWeek1:
@@ -106,6 +119,9 @@ class Qwen2ModelWeek1:
 
     def __init__(self, mlx_model):
         """Copy every weight out of `mlx_model` (an mlx-lm Qwen2 `Model`) into our own layers."""
+        # BEGIN TASK Week 1 Day 5 Task 3: load the model
+        # TODO: read mlx_model.args and mlx_model.model.{embed_tokens, layers, norm};
+        # TODO: use dequantize_linear() for every weight matrix, bias_of() for the q/k/v biases
         args = mlx_model.args
         self.args = args
         self.num_hidden_layers = args.num_hidden_layers
@@ -141,9 +157,12 @@ class Qwen2ModelWeek1:
         self.norm = RMSNorm(args.hidden_size, inner.norm.weight, eps=args.rms_norm_eps)
         # Small Qwen2 models reuse the embedding table as the output layer ("tied" embeddings).
         self.w_lm_head = None if args.tie_word_embeddings else dequantize_linear(mlx_model.lm_head)
+        # END TASK
 
     def __call__(self, inputs: mx.array) -> mx.array:
         """Token ids `B x L` -> logits `B x L x vocab_size`; position i sees tokens 0 .. i."""
+        # BEGIN TASK Week 1 Day 5 Task 3: the full model
+        # TODO: embed, every block with mask="causal", norm, output layer
         h = self.embedding(inputs)
         for layer in self.layers:
             h = layer(h, mask="causal")
@@ -151,3 +170,4 @@ class Qwen2ModelWeek1:
         if self.w_lm_head is None:
             return self.embedding.as_linear(h)
         return linear(h, self.w_lm_head)
+        # END TASK

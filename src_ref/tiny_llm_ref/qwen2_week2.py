@@ -92,6 +92,9 @@ class Qwen2MultiHeadAttention:
         values go into `cache`, which returns all of them and the mask to use (`mask` is the default,
         "causal", which a batching cache replaces with its own `B x 1 x L x S` mask).
         """
+        # BEGIN TASK Week 2 Day 1 Task 2: attention over the new tokens and the cache
+        # TODO: project, RoPE at `offset`, heads first, cache.update_and_fetch, grouped attention
+        # TODO: flash_attention.flash_attention instead when self.use_flash_attention and L > 1 (day 2.4)
         b, l, _ = x.shape
         q = linear(x, self.wq, self.bq).reshape(b, l, self.num_heads, self.head_dim)
         k = linear(x, self.wk, self.bk).reshape(b, l, self.num_kv_heads, self.head_dim)
@@ -109,6 +112,7 @@ class Qwen2MultiHeadAttention:
             out = scaled_dot_product_attention_grouped(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(b, l, self.hidden_size)
         return linear(out, self.wo)
+        # END TASK
 
 
 class Qwen2TransformerBlock:
@@ -152,8 +156,11 @@ class Qwen2TransformerBlock:
         mask: mx.array | str | None = "causal",
     ) -> mx.array:
         """`B x L x E` -> `B x L x E`, with `offset`, `cache` and `mask` passed on to the attention."""
+        # BEGIN TASK Week 2 Day 1 Task 2: the transformer block with a cache
+        # TODO: week 1's block, passing offset, cache and mask to the attention
         h = x + self.self_attn(self.input_layernorm(x), offset, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+        # END TASK
 
 
 class Qwen2ModelWeek2:
@@ -226,6 +233,8 @@ class Qwen2ModelWeek2:
         `mask` goes to every layer's attention: "causal", or an `L x S` array such as day 2.7's
         chunk mask (a batching cache supplies its own).
         """
+        # BEGIN TASK Week 2 Day 1 Task 2: run the new tokens through the layers and caches
+        # TODO: embedding; layer i with cache[i] and mask; norm; output layer
         h = self.embedding(inputs)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h = layer(h, offset, layer_cache, mask=mask)
@@ -233,11 +242,18 @@ class Qwen2ModelWeek2:
         if self.w_lm_head is None:
             return self.embedding.as_linear(h)
         return linear(h, self.w_lm_head)
+        # END TASK
 
     def make_cache(self) -> list[TinyKvFullCache]:
         """A fresh, empty cache for one request: one `TinyKvFullCache` per layer."""
+        # BEGIN TASK Week 2 Day 1 Task 2: one TinyKvFullCache per layer
+        # TODO: a fresh TinyKvFullCache for each of the num_hidden_layers layers
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
+        # END TASK
 
     def make_batch_cache(self, batch_size: int, max_seq_len: int) -> list[BatchingKvCache]:
         """A cache for a batch of up to `batch_size` requests of at most `max_seq_len` tokens, one per layer."""
+        # BEGIN TASK Week 2 Day 5 Task 3: one BatchingKvCache per layer
+        # TODO: a BatchingKvCache(batch_size, max_seq_len) for each layer
         return [BatchingKvCache(batch_size, max_seq_len) for _ in range(self.num_hidden_layers)]
+        # END TASK

@@ -82,6 +82,8 @@ class Qwen2RaggedAttention:
     def __call__(self, x: mx.array, batch: RaggedBatch, cos: mx.array, sin: mx.array, pool: KvPool,
                  layer: int) -> mx.array:
         """`T x E` -> `T x E`: project all rows at once, store the new keys, attend per sequence."""
+        # BEGIN TASK Week 3 Day 1 Task 3: ragged attention over all T rows
+        # TODO: project q/k/v for all rows, rotate, write k/v to the pool, decode group then each chunk, concatenate, wo
         t = x.shape[0]
         q = linear(x, self.wq, self.bq).reshape(t, self.num_heads, self.head_dim)
         k = linear(x, self.wk, self.bk).reshape(t, self.num_kv_heads, self.head_dim)
@@ -98,9 +100,13 @@ class Qwen2RaggedAttention:
             row += chunk.length
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
         return linear(out.reshape(t, -1), self.wo)
+        # END TASK
 
     def decode_attention(self, q: mx.array, batch: RaggedBatch, pool: KvPool, layer: int) -> mx.array:
         """The decode rows (`n x H_q x D`), one per sequence, as one padded batch -> `n x H_q x D`."""
+        # BEGIN TASK Week 3 Day 1 Task 3: the decode rows' attention as one padded batch
+        # TODO: gather decode_key_slots, transpose to n x H x S x D and mx.contiguous it (MLX's CPU matmul
+        # TODO: is many times slower on a transposed view); grouped attention with decode_mask
         keys, values = pool.gather(layer, batch.decode_key_slots)  # n x S x H x D
         # Heads first, laid out once: MLX's CPU matmul is many times slower on a transposed view.
         keys, values = mx.contiguous(keys.transpose(0, 2, 1, 3)), mx.contiguous(values.transpose(0, 2, 1, 3))
@@ -108,15 +114,19 @@ class Qwen2RaggedAttention:
             q[:, :, None, :], keys, values, scale=self.scale, mask=batch.decode_mask,
         )  # n x H_q x 1 x D
         return out[:, :, 0, :]
+        # END TASK
 
     def chunk_attention(self, q: mx.array, chunk: PrefillChunk, pool: KvPool, layer: int) -> mx.array:
         """One sequence's prefill chunk (`L x H_q x D`) over its cached keys and its own -> `L x H_q x D`."""
+        # BEGIN TASK Week 3 Day 1 Task 3: one prefill chunk's attention
+        # TODO: gather the chunk's key slots, H x S x D (mx.contiguous), grouped attention with the chunk mask
         keys, values = pool.gather(layer, chunk.key_slots)  # S x H x D
         keys, values = mx.contiguous(keys.transpose(1, 0, 2)), mx.contiguous(values.transpose(1, 0, 2))
         out = scaled_dot_product_attention_grouped(
             q.transpose(1, 0, 2), keys, values, scale=self.scale, mask=chunk.mask,
         )  # H_q x L x D
         return out.transpose(1, 0, 2)
+        # END TASK
 
 
 class Qwen2RaggedBlock:
@@ -183,6 +193,8 @@ class Qwen2ModelWeek3:
 
         The keys and values of all T tokens are written into `pool` on the way.
         """
+        # BEGIN TASK Week 3 Day 1 Task 3: the ragged forward pass, logits at sampling rows only
+        # TODO: RoPE angles once, embedding, layers, then norm + lm_head on batch.sample_rows only
         # The RoPE angles of every row, computed once for all layers: T x 1 x D/2.
         angles = batch.positions.astype(mx.float32)[:, None] * self.inv_freq
         cos, sin = mx.cos(angles)[:, None, :].astype(self.dtype), mx.sin(angles)[:, None, :].astype(self.dtype)
@@ -194,3 +206,4 @@ class Qwen2ModelWeek3:
         if self.w_lm_head is None:
             return self.embedding.as_linear(h)
         return linear(h, self.w_lm_head)
+        # END TASK

@@ -21,14 +21,22 @@ def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = No
 
     def sample(logprobs: mx.array) -> mx.array:
         """Pick one token id per row of `logprobs` (`B x V`)."""
+        # BEGIN TASK Week 1 Day 7 Task 1: greedy and temperature
+        # TODO: temp 0 -> argmax; otherwise divide by temp into `logits` (drawn with mx.random.categorical below)
         if temp == 0:
             return mx.argmax(logprobs, axis=-1)
         logits = logprobs / temp
+        # END TASK
         if top_k is not None and top_k < logprobs.shape[-1]:
+            # BEGIN TASK Week 1 Day 7 Task 2: top-k
+            # TODO: before drawing, keep only the top_k largest logits (the rest become -inf)
             # Indices of everything outside the k largest: argpartition puts the k largest first.
             dropped = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., top_k:]
             logits = mx.put_along_axis(logits, dropped, mx.array(-mx.inf, dtype=logits.dtype), axis=-1)
+            # END TASK
         if top_p is not None and 0 < top_p < 1:
+            # BEGIN TASK Week 1 Day 7 Task 3: top-p
+            # TODO: then keep only the smallest set of most likely tokens whose mass reaches top_p
             # Sort from most to least likely and keep a token while the mass *before* it is below top_p:
             # that keeps the smallest prefix whose mass reaches top_p.
             order = mx.argsort(-logits, axis=-1)
@@ -39,6 +47,7 @@ def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = No
             # Scatter the decisions back to vocabulary order.
             keep = mx.put_along_axis(mx.zeros(logits.shape, dtype=mx.bool_), order, keep_sorted, axis=-1)
             logits = mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+            # END TASK
         # categorical() draws index i with probability softmax(logits)_i; -inf entries are never drawn.
         return mx.random.categorical(logits, axis=-1)
 

@@ -173,6 +173,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Plan the next step: decodes first, then prefill chunks, within the token budget and the free blocks."""
+        # BEGIN TASK Week 3 Day 1 Task 2: plan a step: decodes first, then prefill chunks
+        # TODO: order the queues; make room (day 3.4); budget for the decodes; decodes; prefills with the rest; nobody moved: preempt the last
         plan = StepPlan()
         self.order_queues()
         self.make_room(plan)
@@ -186,9 +188,12 @@ class Scheduler:
             self.preempt(self.running[-1], plan)
             self.schedule_prefills(plan, budget)
         return plan
+        # END TASK
 
     def schedule_decodes(self, plan: StepPlan) -> None:
         """One decode chunk for every decoding running sequence, preempting from the back when blocks run out."""
+        # BEGIN TASK Week 3 Day 1 Task 2: one decode chunk per decoding sequence
+        # TODO: for each decoding running sequence: make room (preempt from the back while blocks lack), allocate, add a chunk of 1
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or not seq.is_decoding:
                 continue  # preempted just now to make room, or still prefilling
@@ -201,9 +206,12 @@ class Scheduler:
                 continue
             self.block_manager.allocate(seq, seq.num_tokens)
             plan.decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+        # END TASK
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
         """Prefill chunks within `budget` tokens: part-way and waiting sequences in the order policy's order."""
+        # BEGIN TASK Week 3 Day 1 Task 2: prefill chunks within the budget
+        # TODO: part-way and waiting sequences in self.order.order(...): plan_chunk for running ones, self.admit(...) for waiting ones while slots last; stop admitting after a refusal
         partway = [seq for seq in self.running if not seq.is_decoding]
         admitting = True
         for seq in self.order.order(partway + list(self.waiting)):
@@ -216,9 +224,12 @@ class Scheduler:
                 # Admission by memory: when its first chunk does not fit, nobody behind it jumps the queue.
                 admitting = length > 0
                 budget -= length
+        # END TASK
 
     def plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Plan the next chunk of `seq`'s uncomputed tokens: as many as the budget and the free blocks allow."""
+        # BEGIN TASK Week 3 Day 1 Task 2: plan one prefill chunk
+        # TODO: length = min(budget, uncomputed, room in free blocks); allocate; append a ScheduledChunk; return length
         start = seq.num_computed_tokens
         length = min(budget, seq.num_uncomputed_tokens)
         block_size = self.block_manager.block_size
@@ -230,6 +241,7 @@ class Scheduler:
         self.block_manager.allocate(seq, start + length)
         plan.prefills.append(ScheduledChunk(seq, start, length))
         return length
+        # END TASK
 
     def admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Admit waiting `seq` with its first chunk; return the chunk's length, 0 if it must keep waiting (provided).
@@ -256,11 +268,14 @@ class Scheduler:
         Victims come from the back of the running list, and only ones the waiting sequence outranks:
         under first come, first served nobody outranks anybody, and nothing happens.
         """
+        # BEGIN TASK Week 3 Day 4 Task 3: preempt outranked running sequences until the most urgent waiting one fits
+        # TODO: while the back of running is outranked by waiting[0] and waiting[0] cannot be admitted: preempt it
         if not self.waiting:
             return
         seq = self.waiting[0]
         while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):
             self.preempt(self.running[-1], plan)
+        # END TASK
 
     def can_admit(self, seq: Sequence) -> bool:
         """True when `seq`'s first chunk would get a slot, budget and blocks in this step (day 3.4).
@@ -268,6 +283,8 @@ class Scheduler:
         It needs a sequence slot, budget left after the decode tokens, and free blocks for its first
         chunk plus a block for every decode that starts a new one.
         """
+        # BEGIN TASK Week 3 Day 4 Task 3: slot, budget and blocks for its first chunk
+        # TODO: a free slot; budget left after the decodes; blocks for the first chunk plus every decode's new block
         decoding = [s for s in self.running if s.is_decoding]
         first_chunk = min(seq.num_uncomputed_tokens, self.step_budget(len(decoding)) - len(decoding))
         if len(self.running) >= self.max_num_seqs or first_chunk <= 0:
@@ -275,9 +292,12 @@ class Scheduler:
         decode_blocks = sum(self.block_manager.blocks_needed(s, s.num_tokens) for s in decoding)
         chunk_blocks = blocks_for(seq.num_computed_tokens + first_chunk, self.block_manager.block_size)
         return decode_blocks + chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks
+        # END TASK
 
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Take `seq` off the running list: free its blocks, forget its cache, put it first in the waiting queue."""
+        # BEGIN TASK Week 3 Day 2 Task 3: preempt a sequence by recompute
+        # TODO: remove from running, free blocks, num_computed_tokens = 0, WAITING, front of the queue, count, record, log
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -288,6 +308,7 @@ class Scheduler:
         plan.preempted.append(seq)
         self.log(f"preempted request {seq.request_id!r} (recompute): KV cache full, "
                  f"{len(seq.token_ids)} tokens to recompute later")
+        # END TASK
 
     # ------------------------------------------------------------ after the model ran
 
@@ -296,6 +317,8 @@ class Scheduler:
 
         `tokens` holds one token per sampling chunk, in plan order. Returns a StepOutput per sampling chunk.
         """
+        # BEGIN TASK Week 3 Day 1 Task 5: move every chunk's sequence forward
+        # TODO: num_computed_tokens += length; block_manager.cache_computed_blocks(seq) (day 3.3's hook); a sampling chunk appends its token
         outputs = []
         new_tokens = iter(tokens)
         for chunk in plan.chunks:
@@ -305,9 +328,12 @@ class Scheduler:
             if chunk.samples:
                 outputs.append(self.append_token(seq, next(new_tokens)))
         return outputs
+        # END TASK
 
     def append_token(self, seq: Sequence, token: int) -> StepOutput:
         """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""
+        # BEGIN TASK Week 3 Day 1 Task 5: record a sampled token
+        # TODO: EOS: finish 'stop', token None; else append; finish 'length' at max_tokens
         if token in self.eos_token_ids:
             self.finish(seq, "stop")
             return StepOutput(seq.request_id, None, True, "stop")
@@ -316,6 +342,7 @@ class Scheduler:
             self.finish(seq, "length")
             return StepOutput(seq.request_id, token, True, "length")
         return StepOutput(seq.request_id, token, False, None)
+        # END TASK
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` ("stop", "length" or "abort"): free its blocks and drop it from the queues (provided)."""

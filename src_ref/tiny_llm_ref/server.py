@@ -50,8 +50,10 @@ def sse_event(payload: dict | str) -> str:
 
     An event is a `data: ` line followed by a blank line; a JSON payload must fit on that one line.
     """
+    # BEGIN TASK Week 3 Day 5 Task 1: server-sent event
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
+    # END TASK
 
 
 def find_stop(text: str, stops: list[str]) -> tuple[int, bool]:
@@ -62,6 +64,7 @@ def find_stop(text: str, stops: list[str]) -> tuple[int, bool]:
     holds back the longest tail of `text` that is the beginning of some stop string (the next tokens
     may complete it), and `stopped` is False.
     """
+    # BEGIN TASK Week 3 Day 5 Task 2: stop strings
     found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
     if found:
         return min(found), True
@@ -73,6 +76,7 @@ def find_stop(text: str, stops: list[str]) -> tuple[int, bool]:
                 held_back = k
                 break
     return len(text) - held_back, False
+    # END TASK
 
 
 @dataclass
@@ -123,6 +127,7 @@ def render_prometheus(metrics: list[Metric | Histogram]) -> str:
     `h_bucket{le="..."}` samples (each counts every observation at or below its bound), ending with
     `le="+Inf"` equal to the count, then `h_sum` and `h_count`. The text ends with a newline.
     """
+    # BEGIN TASK Week 3 Day 5 Task 3: Prometheus text
     lines = []
     for metric in metrics:
         kind = "histogram" if isinstance(metric, Histogram) else metric.kind
@@ -139,6 +144,7 @@ def render_prometheus(metrics: list[Metric | Histogram]) -> str:
         else:
             lines.append(f"{metric.name} {_number(metric.value)}")
     return "\n".join(lines) + "\n"
+    # END TASK
 
 
 # ---------------------------------------------------------------- the engine thread
@@ -231,6 +237,7 @@ class EngineThread:
         After a step, send each `StepOutput` to its request's handle (forget the handle when the output
         is finished), then `publish_stats()`. Returns True to keep running.
         """
+        # BEGIN TASK Week 3 Day 5 Task 4: the engine thread's turn
         block = not self.engine.has_work()
         while True:
             try:
@@ -260,6 +267,7 @@ class EngineThread:
                     del self.handles[output.request_id]
         self.publish_stats()
         return True
+        # END TASK
 
     def _run(self) -> None:
         try:

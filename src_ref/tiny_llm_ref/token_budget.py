@@ -78,6 +78,8 @@ class AdaptiveTokenBudget:
 
     def budget(self, num_decoding: int) -> int:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
+        # BEGIN TASK Week 3 Day 1 Task 1: the largest budget within the latency target
+        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens; else num_decoding + (target() - base) / per token, clamped
         if num_decoding == 0:
             return self.max_num_batched_tokens
         if self.base_seconds is None:
@@ -89,15 +91,19 @@ class AdaptiveTokenBudget:
         spare = self.target() - (self.base_seconds or 0.0)
         tokens = num_decoding + int(spare / self.seconds_per_token)
         return max(self.min_tokens, min(self.max_num_batched_tokens, tokens))
+        # END TASK
 
     def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
         """Update the averages from one step: decode-only steps give the base, the others the per-token cost."""
+        # BEGIN TASK Week 3 Day 1 Task 1: update the step-time averages
+        # TODO: decode-only step: base_seconds; otherwise seconds_per_token from (seconds - base) / prefill tokens
         prefill_tokens = num_tokens - num_decoding
         if prefill_tokens <= 0:
             self.base_seconds = self._average(self.base_seconds, seconds)
             return
         extra = seconds - (self.base_seconds or 0.0)
         self.seconds_per_token = self._average(self.seconds_per_token, max(extra, 0.0) / prefill_tokens)
+        # END TASK
 
     def target(self) -> float:
         """The step time to aim for, in seconds (provided)."""

@@ -1,0 +1,124 @@
+"""Check that `pdm run compare --week 3 --day D` tells an honest engine from a broken one.
+
+    pdm run python -m maint.check_compare              # every day honest, every mutation on its days
+    pdm run python -m maint.check_compare --day 1      # day 3.1 only
+
+In a temporary copy of the repository whose `src/tiny_llm` holds the reference's code (a finished,
+honest solution), `compare` must report no difference on any week-3 day. Then each mutation below
+(a bug a student would plant) is applied to that copy alone, and `compare` must report a
+difference (exit status 1) on each of its days (the preemption bugs on day 3.1 too: day 3.1's
+engine runs the student's day-3.2 scheduler code as well). Exits 1 naming every case that went the wrong way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COPIED = ("src", "src_ref", "course", "scripts", "benches")
+DAYS = (1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    days: tuple[int, ...]  # the week-3 days whose compare must catch it
+    module: str  # file of src/tiny_llm
+    old: str  # text that occurs exactly once in the reference's module
+    new: str
+
+
+MUTATIONS = [
+    Mutation("the oldest running sequence preempted instead of the newest", (1, 2), "scheduler",
+             "                victim = self.running[-1]\n", "                victim = self.running[0]\n"),
+    Mutation("preemption keeps num_computed_tokens", (1, 2), "scheduler",
+             "        self.block_manager.free(seq)\n        seq.num_computed_tokens = 0\n        seq.status = SequenceStatus.WAITING\n",
+             "        self.block_manager.free(seq)\n        seq.status = SequenceStatus.WAITING\n"),
+    Mutation("the prefill budget not reduced by the planned decodes", (1,), "scheduler",
+             "        self.schedule_prefills(plan, budget - len(plan.decodes))\n",
+             "        self.schedule_prefills(plan, budget)\n"),
+    Mutation("a prefix-cache hit never recorded", (3,), "prefix_cache",
+             "        self.hit_tokens += cached_tokens\n", ""),
+    Mutation("priorities ignored in the ranking", (4,), "priority_scheduler",
+             "        return (-self.effective_priority(seq), self.arrival_step[seq])\n",
+             "        return (0, self.arrival_step[seq])\n"),
+]
+
+
+def honest_copy(into: Path) -> None:
+    """The repository's code under `into`, with the reference's modules as the student's solution."""
+    for name in COPIED:
+        shutil.copytree(REPO / name, into / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (into / "models").symlink_to(REPO / "models")
+    for module in (REPO / "src_ref" / "tiny_llm_ref").glob("*.py"):
+        shutil.copy(module, into / "src" / "tiny_llm" / module.name)
+
+
+def apply(root: Path, mutation: Mutation) -> str:
+    """Plant `mutation` in the copy; return the module's text before, to put it back."""
+    path = root / "src" / "tiny_llm" / f"{mutation.module}.py"
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        raise SystemExit(f"maint/check_compare.py: mutation {mutation.name!r}: its text is not found exactly once "
+                         f"in src_ref/tiny_llm_ref/{mutation.module}.py; update it")
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return text
+
+
+def compare(root: Path, day: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": "src:src_ref:."}
+    return subprocess.run([sys.executable, "-m", "scripts.compare", "--week", "3", "--day", str(day)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def check(days=DAYS, mutations=MUTATIONS) -> list[str]:
+    """Run every case on `days`; return the ones that went the wrong way (empty: all good)."""
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-compare-") as tmp:
+        root = Path(tmp)
+        honest_copy(root)
+        for day in days:
+            result = compare(root, day)
+            verdict = "no difference" if result.returncode == 0 else f"exit {result.returncode}"
+            print(f"honest solution, day 3.{day}: {verdict}", flush=True)
+            if result.returncode != 0:
+                failures.append(f"honest solution, day 3.{day}: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+        for mutation in mutations:
+            before = apply(root, mutation)
+            try:
+                for day in (d for d in mutation.days if d in days):
+                    result = compare(root, day)
+                    caught = result.returncode == 1 and "differs from the reference" in result.stdout
+                    print(f"{mutation.name}, day 3.{day}: {'reported' if caught else 'NOT reported'}", flush=True)
+                    if not caught:
+                        failures.append(f"{mutation.name}, day 3.{day}: exit {result.returncode}\n"
+                                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            finally:
+                (root / "src" / "tiny_llm" / f"{mutation.module}.py").write_text(before)
+    return failures
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m maint.check_compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--day", type=int, choices=DAYS, action="append", help="week-3 day(s) to check (default all)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    failures = check(tuple(args.day or DAYS))
+    for failure in failures:
+        print(f"\nWRONG: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

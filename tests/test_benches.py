@@ -1,0 +1,107 @@
+"""The lab harness (benches/): the runner, its figures, and a lab end to end on the embedded model.
+
+No timing is asserted: only that the runner feeds and counts correctly, and that a lab runs the code
+the selector picks and writes its JSON where --out says.
+"""
+
+import json
+
+import pytest
+
+from benches import runner, workloads
+from benches.engines import Adapter, Event
+
+
+class Echo(Adapter):
+    """A fake engine: one token per request per step, each request finishing after its max_tokens."""
+
+    def __init__(self):
+        self.left = {}
+
+    def add(self, idx, arrival):
+        self.left[idx] = arrival.max_tokens
+
+    def has_work(self):
+        return bool(self.left)
+
+    def step(self):
+        events = []
+        for idx in list(self.left):
+            self.left[idx] -= 1
+            events.append(Event(idx, 7, self.left[idx] == 0))
+            if not self.left[idx]:
+                del self.left[idx]
+        return events
+
+    def counters(self):
+        return {"tokens_run": 0}
+
+
+class Ticks:
+    """A clock that moves one second each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_runner_feeds_every_arrival_and_counts_every_token():
+    arrivals = [workloads.Arrival("short", [1, 2], 3), workloads.Arrival("long", [1] * 8, 2, after_tokens=2)]
+    run = runner.run(Echo(), arrivals, "echo", clock=Ticks())
+    assert run.outputs == {0: [7, 7, 7], 1: [7, 7]}
+    assert run.first_token_wait[1]["steps"] == 1  # added after the short one's second token, served next step
+    row = runner.summarize(run)
+    assert row["output_tokens"] == 5 and row["short_itl_p50_s"] is not None and row["long_itl_p50_s"] is not None
+
+
+def test_runner_fails_with_a_message_instead_of_looping_forever():
+    class Stuck(Echo):
+        def step(self):
+            return []
+
+    with pytest.raises(RuntimeError, match="still running after 5 steps"):
+        runner.run(Stuck(), [workloads.Arrival("short", [1], 1)], "stuck", clock=Ticks(), max_steps=5)
+
+
+def test_figures_use_day_2_2s_interpolated_percentile():
+    assert runner.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # nearest-rank would say 2.0
+
+
+def test_alternate_takes_turns():
+    assert runner.alternate([1, 2, 3], ["a"]) == [1, "a", 2, 3]
+
+
+def test_workloads_are_the_same_on_every_call():
+    assert workloads.mixed(5, 4, 2, 16, 1, seed=3, prompt_seed=300) == workloads.mixed(5, 4, 2, 16, 1, seed=3,
+                                                                                         prompt_seed=300)
+    kinds = [a.kind for a in workloads.mixed(10, 4, 2, 16, 1, seed=3, prompt_seed=300)]
+    assert kinds.count("long") == 2
+    shared = workloads.shared_prefix(3, 8, 2, 1, rate=1.0)
+    assert all(a.prompt[:8] == shared[0].prompt[:8] for a in shared)
+
+
+def test_a_lab_runs_the_students_selection_and_writes_out_as_a_file(tmp_path, capsys):
+    from benches import bench_priorities
+
+    out = tmp_path / "x.json"
+    status = bench_priorities.main(["--model", "embedded", "--solution", "student", "--batch", "1", "--batch-tokens",
+                                    "16", "--batch-output", "2", "--interactive", "2", "--interactive-tokens", "4",
+                                    "--interactive-output", "2", "--rate", "50", "--out", str(out)])
+    assert status == 0 and out.is_file()
+    results = json.loads(out.read_text())
+    assert results["solution"] == "student" and [f["label"] for f in results["figures"]] == [
+        "interactive alone", "FCFS", "priority"]
+    assert (tmp_path / "x_ttft.png").is_file()
+    assert "code: your src/tiny_llm;" in capsys.readouterr().out  # the student's selection, and it says so
+
+
+def test_a_bad_option_is_one_line(capsys):
+    from benches import bench_prefix_cache
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_prefix_cache.main(["--model", "embedded", "--requests", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
