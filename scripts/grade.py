@@ -49,8 +49,8 @@ from pathlib import Path
 
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
-from course.isolated_pytest import (CaseResult, RunResult, become_subreaper, child_env, collect, default_memory_mb,
-                                    kill_descendants, run_test_file)
+from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env, collect,
+                                    default_memory_mb, kill_descendants, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(or holding tiny_llm/ or src/tiny_llm/)")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="time limit of one test (default 60)")
+    parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
+                        help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=600.0, metavar="SECONDS",
                         help="time budget of one day's tests (default 600); tests left when it runs out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",

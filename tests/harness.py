@@ -2,6 +2,7 @@
 
     sol = solution(week=1, day=5)   # the code under test: sol.qwen2_week1, sol.embedding, ...
     ref = reference()               # always the reference: oracles and collaborators
+    mine = stack(week=3, day=2)     # "your stack so far": days 3.1 and 3.2 of the student's, together
 
 Against the reference (TINY_LLM_SOLUTION=ref), `solution(...)` is simply `tiny_llm_ref`.
 
@@ -32,3 +33,11 @@ def solution(week: int, day: int) -> selector.Selection:
     if solution_name() == "ref":
         return reference()
     return selector.for_day(week, day)
+
+
+def stack(week: int, day: int) -> selector.Selection:
+    """The engine a student serves with, for day W.D's "your stack so far" tests: their code for that day
+    and every earlier day of week W they have written (the reference for the rest), or the reference."""
+    if solution_name() == "ref":
+        return reference()
+    return selector.for_stack(week, day)

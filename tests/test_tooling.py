@@ -20,6 +20,9 @@ import pytest
 from maint import book_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Each test here runs whole grading or checking processes, every one bounded by its own subprocess timeout:
+# they get more than `pdm run test`'s per-test limit.
+pytestmark = pytest.mark.timeout(900)
 
 # ---------------------------------------------------------------- Gradescope's results.json, checked field by field
 # From Gradescope's "Autograder Specifications" (gradescope-autograders.readthedocs.io/en/latest/specs/):
@@ -310,6 +313,19 @@ def test_check_days_passes_each_day_alone_and_catches_a_broken_reference(tmp_pat
     assert "NotImplementedError" in (root / "src" / "tiny_llm" / "gamma.py").read_text()
 
 
+def test_pdm_run_test_gives_every_test_the_graders_time_limit(tmp_path):
+    from course.isolated_pytest import TEST_TIME_LIMIT
+    from scripts import run_tests
+
+    assert run_tests.with_time_limit(["-q"]) == [f"--timeout={TEST_TIME_LIMIT:g}", "-q"]
+    assert run_tests.with_time_limit(["--timeout=5", "-x"]) == ["--timeout=5", "-x"]
+    spin = tmp_path / "test_spin.py"
+    spin.write_text("def test_spins_forever():\n    while True:\n        pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(spin),
+                           *run_tests.with_time_limit(["--timeout=1"])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Timeout" in done.stdout and "test_spins_forever" in done.stdout, done.stdout
+
+
 # ---------------------------------------------------------------- the book check, on small synthetic books
 
 def make_book(root: Path) -> Path:
@@ -384,6 +400,7 @@ def test_book_check_accepts_a_correct_book(book_root):
     (("alpha.md", "## Task 3: crash", "## Task 4: crash"), "Task 4"),
     (("beta.md", "## Task 2: twice zero", "## Twice zero"), "test_task_2"),
     (("preface.md", "(./alpha.md)", "(./alfa.md)"), "alfa.md"),
+    (("preface.md", "(./alpha.md).", "(./alpha.md) (coming)."), "coming"),
 ])
 def test_book_check_catches_each_kind_of_drift(tmp_path, breakage, expected):
     root = make_book(tmp_path / "course")
