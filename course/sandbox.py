@@ -1,0 +1,292 @@
+"""The submission's code runs here: a worker process in an OS sandbox, reached through course/remote.py.
+
+The grader (scripts/grade.py) prepares, for each day, a sandbox root holding only what the student's
+code needs (`prepare_root`): the package being graded, a copy of the reference with the graded day's
+task bodies removed (the selector fills the other days' tasks from it, function by function), and the
+few tooling files the worker runs (this module's worker, course/remote.py, course/selector.py and what
+they import). The grader's own code, the tests and their expected values are not in it.
+
+In the trusted pytest process, `solution(week, day)` (tests/harness.py) returns `RemoteSelection`,
+which starts the worker on first use (`start_worker`):
+
+    bwrap --unshare-all --uid 65534 --gid 65534 --die-with-parent --new-session --clearenv
+          --ro-bind <system and Python directories> --ro-bind <sandbox root> /grade
+          --tmpfs /tmp (the scratch directory, thrown away) --proc /proc --dev /dev
+          python -m course.sandbox <pipe fds> <week> <day>
+
+as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
+files except its private /tmp, and limits on CPU time, address space, processes, file size and open
+files. Its output goes to a file of the trusted side, cut off at the file-size limit.
+
+Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
+process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
+says what that means; the trusted side still makes every verdict.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from course import remote
+
+BWRAP = "/usr/bin/bwrap"
+NOBODY = 65534
+SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
+LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
+WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
+MAX_OUTPUT_BYTES = 16 << 20
+MAX_PROCESSES = 64
+MAX_OPEN_FILES = 256
+SCRATCH_BYTES = 256 << 20
+INSIDE = "/grade"
+
+
+def bwrap_path() -> str | None:
+    found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
+    return found if sys.platform.startswith("linux") else None
+
+
+def unsandboxed_warning() -> str | None:
+    """None where the sandbox is used; otherwise what running without it means, and how to get it."""
+    if bwrap_path():
+        return None
+    what = ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
+            "network; results are still decided outside its process, but a submission could read the "
+            "reference or change files. Fine for grading your own work; not for grading someone else's.")
+    if sys.platform == "darwin":
+        return what + " (macOS has no bubblewrap; grade on Linux for a sandboxed grade.)"
+    return what + " Install bubblewrap for the sandbox: `sudo apt-get install bubblewrap` (Debian/Ubuntu)."
+
+
+# ---------------------------------------------------------------- the sandbox root (prepared by the grader)
+
+def strip_task_bodies(source: str, functions: set[str]) -> str:
+    """`source` with the bodies of the named functions (qualified names) replaced by a raise."""
+    from course.selector import definitions
+
+    lines = source.splitlines(keepends=True)
+    spans = []
+    for name, node in definitions(ast.parse(source)).items():
+        if name in functions:
+            first = node.body[0]
+            spans.append((first.lineno, node.end_lineno, first.col_offset))
+    for start, end, indent in sorted(spans, reverse=True):
+        lines[start - 1:end] = [" " * indent + 'raise NotImplementedError("not available while this day is graded")\n']
+    return "".join(lines)
+
+
+def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week: int, day: int) -> Path:
+    """The sandbox's read-only view: the graded package, the reference without day W.D's tasks, the worker."""
+    from course.selector import task_table
+
+    graded = {}
+    for module, names in task_table().items():
+        graded[module] = {name for name, task in names.items() if task is not None and task.day_key == (week, day)}
+    (dest / "course").mkdir(parents=True)
+    for name in WORKER_FILES:
+        shutil.copyfile(course / name, dest / "course" / name)
+    shutil.copytree(package, dest / "src" / "tiny_llm", ignore=shutil.ignore_patterns("__pycache__"))
+    target = dest / "src_ref" / reference.name
+    target.mkdir(parents=True)
+    for path in sorted(reference.glob("*.py")):
+        text = path.read_text()
+        if graded.get(path.stem):
+            text = strip_task_bodies(text, graded[path.stem])
+        (target / path.name).write_text(text)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    return dest
+
+
+# ---------------------------------------------------------------- starting the worker (trusted side)
+
+def _python_dirs() -> list[str]:
+    """What the interpreter needs to run, read-only: its installation and the virtual environment."""
+    dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    dirs |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
+    return sorted(dirs)
+
+
+def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
+    command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
+               "--gid", str(NOBODY), "--clearenv", "--proc", "/proc", "--dev", "/dev",
+               "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    for system in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives"):
+        if os.path.exists(system):
+            command += ["--ro-bind", system, system]
+    for directory in _python_dirs():
+        command += ["--ro-bind", directory, directory]
+    command += ["--ro-bind", str(root), INSIDE]
+    environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0"}
+    for name, value in environment.items():
+        command += ["--setenv", name, value]
+    return command + ["--chdir", "/tmp", *inner]
+
+
+def _limits(cpu_seconds: float | None, memory_mb: int | None):
+    def apply() -> None:  # in the child, between fork and exec: inherited by bwrap and the worker
+        import resource
+
+        limits = [(resource.RLIMIT_FSIZE, MAX_OUTPUT_BYTES), (resource.RLIMIT_CORE, 0),
+                  (resource.RLIMIT_NOFILE, MAX_OPEN_FILES)]
+        if cpu_seconds:
+            limits.append((resource.RLIMIT_CPU, int(cpu_seconds) + 1))
+        if memory_mb:
+            limits.append((resource.RLIMIT_AS, memory_mb << 20))
+        if bwrap_path():
+            limits.append((resource.RLIMIT_NPROC, MAX_PROCESSES))  # counted in the sandbox's user namespace
+        for which, value in limits:
+            try:
+                resource.setrlimit(which, (value, value))
+            except (ValueError, OSError):
+                pass
+        os.setsid()
+
+    return apply
+
+
+class Worker:
+    """One sandboxed worker process and the endpoint that talks to it."""
+
+    def __init__(self, root: Path, week: int, day: int, cpu_seconds: float | None, memory_mb: int | None):
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
+        inner = [inner_python, "-s", "-m", "course.sandbox", str(to_worker_r), str(from_worker_w),
+                 str(week), str(day)]
+        self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False)
+        if bwrap_path():
+            command, cwd, env = _bwrap_command(root, inner), "/", {}
+        else:
+            command, cwd = inner, str(root)
+            env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."]),
+                   "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
+        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                        stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
+                                        preexec_fn=_limits(cpu_seconds, memory_mb))
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy())
+        self.endpoint.explain_loss = self._why_it_ended
+        self.fds = (from_worker_r, to_worker_w)
+
+    def _why_it_ended(self) -> str:
+        try:
+            status = self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return ""
+        how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+        return (f": the submission's process ended ({how}: a crash, an abort, an exit of the interpreter, or a "
+                f"limit on memory, CPU time or output). The end of its output:\n{self.output_tail(1500)}")
+
+    def output_tail(self, limit: int = 3000) -> str:
+        try:
+            with open(self.log.name, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.process.wait()
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+class RemoteSelection:
+    """`solution(week, day)` while grading: the day's package, in the sandboxed worker.
+
+    `sol.basics` asks the current worker for its module; a worker that died or was stopped at a time
+    limit is replaced on the next use, so a module-level `sol = solution(...)` survives it.
+    """
+
+    _workers: dict[tuple[int, int], Worker] = {}
+    _restart_needed = {"flag": False}
+
+    def __init__(self, week: int, day: int):
+        self._key = (week, day)
+        _forward_seeds()
+
+    def _worker(self) -> Worker:
+        worker = self._workers.get(self._key)
+        if worker is not None and worker.endpoint.broken:
+            RemoteSelection._restart_needed["flag"] = True
+            worker.stop()
+            worker = None
+        if worker is None:
+            cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
+            worker = Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), *self._key, float(cpu or 0) or None,
+                            int(memory or 0) or None)
+            self._workers[self._key] = worker
+        return worker
+
+    def __getattr__(self, module: str):
+        if module.startswith("_"):
+            raise AttributeError(module)
+        return self._worker().endpoint.request("getattr", 0, module)
+
+
+def _forward_seeds() -> None:
+    """`mx.random.seed(n)` in a test seeds the worker too, before its next call: seeded draws repeat."""
+    import mlx.core as mx
+
+    seed = mx.random.seed
+    if getattr(seed, "forwards_to_the_worker", False):
+        return
+
+    def seed_both(value) -> None:
+        seed(value)
+        for worker in RemoteSelection._workers.values():
+            worker.endpoint.pending_seed = int(value)
+
+    seed_both.forwards_to_the_worker = True
+    mx.random.seed = seed_both
+
+
+def needs_restart() -> bool:
+    """Whether a worker broke during the test that just finished (its objects are gone: start afresh)."""
+    broken = any(w.endpoint.broken for w in RemoteSelection._workers.values())
+    return broken or RemoteSelection._restart_needed["flag"]
+
+
+def stop_workers() -> None:
+    for worker in RemoteSelection._workers.values():
+        worker.stop()
+    RemoteSelection._workers.clear()
+
+
+# ---------------------------------------------------------------- the worker (inside the sandbox)
+
+def _worker_main(argv: list[str]) -> None:
+    read_fd, write_fd, week, day = (int(a) for a in argv)
+    from course import fast_mlx
+
+    fast_mlx.setup(quiet=True)
+    from course import selector
+
+    endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selector.for_day(week, day))
+    endpoint.serve_forever()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
