@@ -26,9 +26,13 @@ files or replaces weights, and attributes set only to plain data.
 from __future__ import annotations
 
 import builtins
+import enum
+import inspect
+import itertools
 import json
 import operator
 import os
+import queue
 import re
 import struct
 import threading
@@ -42,6 +46,7 @@ MAX_HEADER = 64 << 20
 MAX_BUFFER = 4 << 30
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
+MAX_CHAINS = 512  # threads of calls the other side may start here
 
 
 class RemoteGone(RuntimeError):
@@ -80,7 +85,22 @@ OPERATIONS = {
 BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, Exception)
                       and not issubclass(value, BaseExceptionGroup)}
-LIBRARY_MODULES = ("mlx.", "mlx_lm.", "numpy")  # a proxy of these classes answers isinstance() with the class
+# Modules both processes load from the same files: a proxy of one of their classes answers isinstance() with
+# this process's class of the same name, and their enum members travel by value.
+SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
+
+
+def _shared_class(path: str):
+    """The class `module:qualname` of a shared module, if this process has loaded that module (never imports)."""
+    import sys
+
+    module, _, qualname = path.partition(":")
+    if not (module.startswith(SHARED_MODULES) or module in SHARED_MODULES):
+        return None
+    found = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
 
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
@@ -146,11 +166,13 @@ def _dtype_names() -> dict:
 class Policy:
     """What a trusted endpoint lets the sandbox do with the objects it handed over."""
 
-    DENIED = re.compile(r"^(save|load|push|write|dump|export|update|set|apply|freeze|unfreeze|register|from_|"
-                        r"to_json|remove|unlink|mkdir|open|exec|eval|compile|system|popen|spawn|fork|kill)")
+    # Names that write files, load weights, or replace a trusted model's weights (nn.Module's own methods).
+    DENIED_PREFIXES = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights)")
+    DENIED_NAMES = {"update", "update_modules", "set_dtype", "apply", "apply_to_modules", "freeze", "unfreeze"}
 
     def attribute(self, obj, name: str):
-        if not isinstance(name, str) or name.startswith("_") or self.DENIED.match(name):
+        if not isinstance(name, str) or name.startswith("_") or name in self.DENIED_NAMES \
+                or self.DENIED_PREFIXES.match(name):
             raise PermissionError(f"the grader does not let submitted code use {name!r} of a trusted object")
         value = getattr(obj, name)
         self.check_result(value, name)
@@ -171,8 +193,9 @@ class Policy:
             raise PermissionError(f"submitted code may set {name!r} of a trusted object only to plain data")
         setattr(obj, name, value)
 
-    def operation(self, name: str) -> None:
-        if name in ("__setitem__", "__delitem__", "__enter__", "__exit__"):
+    def operation(self, name: str, target, args) -> None:
+        plain_container = type(target) in (list, dict) and not _holds_remote(args)
+        if name in ("__setitem__", "__delitem__") and not plain_container or name in ("__enter__", "__exit__"):
             raise PermissionError(f"the grader does not let submitted code use {name} of a trusted object")
 
 
@@ -196,7 +219,13 @@ class Endpoint:
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
-        self.lock = threading.RLock()
+        self.send_lock = threading.Lock()
+        self.export_lock = threading.Lock()
+        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread serving it here
+        self.local = threading.local()
+        self.counter = itertools.count()
+        self.loop = None  # the event loop this side last awaited the other side from
+        self._pool = None
         self.broken: str | None = None
         self.pending_seed: int | None = None
         self.explain_loss = lambda: ""  # what the owner of the other process can add when it is gone
@@ -206,12 +235,13 @@ class Endpoint:
     # ---- encoding
 
     def _export(self, obj) -> int:
-        handle = self.handle_of.get(id(obj))
-        if handle is None or self.exported.get(handle) is not obj:
-            handle = len(self.exported)
-            self.exported[handle] = obj
-            self.handle_of[id(obj)] = handle
-        return handle
+        with self.export_lock:
+            handle = self.handle_of.get(id(obj))
+            if handle is None or self.exported.get(handle) is not obj:
+                handle = len(self.exported)
+                self.exported[handle] = obj
+                self.handle_of[id(obj)] = handle
+            return handle
 
     def encode(self, value, buffers: list[bytes], depth: int = 0):
         if depth > MAX_DEPTH:
@@ -219,8 +249,13 @@ class Endpoint:
         kind = type(value)
         if value is None or kind in (bool, int, float, str):
             return value
+        if kind is MirrorList and object.__getattribute__(value.remote, "_endpoint") is self:
+            return {"$": "ref", "h": object.__getattribute__(value.remote, "_handle")}  # the original, back home
         if kind in (tuple, list, set, frozenset):
-            return {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
+            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
+            if kind is list and self.policy is not None and all(type(v) in (int, str, type(None)) for v in value):
+                encoded["h"] = self._export(value)  # a trusted list of plain values: changes made there come here
+            return encoded
         if kind is dict:
             return {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
                                        for k, v in value.items()]}
@@ -245,7 +280,10 @@ class Endpoint:
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
         cls = type(value)
-        return {"$": "h", "h": self._export(value), "cls": f"{cls.__module__}:{cls.__qualname__}"}
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        if isinstance(value, enum.Enum) and _shared_class(path) is cls:
+            return {"$": "enum", "cls": path, "name": value.name}
+        return {"$": "h", "h": self._export(value), "cls": path}
 
     def _encode_array(self, value, buffers):
         mx = _mlx()
@@ -264,6 +302,8 @@ class Endpoint:
         tag = value["$"]
         if tag in ("tuple", "list", "set", "frozenset"):
             items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
+            if tag == "list" and isinstance(value.get("h"), int):
+                return MirrorList(items, self._proxy(value["h"], "builtins:list"))
             return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[tag](items)
         if tag == "dict":
             return {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
@@ -289,6 +329,11 @@ class Endpoint:
             return self.exported[handle]
         if tag == "h":
             return self._proxy(int(value["h"]), str(value.get("cls", "")))
+        if tag == "enum":
+            cls = _shared_class(str(value["cls"]))
+            if cls is None or not issubclass(cls, enum.Enum):
+                raise ProtocolError(f"an enum of an unknown class {value['cls']!r}")
+            return cls[str(value["name"])]
         raise ProtocolError(f"an unknown value tag {tag!r}")
 
     def _decode_array(self, value, buffers):
@@ -310,52 +355,116 @@ class Endpoint:
             self.proxies[handle] = proxy
         return proxy
 
-    # ---- requests
+    # ---- requests, on chains
+    #
+    # Calls nest both ways and may come from several threads (a server's engine thread, uvicorn's loop).
+    # A chain is one thread of calls across both processes: a request carries its chain's name, a call the
+    # other side makes back while serving it carries the same name, and on each side one thread serves a
+    # chain: the thread that waits for the reply, or a thread started for a chain the other side began.
+    # So a call back runs on the thread that is waiting for it, and MLX sees one thread per chain.
+
+    def pool(self):
+        """Threads that wait for the other side on behalf of event loops (each is a chain of its own)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self.export_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=MAX_CHAINS // 4, thread_name_prefix="remote-await")
+            return self._pool
+
+    def start(self) -> "Endpoint":
+        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
+        return self
+
+    def _chain(self) -> str:
+        chain = getattr(self.local, "chain", None)
+        if chain is None:
+            chain = self.local.chain = f"{self.side}-{next(self.counter)}"
+        return chain
+
+    def _send(self, header: dict, buffers: list[bytes]) -> None:
+        with self.send_lock:
+            send_message(self.write_fd, header, buffers)
 
     def request(self, op: str, handle: int, *args):
-        with self.lock:
-            if self.broken:
-                raise RemoteGone(self.broken)
-            buffers: list[bytes] = []
-            header = {"k": "req", "op": op, "h": handle, "a": self.encode(list(args), buffers)}
-            if self.pending_seed is not None:
-                header["seed"], self.pending_seed = self.pending_seed, None
-            try:
-                send_message(self.write_fd, header, buffers)
-                return self._wait_for_reply()
-            except _RaisedThere as raised:
-                raise raised.error from None  # the call raised on the other side: the process is fine
-            except (RemoteGone, ProtocolError) as error:
-                self.broken = f"{error}{self.explain_loss()}"
-                raise RemoteGone(self.broken) from None
-            except BaseException:
-                # Interrupted mid-call (a time limit): the other side's state is unknown from now on.
-                self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
-                raise
+        if self.broken:
+            raise RemoteGone(self.broken)
+        chain = self._chain()
+        inbox = self.chains.setdefault(chain, queue.SimpleQueue())
+        buffers: list[bytes] = []
+        header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
+        if self.pending_seed is not None:
+            header["seed"], self.pending_seed = self.pending_seed, None
+        try:
+            self._send(header, buffers)
+            return self._wait(inbox)
+        except _RaisedThere as raised:
+            raise raised.error from None  # the call raised on the other side: the process is fine
+        except (RemoteGone, ProtocolError) as error:
+            self.broken = self.broken or f"{error}{self.explain_loss()}"
+            raise RemoteGone(self.broken) from None
+        except BaseException:
+            # Interrupted mid-call (a time limit): the other side's state is unknown from now on.
+            self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
+            raise
 
-    def _wait_for_reply(self):
+    def _wait(self, inbox: queue.SimpleQueue):
         while True:
-            header, buffers = receive_message(self.read_fd)
+            item = inbox.get()
+            if item is None:
+                raise RemoteGone(self.broken or "the other process closed the pipe")
+            header, buffers = item
             kind = header.get("k")
             if kind == "req":
-                self._serve(header, buffers)
+                self._serve(header, buffers)  # a call back, on this chain: served by the thread waiting on it
             elif kind == "ok":
                 return self.decode(header.get("v"), buffers)
             elif kind == "err":
-                raise _RaisedThere(rebuild_exception(header))
+                origin = header.get("origin")
+                if isinstance(origin, int) and isinstance(self.exported.get(origin), BaseException):
+                    raise _RaisedThere(self.exported[origin])
+                error = rebuild_exception(header)
+                if isinstance(header.get("own"), int):
+                    error.remote_origin = (self, header["own"])
+                raise _RaisedThere(error)
             else:
                 raise ProtocolError(f"an unknown message kind {kind!r}")
 
-    def serve_forever(self) -> None:
-        """The worker's loop: serve requests until the pipe closes."""
-        while True:
-            try:
+    def read_forever(self) -> None:
+        """Hand each message to the thread of its chain (starting one for a chain the other side began)."""
+        try:
+            while True:
                 header, buffers = receive_message(self.read_fd)
-            except RemoteGone:
+                chain = header.get("c")
+                if not isinstance(chain, str) or len(chain) > 64:
+                    raise ProtocolError("a message without its chain")
+                inbox = self.chains.get(chain)
+                if inbox is None:
+                    if header.get("k") != "req" or len(self.chains) >= MAX_CHAINS:
+                        raise ProtocolError("a reply nobody waits for, or too many threads of calls")
+                    inbox = self.chains[chain] = queue.SimpleQueue()
+                    threading.Thread(target=self._serve_chain, args=(chain, inbox), daemon=True).start()
+                inbox.put((header, buffers))
+        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error) as error:
+            self.broken = self.broken or f"{error}{self.explain_loss()}"
+        for inbox in list(self.chains.values()):
+            inbox.put(None)
+
+    def _serve_chain(self, chain: str, inbox: queue.SimpleQueue) -> None:
+        self.local.chain = chain
+        while True:
+            item = inbox.get()
+            if item is None:
                 return
+            header, buffers = item
             if header.get("k") != "req":
-                raise ProtocolError("a reply without a request")
-            self._serve(header, buffers)
+                self.broken = "a reply without a request"
+                return
+            try:
+                self._serve(header, buffers)
+            except (RemoteGone, ProtocolError) as error:
+                self.broken = self.broken or str(error)
+                return
 
     def _serve(self, header: dict, buffers: list[bytes]) -> None:
         out: list[bytes] = []
@@ -373,7 +482,14 @@ class Endpoint:
         except Exception as error:
             out = []
             reply = describe_exception(error)
-        send_message(self.write_fd, reply, out)
+            origin = getattr(error, "remote_origin", None)
+            if isinstance(origin, tuple) and origin[0] is self:
+                reply["origin"] = origin[1]  # an exception the other side raised first: it gets its own back
+            else:
+                error.__traceback__ = None  # kept for the other side to send back: without its frames
+                reply["own"] = self._export(error)
+        reply["c"] = header.get("c")
+        self._send(reply, out)
 
     def _perform(self, op: str, target, args: list):
         policy = self.policy
@@ -386,15 +502,23 @@ class Endpoint:
                 raise PermissionError("the grader does not let submitted code delete attributes of trusted objects")
             return delattr(target, args[0])
         if op == "call":
+            if policy and isinstance(getattr(target, "__self__", None), (list, dict)) and _holds_remote(args):
+                raise PermissionError("submitted code may put only plain data into a trusted list")
             result = target(*args[0], **args[1])
             if policy:
                 policy.check_result(result, getattr(target, "__name__", "a call"))
             return result
+        if op == "__await__":
+            if policy and not inspect.isawaitable(target):
+                raise PermissionError("the grader awaits only awaitables for submitted code")
+            return _run_awaitable(self, target)
+        if op == "vars":
+            return {k: v for k, v in vars(target).items() if not (policy and k.startswith("_"))}
         if op == "hasattr":
             return hasattr(target, args[0]) and not (policy and (args[0].startswith("_")))
         if op in OPERATIONS:
             if policy:
-                policy.operation(op)
+                policy.operation(op, target, args)
             result = OPERATIONS[op](target, *args)
             if policy and op in ("__getitem__", "__iter__", "__next__"):
                 policy.check_result(result, op)
@@ -426,6 +550,33 @@ def rebuild_exception(header: dict) -> BaseException:
 
 # ---------------------------------------------------------------- the proxy
 
+def _mirrored(name: str):
+    def method(self, *args, **kwargs):
+        result = getattr(list, name)(self, *args, **kwargs)
+        getattr(self.remote, name)(*args, **kwargs)
+        return result
+
+    method.__name__ = name
+    return method
+
+
+class MirrorList(list):
+    """A trusted list of plain values, as the sandbox sees it: a copy to read, and every change made to the
+    original too (a scheduler appends to a trusted sequence's block table, a sampler to its tokens)."""
+
+    def __init__(self, items, remote: "Remote"):
+        super().__init__(items)
+        self.remote = remote
+
+    append, extend, insert, pop = _mirrored("append"), _mirrored("extend"), _mirrored("insert"), _mirrored("pop")
+    remove, clear, sort, reverse = _mirrored("remove"), _mirrored("clear"), _mirrored("sort"), _mirrored("reverse")
+    __setitem__, __delitem__ = _mirrored("__setitem__"), _mirrored("__delitem__")
+
+    def __iadd__(self, other):
+        self.extend(other)
+        return self
+
+
 class Remote:
     """An object that lives in the other process; every use of it is a request to that process."""
 
@@ -451,17 +602,13 @@ class Remote:
 
     @property
     def __class__(self):
-        """Library classes (MLX, mlx-lm) answer isinstance() as the real object would; anything else is a Remote."""
-        module, _, qualname = object.__getattribute__(self, "_cls").partition(":")
-        if module.startswith(LIBRARY_MODULES) or module in LIBRARY_MODULES:
-            import sys
+        """A class of a shared module (MLX, mlx-lm, the reference) answers isinstance() as the object would."""
+        return _shared_class(object.__getattribute__(self, "_cls")) or Remote
 
-            found = sys.modules.get(module)
-            for part in qualname.split("."):
-                found = getattr(found, part, None)
-            if isinstance(found, type):
-                return found
-        return Remote
+    @property
+    def __dict__(self):
+        """`vars(obj)`: a copy of the object's public attributes."""
+        return self._request("vars")
 
     def __repr__(self):
         try:
@@ -484,11 +631,39 @@ class Remote:
     def __bool__(self):
         return self._request("__bool__")
 
+    def __await__(self):
+        """Awaiting an awaitable of the other process (an ASGI app's coroutine, a server's `receive()`)."""
+        return _await_there(self).__await__()
+
     def __instancecheck__(self, obj):
         return self._request("__instancecheck__", obj)
 
     def __subclasscheck__(self, cls):
         return self._request("__subclasscheck__", cls)
+
+
+async def _await_there(proxy: Remote):
+    """Wait on a thread of a pool, so this event loop runs on (the other side may need it meanwhile)."""
+    import asyncio
+
+    endpoint = object.__getattribute__(proxy, "_endpoint")
+    loop = asyncio.get_running_loop()
+    endpoint.loop = loop
+    return await loop.run_in_executor(endpoint.pool(), proxy._request, "__await__")
+
+
+def _run_awaitable(endpoint: Endpoint, awaitable):
+    """Await `awaitable` (of this process) for the other side: in the event loop this side last awaited the
+    other from, while it runs in another thread (uvicorn's), or else in a loop of this thread's own."""
+    import asyncio
+
+    async def finish():
+        return await awaitable
+
+    loop = endpoint.loop
+    if loop is not None and loop.is_running() and not loop.is_closed():
+        return asyncio.run_coroutine_threadsafe(finish(), loop).result()
+    return asyncio.run(finish())
 
 
 def _forwarded(name):

@@ -39,6 +39,7 @@ BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
 SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
 LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
+UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
 MAX_PROCESSES = 64
@@ -48,19 +49,36 @@ INSIDE = "/grade"
 
 
 def bwrap_path() -> str | None:
+    """bubblewrap, where it is installed and can start a sandbox (a container may forbid namespaces)."""
+    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux"):
+        return None
     found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
-    return found if sys.platform.startswith("linux") else None
+    if found and found not in _working:
+        probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
+                                str(NOBODY), "true"], capture_output=True)
+        if probe.returncode != 0:
+            os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
+            return None
+        _working.add(found)
+    return found
+
+
+_working: set[str] = set()
 
 
 def unsandboxed_warning() -> str | None:
     """None where the sandbox is used; otherwise what running without it means, and how to get it."""
     if bwrap_path():
         return None
+    broken = os.environ.get(UNSANDBOXED_VARIABLE)
     what = ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
             "network; results are still decided outside its process, but a submission could read the "
             "reference or change files. Fine for grading your own work; not for grading someone else's.")
     if sys.platform == "darwin":
         return what + " (macOS has no bubblewrap; grade on Linux for a sandboxed grade.)"
+    if broken:
+        return what + f" bubblewrap is installed but cannot start a sandbox here ({broken}): user namespaces " \
+                      "may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)."
     return what + " Install bubblewrap for the sandbox: `sudo apt-get install bubblewrap` (Debian/Ubuntu)."
 
 
@@ -173,7 +191,7 @@ class Worker:
                                         preexec_fn=_limits(cpu_seconds, memory_mb))
         os.close(to_worker_r)
         os.close(from_worker_w)
-        self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy())
+        self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy()).start()
         self.endpoint.explain_loss = self._why_it_ended
         self.fds = (from_worker_r, to_worker_w)
 
@@ -285,7 +303,7 @@ def _worker_main(argv: list[str]) -> None:
     from course import selector
 
     endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selector.for_day(week, day))
-    endpoint.serve_forever()
+    endpoint.read_forever()
 
 
 if __name__ == "__main__":
