@@ -194,7 +194,7 @@ class Policy:
         setattr(obj, name, value)
 
     def operation(self, name: str, target, args) -> None:
-        plain_container = type(target) in (list, dict) and not _holds_remote(args)
+        plain_container = type(target) in (list, dict) and not _holds_remote(args)  # a mirrored list or dict
         if name in ("__setitem__", "__delitem__") and not plain_container or name in ("__enter__", "__exit__"):
             raise PermissionError(f"the grader does not let submitted code use {name} of a trusted object")
 
@@ -243,22 +243,32 @@ class Endpoint:
                 self.handle_of[id(obj)] = handle
             return handle
 
-    def encode(self, value, buffers: list[bytes], depth: int = 0):
+    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
+        """`mirror`: a list or dict that is an attribute of an object here: the other side's changes come back."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
         if value is None or kind in (bool, int, float, str):
             return value
-        if kind is MirrorList and object.__getattribute__(value.remote, "_endpoint") is self:
+        if kind in (MirrorList, MirrorDict) and object.__getattribute__(value.remote, "_endpoint") is self:
             return {"$": "ref", "h": object.__getattribute__(value.remote, "_handle")}  # the original, back home
         if kind in (tuple, list, set, frozenset):
             encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
-            if kind is list and self.policy is not None and all(type(v) in (int, str, type(None)) for v in value):
-                encoded["h"] = self._export(value)  # a trusted list of plain values: changes made there come here
+        elif kind is dict:
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
+                                          for k, v in value.items()]}
+        else:
+            encoded = None
+        if encoded is not None:
+            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values (a
+            # block table), so no change made through a mirror can reach a trusted model's layers.
+            if self.policy is None:
+                shared = kind in (list, dict) and mirror
+            else:
+                shared = kind is list and all(type(v) in (int, str, type(None)) for v in value)
+            if shared:
+                encoded["h"] = self._export(value)  # changes the other side makes to its copy are made here too
             return encoded
-        if kind is dict:
-            return {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
-                                       for k, v in value.items()]}
         if kind is bytes:
             buffers.append(value)
             return {"$": "bytes", "b": len(buffers) - 1}
@@ -306,7 +316,9 @@ class Endpoint:
                 return MirrorList(items, self._proxy(value["h"], "builtins:list"))
             return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[tag](items)
         if tag == "dict":
-            return {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
+            items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
+            return MirrorDict(items, self._proxy(value["h"], "builtins:dict")) if isinstance(value.get("h"), int) \
+                else items
         if tag == "bytes":
             return bytes(buffers[value["b"]])
         if tag == "slice":
@@ -476,7 +488,7 @@ class Endpoint:
                 raise ProtocolError("a request for a handle this side never gave out")
             args = self.decode(header.get("a"), buffers)
             result = self._perform(str(header.get("op")), self.exported[handle], args)
-            reply = {"k": "ok", "v": self.encode(result, out)}
+            reply = {"k": "ok", "v": self.encode(result, out, mirror=header.get("op") == "getattr")}
         except (RemoteGone, ProtocolError):
             raise
         except Exception as error:
@@ -550,9 +562,9 @@ def rebuild_exception(header: dict) -> BaseException:
 
 # ---------------------------------------------------------------- the proxy
 
-def _mirrored(name: str):
+def _mirrored(name: str, base: type = list):
     def method(self, *args, **kwargs):
-        result = getattr(list, name)(self, *args, **kwargs)
+        result = getattr(base, name)(self, *args, **kwargs)
         getattr(self.remote, name)(*args, **kwargs)
         return result
 
@@ -561,8 +573,9 @@ def _mirrored(name: str):
 
 
 class MirrorList(list):
-    """A trusted list of plain values, as the sandbox sees it: a copy to read, and every change made to the
-    original too (a scheduler appends to a trusted sequence's block table, a sampler to its tokens)."""
+    """A list of the other process (an attribute of one of its objects, or a trusted list of plain values): a
+    copy to read, and every change made to the original too (a scheduler appends to a trusted sequence's block
+    table; a test puts a request into a scheduler's slots)."""
 
     def __init__(self, items, remote: "Remote"):
         super().__init__(items)
@@ -575,6 +588,18 @@ class MirrorList(list):
     def __iadd__(self, other):
         self.extend(other)
         return self
+
+
+class MirrorDict(dict):
+    """A dict that is an attribute of an object of the other process: a copy to read, every change made there too."""
+
+    def __init__(self, items, remote: "Remote"):
+        super().__init__(items)
+        self.remote = remote
+
+    __setitem__, __delitem__, pop, popitem = (_mirrored("__setitem__", dict), _mirrored("__delitem__", dict),
+                                              _mirrored("pop", dict), _mirrored("popitem", dict))
+    clear, update, setdefault = _mirrored("clear", dict), _mirrored("update", dict), _mirrored("setdefault", dict)
 
 
 class Remote:

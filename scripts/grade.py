@@ -68,7 +68,7 @@ STATUS_WORDS = {
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
 COLLECT_KEY = "collect"  # the collection's seconds in that run: the yardstick of the machine's speed
 BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
-MIN_DAY_BUDGET = 20.0
+MIN_DAY_BUDGET = 10.0
 DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
