@@ -252,7 +252,9 @@ class Endpoint:
             return value
         if kind in (MirrorList, MirrorDict) and object.__getattribute__(value.remote, "_endpoint") is self:
             return {"$": "ref", "h": object.__getattribute__(value.remote, "_handle")}  # the original, back home
-        if kind in (tuple, list, set, frozenset):
+        if kind in (tuple, list) and all(type(v) is int for v in value):
+            encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
+        elif kind in (tuple, list, set, frozenset):
             encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
         elif kind is dict:
             encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
@@ -311,7 +313,12 @@ class Endpoint:
             raise ProtocolError("a malformed value")
         tag = value["$"]
         if tag in ("tuple", "list", "set", "frozenset"):
-            items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
+            if "ints" in value:
+                items = value["ints"]
+                if not isinstance(items, list) or not all(type(v) is int for v in items):
+                    raise ProtocolError("a list of integers holds something else")
+            else:
+                items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
             if tag == "list" and isinstance(value.get("h"), int):
                 return MirrorList(items, self._proxy(value["h"], "builtins:list"))
             return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[tag](items)

@@ -66,7 +66,7 @@ STATUS_WORDS = {
     "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
 }
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
-COLLECT_KEY = "collect"  # the collection's seconds in that run: the yardstick of the machine's speed
+YARDSTICK_KEY = "yardstick"  # seconds of a fixed computation in that run: the machine's speed then
 BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
 MIN_DAY_BUDGET = 10.0
 DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
@@ -545,20 +545,35 @@ def recorded_times() -> dict[str, float]:
         return {}
 
 
-def record_times(reports: list["DayReport"], collect_seconds: float) -> None:
-    """Keep each day's time (and the collection's, the machine's yardstick) for the budgets of later runs."""
+def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
+    """Keep each day's time (and the yardstick's, the machine's speed) for the budgets of later runs."""
     times = recorded_times()
     times.update({r.day.key: round(r.seconds, 2) for r in reports if not r.pending and r.seconds})
-    times[COLLECT_KEY] = round(collect_seconds, 2)
+    times[YARDSTICK_KEY] = round(yardstick_seconds, 3)
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
-def machine_speed(collect_seconds: float) -> float:
-    """How much slower this machine is than the one that recorded the times, judged by the collection."""
-    recorded = recorded_times().get(COLLECT_KEY)
+def yardstick() -> float:
+    """Seconds for a fixed piece of Python and numpy work (the best of three): how fast this machine is now."""
+    import numpy as np
+
+    def once() -> float:
+        began, total, matrix = time.monotonic(), 0, np.ones((128, 128), dtype=np.float32)
+        for i in range(200_000):
+            total += i % 7
+        for _ in range(20):
+            matrix = (matrix @ matrix) / 128.0
+        return time.monotonic() - began
+
+    return min(once() for _ in range(3))
+
+
+def machine_speed(seconds: float) -> float:
+    """How much slower this machine is now than when the times were recorded (0.5x to 4x)."""
+    recorded = recorded_times().get(YARDSTICK_KEY)
     if not recorded:
         return 1.0
-    return min(4.0, max(0.5, collect_seconds / recorded))
+    return min(4.0, max(0.5, seconds / recorded))
 
 
 def grade(args: argparse.Namespace) -> int:
@@ -601,10 +616,9 @@ def grade(args: argparse.Namespace) -> int:
         trusted = make_grading_dir(tmp / "trusted")
         package = make_package(tmp / "package", submission) if student else None
         trusted_env = child_env(args.solution, ("src_ref", "."))
-        collect_started = time.monotonic()
         expected, collect_errors = collect([d.test_file for d in days], trusted, child_env("ref", ("src_ref", ".")))
-        collect_seconds = time.monotonic() - collect_started
-        speed = machine_speed(collect_seconds)
+        yardstick_seconds = yardstick()
+        speed = machine_speed(yardstick_seconds)
         bar = progress_bar(sum(len(expected.get(d.test_file, [])) for d in days))
 
         reports: list[DayReport] = [placeholder(d, expected.get(d.test_file, []), "not graded yet", pending=True)
@@ -659,7 +673,7 @@ def grade(args: argparse.Namespace) -> int:
         kill_descendants()
         remove_tree(tmp)
     if args.record_times:
-        record_times(reports, collect_seconds)
+        record_times(reports, yardstick_seconds)
     summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
     print(summary)
     seconds = time.monotonic() - started
