@@ -26,6 +26,7 @@ says what that means; the trusted side still makes every verdict.
 from __future__ import annotations
 
 import ast
+import atexit
 import os
 import shutil
 import subprocess
@@ -214,17 +215,20 @@ class Worker:
             return ""
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.process.wait()
+        """Close the pipes so the worker ends on its own (and is counted in CPU time); kill it if it does not."""
         for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        try:
+            self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.process.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.wait()
         try:
             os.unlink(self.log.name)
         except OSError:
@@ -253,6 +257,8 @@ class RemoteSelection:
             worker = None
         if worker is None:
             cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
+            if not self._workers:
+                atexit.register(stop_workers)  # the workers' output files go with them
             worker = Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), *self._key, float(cpu or 0) or None,
                             int(memory or 0) or None)
             self._workers[self._key] = worker

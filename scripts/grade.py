@@ -8,17 +8,20 @@
     pdm run grade --solution ref           # grade the reference (every task at full points)
 
 What is graded: only the course's module files (the modules course/course_map.py lists for its days),
-copied from the submission into a fresh grading directory beside fresh, read-only copies of the tests,
-the tooling and the reference; every other file of the submission is reported and ignored. Each module
-is scanned first (course/integrity.py); a day that would run a flagged module scores 0, "needs review",
-with the file and line (`--allow-flagged` grades it anyway).
+copied from the submission into a package of their own; every other file of the submission is reported
+and ignored. The integrity scan (course/integrity.py) lists what it finds, for the instructor: it
+decides nothing.
 
 How: the tests expected are collected first in a process that imports no student code. Then each
-day's test file runs in its own pytest process in its own grading directory (course/isolated_pytest.py):
-a per-test time limit, a watchdog on the event stream, a memory limit, every descendant process killed
-when the day ends, and time budgets per day and for the whole run. A result counts only for an expected
-test reported in order with a start and a finish; anything else makes that day "needs review" at 0.
-results.json is rewritten (atomically) after each day, so an interrupted run leaves a valid report.
+day's test file runs in a trusted pytest process (course/isolated_pytest.py) that never imports the
+student's code either: `solution(week, day)` there reaches the day's package in a worker process in an
+OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
+files, a private scratch directory, limits), through a pipe that carries data, never code
+(course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
+limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json), a memory
+limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
+(atomically) after each day, so an interrupted run leaves a valid report. Without bubblewrap (macOS)
+it says plainly that it runs unsandboxed.
 
 Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
 split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
