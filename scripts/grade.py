@@ -557,22 +557,22 @@ def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
 
 
 def yardstick() -> float:
-    """Seconds for a fixed piece of Python and numpy work (the best of three): how fast this machine is now."""
-    import numpy as np
+    """CPU seconds for a fixed piece of Python work (the best of three): how fast this machine's processor is.
 
+    CPU time, not wall time: the load of the moment swings too much (10x seen on a shared machine) to scale
+    a budget by, and the recorded times come from a busy machine, so they have room for load.
+    """
     def once() -> float:
-        began, total, matrix = time.monotonic(), 0, np.ones((128, 128), dtype=np.float32)
-        for i in range(200_000):
+        began, total = time.process_time(), 0
+        for i in range(1_000_000):
             total += i % 7
-        for _ in range(20):
-            matrix = (matrix @ matrix) / 128.0
-        return time.monotonic() - began
+        return time.process_time() - began
 
     return min(once() for _ in range(3))
 
 
 def machine_speed(seconds: float) -> float:
-    """How much slower this machine is now than when the times were recorded (0.5x to 4x)."""
+    """How much slower this machine's processor is than the one that recorded the times (0.5x to 4x)."""
     recorded = recorded_times().get(YARDSTICK_KEY)
     if not recorded:
         return 1.0
