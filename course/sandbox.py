@@ -32,6 +32,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from course import remote
@@ -40,6 +42,7 @@ BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
 SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
 LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
+LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the grader removes it)
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
@@ -149,7 +152,17 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
     return command + ["--chdir", "/tmp", *inner]
 
 
-def _limits(cpu_seconds: float | None, memory_mb: int | None):
+def _processes_of_this_user() -> int:
+    uid, count = os.getuid(), 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:
+            pass
+    return count
+
+
+def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None):
     def apply() -> None:  # in the child, between fork and exec: inherited by bwrap and the worker
         import resource
 
@@ -159,8 +172,8 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None):
             limits.append((resource.RLIMIT_CPU, int(cpu_seconds) + 1))
         if memory_mb:
             limits.append((resource.RLIMIT_AS, memory_mb << 20))
-        if bwrap_path():
-            limits.append((resource.RLIMIT_NPROC, MAX_PROCESSES))  # counted in the sandbox's user namespace
+        if processes:
+            limits.append((resource.RLIMIT_NPROC, processes))
         for which, value in limits:
             try:
                 resource.setrlimit(which, (value, value))
@@ -180,7 +193,11 @@ class Worker:
         inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
         inner = [inner_python, "-s", "-m", "course.sandbox", str(to_worker_r), str(from_worker_w),
                  str(week), str(day)]
-        self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False)
+        # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
+        # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
+        processes = None if os.getuid() == 0 else _processes_of_this_user() + MAX_PROCESSES
+        self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
+                                               dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():
             command, cwd, env = _bwrap_command(root, inner), "/", {}
         else:
@@ -189,12 +206,29 @@ class Worker:
                    "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
         self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
                                         stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
-                                        preexec_fn=_limits(cpu_seconds, memory_mb))
+                                        preexec_fn=_limits(cpu_seconds, memory_mb, processes))
         os.close(to_worker_r)
         os.close(from_worker_w)
         self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy()).start()
         self.endpoint.explain_loss = self._why_it_ended
         self.fds = (from_worker_r, to_worker_w)
+        self.too_many: int | None = None
+        threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
+
+    def _count_processes(self) -> None:
+        """Stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root, as in CI)."""
+        from course.isolated_pytest import _descendants
+
+        while self.process.poll() is None:
+            count = len(_descendants(self.process.pid))
+            if count > MAX_PROCESSES:
+                self.too_many = count
+                try:
+                    os.killpg(self.process.pid, 9)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
+            time.sleep(0.1)
 
     def _why_it_ended(self) -> str:
         try:
@@ -202,6 +236,8 @@ class Worker:
         except subprocess.TimeoutExpired:
             return ""
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+        if self.too_many:
+            how = f"stopped: it ran {self.too_many} processes, more than {MAX_PROCESSES}"
         return (f": the submission's process ended ({how}: a crash, an abort, an exit of the interpreter, or a "
                 f"limit on memory, CPU time or output). The end of its output:\n{self.output_tail(1500)}")
 

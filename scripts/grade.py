@@ -654,7 +654,9 @@ def grade(args: argparse.Namespace) -> int:
                 if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
                                                     REPO_ROOT / "course", day.week, day.day)
-                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir),
+                    logs = tmp / f"logs-{day.key}"  # a test process killed at a limit cannot clean up after itself
+                    logs.mkdir()
+                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
                            sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
                 deadline = min(time.monotonic() + budget, run_deadline)
                 run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget), expected=ids,

@@ -674,6 +674,7 @@ def test_grade_untouched_skeleton_scores_zero(tmp_path):
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_the_sandbox_confines_the_submission(tmp_path):
     """What the worker can see and do, asked from inside: nobody, no network, no answers, no grader, own /proc."""
+    from course.remote import RemoteGone
     from course.sandbox import Worker, prepare_root
 
     package = tmp_path / "package"
@@ -698,11 +699,25 @@ def test_the_sandbox_confines_the_submission(tmp_path):
             with open("/grade/src_ref/tiny_llm_ref/basics.py") as f:
                 found["reference"] = f.read()
             return found
+
+        def fork_bomb():
+            import time
+            for _ in range(500):
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+            time.sleep(30)
     '''))
     root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
     worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
     try:
         seen = worker.endpoint.request("getattr", 0, "probe").look(str(REPO_ROOT))
+    finally:
+        worker.stop()
+    worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
+    try:
+        with pytest.raises(RemoteGone, match="processes"):  # stopped by the limit on processes
+            worker.endpoint.request("getattr", 0, "probe").fork_bomb()
     finally:
         worker.stop()
     assert (seen["uid"], seen["gid"]) == (65534, 65534)
