@@ -13,10 +13,15 @@ What crosses, and how (never pickle: nothing that arrives is ever unpickled or e
   proxy, and attribute access, calls, item access, iteration, comparisons and arithmetic on the proxy
   are requests to its owner. The same object always comes back as the same proxy (so `is` works), and
   a proxy sent back is the original object again;
+- a list or dict that is an attribute of an object of the sandbox (a scheduler's slots, a ref count
+  table), and a trusted list of plain values (a sequence's block table), arrive as mirrors: a copy to
+  read, and every change made to the original too; enum members of shared modules travel by value;
 - an exception travels as the nearest built-in exception type with its message and the remote
-  traceback as a note: `pytest.raises(ValueError)` and "not implemented yet" work unchanged;
-- calls nest both ways: a trusted object handed to the student's code (a model, a tokenizer, a fake)
-  is called back through its handle while the outer call waits.
+  traceback as a note: `pytest.raises(ValueError)` and "not implemented yet" work unchanged; an
+  exception that comes back to the side that raised it first is the original object again;
+- calls nest both ways and come from several threads: a trusted object handed to the student's code
+  (a model, a tokenizer, a fake) is called back through its handle while the outer call waits, on the
+  thread that waits (see "chains" below); awaiting a proxy (an ASGI app's coroutine) works too.
 
 A trusted endpoint serves the sandbox only a narrow surface of the objects it handed over (`Policy`):
 public attributes, calls and item access, no module, class or built-in function, nothing that writes
@@ -169,6 +174,13 @@ class Policy:
     # Names that write files, load weights, or replace a trusted model's weights (nn.Module's own methods).
     DENIED_PREFIXES = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights)")
     DENIED_NAMES = {"update", "update_modules", "set_dtype", "apply", "apply_to_modules", "freeze", "unfreeze"}
+
+    def allows(self, obj, name: str) -> bool:
+        try:
+            self.attribute(obj, name)
+        except (PermissionError, AttributeError):
+            return False
+        return True
 
     def attribute(self, obj, name: str):
         if not isinstance(name, str) or name.startswith("_") or name in self.DENIED_NAMES \
@@ -532,9 +544,9 @@ class Endpoint:
                 raise PermissionError("the grader awaits only awaitables for submitted code")
             return _run_awaitable(self, target)
         if op == "vars":
-            return {k: v for k, v in vars(target).items() if not (policy and k.startswith("_"))}
-        if op == "hasattr":
-            return hasattr(target, args[0]) and not (policy and (args[0].startswith("_")))
+            if policy:
+                return {k: policy.attribute(target, k) for k in vars(target) if policy.allows(target, k)}
+            return dict(vars(target))
         if op in OPERATIONS:
             if policy:
                 policy.operation(op, target, args)
