@@ -444,7 +444,9 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
         assert score == pytest.approx(expected, abs=1e-3), (key, done.stdout)
     assert zero <= set(by_task) and ("day 1.4", "task 1") in by_task
     hung = [t for t in results["tests"] if t["tags"][1:] == ["day 1.4", "task 2"]]
-    assert all("timed out" in t["output"] for t in hung)
+    # Each hang is stopped at the time limit; the day's budget (1.5x an honest run) may end the rest.
+    assert "timed out" in hung[0]["output"]
+    assert all("timed out" in t["output"] or "time budget ran out" in t["output"] for t in hung)
 
 
 def test_check_days_by_task_fills_only_the_days_functions():
