@@ -15,8 +15,9 @@ which starts the worker on first use (`start_worker`):
           python -m course.sandbox <pipe fds> <week> <day>
 
 as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
-files except its private /tmp, and limits on CPU time, address space, processes, file size and open
-files. Its output goes to a file of the trusted side, cut off at the file-size limit.
+files except its private /tmp, and limits on CPU time, address space, file size and open files, and on
+processes (RLIMIT_NPROC, or where the kernel exempts root from it, a watchdog of the trusted side). Its
+output goes to a file of the trusted side, cut off at the file-size limit.
 
 Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
 process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
@@ -195,7 +196,8 @@ class Worker:
                  str(week), str(day)]
         # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
         # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
-        processes = None if os.getuid() == 0 else _processes_of_this_user() + MAX_PROCESSES
+        counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
+        processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
         self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
                                                dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():
