@@ -10,11 +10,15 @@ Against the student's package (the default), `solution(week, day)` is the select
 day (course/selector.py): the student's code for the day's tasks, the reference's for every other task,
 function by function. So a student who starts at day 2.7 is graded on day 2.7's code alone, and a
 mistake in day 2.7's part of batch.py cannot fail day 2.6's tests.
+
+While grading (`pdm run grade` sets TINY_LLM_SANDBOX_ROOT), that package runs in a sandboxed worker
+process and `solution(...)` reaches it through a pipe (course/sandbox.py): the tests, and the verdict,
+stay in this process, which never imports the student's code.
 """
 
 import os
 
-from course import selector
+from course import sandbox, selector
 
 
 def solution_name() -> str:
@@ -32,6 +36,8 @@ def solution(week: int, day: int) -> selector.Selection:
     """The code under test for one day: the student's code for that day's tasks, or the reference."""
     if solution_name() == "ref":
         return reference()
+    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the day's package runs in the sandbox
+        return sandbox.RemoteSelection(week, day)
     return selector.for_day(week, day)
 
 
