@@ -59,7 +59,7 @@ def test_task_1_adaptive_budget_holds_the_target():
     assert policy.budget(4) == 32  # no per-token cost yet
     policy.observe_step(104, 4, 1.2)  # 100 prefill tokens added 1.0 s
     assert policy.base_seconds == pytest.approx(0.2)
-    assert policy.seconds_per_token == pytest.approx(0.01)
+    assert policy.seconds_per_token(0) == pytest.approx(0.01)
     assert policy.budget(4) == 4 + 30  # (0.5 - 0.2) / 0.01 prefill tokens beside the 4 decodes
     policy.observe_step(4, 4, 0.6)  # a slow decode step leaves less room: the floor
     assert policy.budget(4) == 8
@@ -80,6 +80,71 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
                 dict(smoothing=0.0), dict(decode_multiple=1.0)):
         with pytest.raises(ValueError):
             sol.token_budget.AdaptiveTokenBudget(**bad)
+
+
+def test_task_1_cost_grows_with_the_offset():
+    # Hand-made steps of a machine where a prefill token costs 0.01 s + 0.00001 s per key before it.
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=8,
+                                                  initial_tokens=32, smoothing=0.5)
+    policy.observe_step(4, 4, 0.2)
+    for offset in (0, 400, 800):  # 20 prefill tokens each, starting ever later in a long prompt
+        policy.observe_step(24, 4, 0.2 + 20 * (0.01 + 1e-5 * offset), offset)
+    assert policy.seconds_per_token(0) == pytest.approx(0.01)
+    assert policy.seconds_per_token(1600) == pytest.approx(0.026)
+    assert policy.budget(4, 100) == 4 + 27  # 0.3 s of room at 0.011 s per token
+    assert policy.budget(4, 900) == 4 + 15  # at 0.019 s per token
+    assert policy.budget(4, 1600) == 4 + 11  # at 0.026 s per token
+    # A cost that falls with the offset is noise: the line never slopes down.
+    policy.observe_step(24, 4, 0.2 + 20 * 0.001, 1200)
+    assert policy.seconds_per_token(0) >= policy.seconds_per_token(1200) - 1e-12
+    assert policy.seconds_per_token(5000) == pytest.approx(policy.seconds_per_token(0))
+
+
+def test_task_1_late_chunks_stay_within_the_target():
+    # A simulated long prompt beside 4 decodes: each chunk starts where the last one ended.
+    def step_seconds(prefill_tokens, offset):
+        return 0.2 + prefill_tokens * (0.004 + 2e-5 * offset)
+
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=1,
+                                                  initial_tokens=32, smoothing=0.5)
+    policy.observe_step(4, 4, step_seconds(0, 0))
+    offset, seconds = 0, []
+    for _ in range(40):
+        chunk = policy.budget(4, offset) - 4
+        seconds.append(step_seconds(chunk, offset))
+        policy.observe_step(4 + chunk, 4, seconds[-1], offset)
+        offset += chunk
+    assert offset > 800, "the prompt advanced too little: budgets far below the target"
+    # The first two chunks cannot know the slope yet; from then on the line predicts every step.
+    assert max(seconds[2:]) <= 0.5 + 1e-9, f"steps over the 0.5 s target: {[round(s, 3) for s in seconds]}"
+    assert min(seconds[2:]) >= 0.5 - step_seconds(1, offset) + 0.2, "steps a whole token under the target"
+
+
+class RecordingBudget:
+    """A fixed budget that notes the offsets the scheduler and the engine tell it."""
+
+    def __init__(self, tokens):
+        self.max_num_batched_tokens, self.asked, self.told = tokens, [], []
+
+    def budget(self, num_decoding, offset=0):
+        self.asked.append(offset)
+        return self.max_num_batched_tokens
+
+    def observe_step(self, num_tokens, num_decoding, seconds, offset=0):
+        self.told.append(offset)
+
+
+def test_task_1_the_policy_hears_each_chunks_offset(engine_module):
+    engine = fake_engine(engine_module, token_budget=8, max_num_seqs=2)
+    engine.scheduler.token_budget = recorder = RecordingBudget(8)
+    engine.add_request(list(range(20)), ref.sequence.SamplingParams(max_tokens=2))
+    for _ in range(10):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work(), "the request did not finish in 10 steps"
+    assert recorder.asked[:3] == [0, 8, 16]  # chunks of 8, 8, 4, then a decode
+    assert recorder.told == [0, 8, 16, 0]  # a decode-only step has no prefill offset
 
 
 # ---------------------------------------------------------------- Task 2: the planner
