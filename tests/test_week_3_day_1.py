@@ -120,31 +120,37 @@ def test_task_1_late_chunks_stay_within_the_target():
     assert min(seconds[2:]) >= 0.5 - step_seconds(1, offset) + 0.2, "steps a whole token under the target"
 
 
-class RecordingBudget:
-    """A fixed budget that notes the offsets the scheduler and the engine tell it."""
+def test_task_1_the_engine_shrinks_late_chunks(engine_module):
+    # The whole loop on a simulated machine: the fake runner advances the engine's clock by 0.2 s a
+    # step plus, per prefill token, 0.004 s and 0.000005 s per key before it.
+    now = [0.0]
+    config = engine_module.EngineConfig(token_budget=256, adaptive_budget=True, target_itl=0.5, max_num_seqs=8)
+    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
+    runner = engine.runner = FakeRunner(engine, eos=False)
 
-    def __init__(self, tokens):
-        self.max_num_batched_tokens, self.asked, self.told = tokens, [], []
+    def timed_run(plan):
+        now[0] += 0.2 + sum(chunk.length * (0.004 + 5e-6 * chunk.start) for chunk in plan.prefills)
+        return FakeRunner.run(runner, plan)
 
-    def budget(self, num_decoding, offset=0):
-        self.asked.append(offset)
-        return self.max_num_batched_tokens
-
-    def observe_step(self, num_tokens, num_decoding, seconds, offset=0):
-        self.told.append(offset)
-
-
-def test_task_1_the_policy_hears_each_chunks_offset(engine_module):
-    engine = fake_engine(engine_module, token_budget=8, max_num_seqs=2)
-    engine.scheduler.token_budget = recorder = RecordingBudget(8)
-    engine.add_request(list(range(20)), ref.sequence.SamplingParams(max_tokens=2))
-    for _ in range(10):
-        if not engine.has_work():
+    runner.run = timed_run
+    for i in range(4):
+        engine.add_request([1, 2], ref.sequence.SamplingParams(max_tokens=400), request_id=i)
+    for _ in range(3):
+        engine.step()  # the prompts, then decode-only steps: the base
+    long = engine.add_request([3] * 2000, ref.sequence.SamplingParams(max_tokens=1), request_id="long")
+    chunks, seconds = [], []
+    for _ in range(200):
+        if long.status == ref.sequence.SequenceStatus.FINISHED:
             break
+        start = now[0]
         engine.step()
-    assert not engine.has_work(), "the request did not finish in 10 steps"
-    assert recorder.asked[:3] == [0, 8, 16]  # chunks of 8, 8, 4, then a decode
-    assert recorder.told == [0, 8, 16, 0]  # a decode-only step has no prefill offset
+        if runner.plans[-1].prefills:  # (the prompt's last token runs as a decode)
+            chunks.append(runner.plans[-1].prefills[0].length)
+            seconds.append(now[0] - start)
+    assert long.status == ref.sequence.SequenceStatus.FINISHED, f"the long prompt did not finish in 200 steps: {chunks}"
+    # Two chunks measure the line; from then on every step lands within the target (to 0.1%).
+    assert max(seconds[2:]) <= 0.5 * 1.001, f"steps over the 0.5 s target: {[round(s, 3) for s in seconds]}"
+    assert chunks[-2] < chunks[2] / 2, f"late chunks must be smaller: {chunks}"
 
 
 # ---------------------------------------------------------------- Task 2: the planner

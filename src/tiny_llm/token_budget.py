@@ -48,14 +48,14 @@ class AdaptiveTokenBudget:
     """A budget that holds a step near `target_itl` seconds while requests decode.
 
     It learns the cost model `base + prefill_tokens * (intercept + slope * offset)`: `base_seconds`
-    is a moving average of decode-only steps; each other step gives one point, its prefill chunks'
-    `offset` (mean over their tokens) and what each prefill token added, `(seconds - base) / tokens`.
-    `seconds_per_token(offset)` is the least-squares line through the recent points: moving averages
-    of x, y, x*x and x*y (`moments`), so old points fade like the base's. The budget is then
-    `num_decoding + (target - base_seconds) / seconds_per_token(offset)` at the next chunk's offset,
-    clamped to `min_tokens .. max_num_batched_tokens`. While the base is unknown it answers
-    `num_decoding` (a decode-only step, the only kind that measures it); then `initial_tokens` until
-    a prefill token is measured.
+    is a moving average of decode-only steps; each other step, once the base is known, gives one
+    point: its prefill chunks' `offset` (mean over their tokens) and what each prefill token added,
+    `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
+    recent points: moving averages of x, y, x*x and x*y (`moments`), so old points fade like the
+    base's. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
+    at the next chunk's offset, clamped to `min_tokens .. max_num_batched_tokens`. While the base is
+    unknown it answers `num_decoding` (a decode-only step, the only kind that measures it); then
+    `initial_tokens` until a prefill token is measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
     measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
@@ -94,8 +94,8 @@ class AdaptiveTokenBudget:
 
     def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
         """Update the averages from one step: decode-only steps give the base, the others a point of the line."""
-        # TODO: decode-only step: base_seconds; otherwise the point (offset, (seconds - base) / prefill tokens)
-        # TODO: enters the moments (x, y, x*x, x*y)
+        # TODO: decode-only step: base_seconds; no base yet: nothing to learn; otherwise the point
+        # TODO: (offset, (seconds - base) / prefill tokens) enters the moments (x, y, x*x, x*y)
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages"
         )
