@@ -116,8 +116,8 @@ class AdaptiveTokenBudget:
             return  # without the base, a step's time cannot be split into base and prefill tokens
         per_token = max(seconds - self.base_seconds, 0.0) / prefill_tokens
         point = (offset, per_token, offset * offset, offset * per_token)
-        old = self.moments or point
-        self.moments = tuple(self._average(o, new) for o, new in zip(old, point))
+        before = self.moments or point  # the first point is taken as it is
+        self.moments = tuple(self._average(average, value) for average, value in zip(before, point))
         # END TASK
 
     def seconds_per_token(self, offset: float) -> float | None:
