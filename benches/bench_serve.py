@@ -19,7 +19,7 @@ TPOT <= --slo-tpot). ITL is the gap between two streamed chunks that carry text;
 
 --launch starts our server (`pdm run serve`) and `mlx_lm.server` on the same model and machine, runs
 each workload on one, then the other (only one is ever busy; with --rounds, alternating), and prints
-ours / theirs. Results: benches/results/serve.json
+ours / theirs. Results: benches/results/serve.json (serve_quick.json with --quick)
 and one plot per workload, benches/results/serve_<workload>.png.
 """
 
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                              for w in args.workload}
     results["wall_s"] = time.perf_counter() - began
     args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / "serve.json"
+    json_path = args.out / ("serve_quick.json" if args.quick else "serve.json")  # a quick run never replaces a full one
     json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     written = [p for w in args.workload
                if (p := plot(w, {s: r[w] for s, r in results["servers"].items()}, args.out, machine))]

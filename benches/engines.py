@@ -8,8 +8,10 @@ and releases what it holds (`close()`).
 - `MlxLm`: mlx-lm's `BatchGenerator` (the peer), on mlx-lm's own model.
 - `Day27`: day 2.7's `batch.Scheduler` of a selection (student or reference), on its week-2 model.
 - `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget, adaptive or not, policy, ...).
+- `Speculative`: day 4.1's `SpeculativeEngine` of a selection (a `Week3` with guesses and their counters).
 
-`week3_engine` is the one place a lab or `compare` builds an `LLMEngine`.
+`week3_engine` is the one place a lab or `compare` builds an `LLMEngine` (`speculative_engine`: a
+`SpeculativeEngine`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,29 @@ class Week3(Adapter):
         engine = self.engine
         return {"num_preemptions": engine.num_preemptions, "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
                 "tokens_run": engine.prompt_tokens_total + engine.generation_tokens_total}
+
+
+def speculative_engine(selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4, clock=None,
+                       **config):
+    """Day 4.1's `SpeculativeEngine` of `selection`: `proposer` (default prompt lookup) guessing up to k tokens."""
+    speculative = selection.speculative
+    timing = {} if clock is None else {"clock": clock}
+    return speculative.SpeculativeEngine(model, tokenizer, selection.engine.EngineConfig(**config),
+                                         speculation=speculative.SpeculativeConfig(num_speculative_tokens),
+                                         proposer=proposer, **timing)
+
+
+class Speculative(Week3):
+    """Day 4.1's `SpeculativeEngine`; its counters add the guesses proposed and accepted."""
+
+    def __init__(self, selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4, **config):
+        self.engine = speculative_engine(selection, model, tokenizer, proposer, num_speculative_tokens, **config)
+        self.sampling = selection.sequence.SamplingParams
+
+    def counters(self):
+        stats = self.engine.speculation
+        return {**super().counters(), "speculative_proposed": stats.proposed, "speculative_accepted": stats.accepted,
+                "speculative_verifications": stats.verifications}
 
 
 # ---------------------------------------------------------------- day 2.7

@@ -36,6 +36,7 @@ ALLOWED_IMPORTS = {
 ALLOWED_BY_MODULE = {
     "server": {"asyncio", "fastapi", "json", "queue", "threading", "uuid"},
     "prefix_cache": {"hashlib"},  # a block's name is a hash of its parent's name and its tokens
+    "speculative": {"mlx_lm"},  # day 4.1's draft-model proposer keeps its draft's KV cache with mlx-lm's
 }
 
 REASONS = {

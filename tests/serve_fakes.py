@@ -88,7 +88,9 @@ def parse_prometheus(text: str) -> dict[str, dict]:
             family["type"] = match[2]
         elif match := SAMPLE_LINE.fullmatch(line):
             name, labels, value = match[1], match[2], match[3]
-            family_name = next((f for f in (name, re.sub(r"_(bucket|sum|count)$", "", name)) if f in families), None)
+            # prometheus_client names a counter's family without its `_total`, and adds `_created` samples.
+            stem = re.sub(r"_(bucket|sum|count|total|created)$", "", name)
+            family_name = next((f for f in (name, stem) if f in families), None)
             assert family_name is not None and families[family_name]["type"], f"line {number}: no TYPE for {name}"
             parsed = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels or ""))
             number_value = float(value.replace("Inf", "inf").replace("NaN", "nan"))

@@ -17,6 +17,7 @@ import importlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,30 @@ def test_batch_size_bound_by_the_machines_memory(counted, monkeypatch):
     with pytest.raises(ValueError, match=r"batch_size=100000 .* 26\.2 GB .* 8\.0 GB of memory"):
         ref.batch.batch_generate(model, tokenizer, ["a", "b"], batch_size=100_000)
     assert model.calls == 0
+
+
+def test_engine_refuses_a_kv_pool_the_machine_cannot_hold(model32, monkeypatch):
+    """`--num-blocks 10000000` used to segfault the server (an 18.9 GB pool): now one line, before any allocation."""
+    model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
+    monkeypatch.setattr(ref.validation, "memory_bytes", lambda: 8 * 10**9)
+    with pytest.raises(ValueError, match=r"num_blocks=10000000 .* GB .* 8\.0 GB of memory"):
+        ref.engine.LLMEngine(model, model32[1], ref.engine.EngineConfig(block_size=16, num_blocks=10_000_000))
+
+
+def test_engine_refuses_what_would_break_a_later_step(model32):
+    """A priority that is not an int would make every later comparison raise; sampling values the runner
+    cannot use (NaN, infinities, seeds outside 0 .. 2**63 - 1) would fail mid-step: all refused up front."""
+    model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
+    engine = ref.engine.LLMEngine(model, model32[1], ref.engine.EngineConfig(block_size=8))
+    for priority in ("high", 1.5, None):
+        with pytest.raises(TypeError, match="priority"):
+            engine.add_request("x", priority=priority)
+    assert not engine.has_work()
+    for bad in ({"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan}, {"seed": -1},
+                {"seed": 2**63}, {"seed": 2**64}):
+        with pytest.raises(ValueError):
+            ref.sequence.SamplingParams(**bad)
+    ref.sequence.SamplingParams(temperature=1.0, seed=2**63 - 1)  # the top of the range is fine
 
 
 # ---------------------------------------------------------------- right results where an input is odd, not bad
@@ -464,6 +489,10 @@ CLI_ROWS = [
     ("main", ["--prompt", "\udcff"], "UTF-8"),
     ("main", ["--model", ""], "empty"),
     ("main", ["--model", "/nonexistent/dir"], "does not exist"),
+    ("serve", ["--port", "70000"], "--port"),
+    ("serve", ["--num-blocks", "10000000"], "memory"),  # on a machine of 8 GB
+    ("serve", ["--max-model-len", "100000"], "max_model_len"),
+    ("serve", ["--target-itl", "0"], "--target-itl"),
 ]
 
 
@@ -474,13 +503,40 @@ def test_command_user_errors_in_process(capsys, monkeypatch, embedded_model, scr
     monkeypatch.setattr(course.models, "load_model", lambda name=None: embedded_model)  # loaded once per session
     monkeypatch.setattr(ref.validation, "memory_bytes", lambda: 8 * 10**9)
     command = importlib.import_module(f"scripts.{script}")
+    if script == "serve" and "--port" not in args:
+        args = [*args, "--port", str(free_port())]
     try:
         status = command.main([*args, "--no-live"] if script == "batch_main" else args)
     except SystemExit as exit_:  # argparse's own errors
         status = exit_.code
     out, err = capsys.readouterr()
     assert status == 2 and out == "", out
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("[engine] "))  # the engine's own log
     assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_a_busy_port_before_loading(capsys, monkeypatch):
+    """A port already taken: one line, before the model loads (it used to load, say "serving on", then fail)."""
+    import course.models
+
+    def no_loading(name=None):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(course.models, "load_model", no_loading)
+    command = importlib.import_module("scripts.serve")
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        try:
+            status = command.main(["--port", str(busy.getsockname()[1])])
+        except SystemExit as exit_:
+            status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "cannot listen" in err, err
 
 
 def test_commands_exit_2_with_one_line(tmp_path):

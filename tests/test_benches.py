@@ -105,3 +105,13 @@ def test_a_bad_option_is_one_line(capsys):
         bench_prefix_cache.main(["--model", "embedded", "--requests", "0"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("option", [["--requests", "0"], ["--memory-mb", "0"]])
+def test_bench_kv_quant_bad_option_is_one_line(capsys, option):
+    from benches import bench_kv_quant
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_kv_quant.main(["--model", "embedded", *option])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

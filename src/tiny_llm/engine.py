@@ -21,9 +21,11 @@ from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCachingBlockManager
 from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy
+from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
 from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
+from .validation import check_kv_pool
 
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
 
@@ -56,6 +58,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (day 3.4)
     aging_steps: int = DEFAULT_AGING_STEPS  # priority: waiting this many steps raises a priority by one
     log_interval: float = 5.0  # seconds between two log lines
+    kv_bits: int | None = None  # day 4.2: the pool's format, 16 (float16), 8 or 4 (quantized); None: the model's dtype
+    kv_cache_bytes: int | None = None  # day 4.2: size the pool by memory instead of `num_blocks`
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
@@ -63,6 +67,12 @@ class EngineConfig:
             _positive_int(name, getattr(self, name))
         if self.num_blocks is not None:
             _positive_int("num_blocks", self.num_blocks)
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+            if self.num_blocks is not None:
+                raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.target_itl is not None and not (isinstance(self.target_itl, (int, float)) and
@@ -75,6 +85,12 @@ class EngineConfig:
     def pool_blocks(self) -> int:
         """The pool's size in blocks: `num_blocks`, or enough blocks for 8192 tokens."""
         return self.num_blocks if self.num_blocks is not None else blocks_for(DEFAULT_KV_TOKENS, self.block_size)
+
+    def pool_blocks_for(self, model) -> int:
+        """The pool's size in blocks for `model`: as many as `kv_cache_bytes` holds in its format (day 4.2), else `pool_blocks`."""
+        if self.kv_cache_bytes is None:
+            return self.pool_blocks
+        return num_blocks_for_memory(self.kv_cache_bytes, self.block_size, model_bytes_per_token(model, self.kv_bits))
 
     def make_token_budget(self):
         """The budget policy: fixed at `token_budget`, or adaptive up to it (it alone holds the cap)."""
@@ -111,18 +127,21 @@ class LLMEngine:
         self.clock = clock
         self.log = log or (lambda line: None)
         self.metrics = metrics or MetricsRecorder(clock=clock)
+        check_kv_pool(model, config.pool_blocks, config.block_size)  # too big for the machine: one line, not an OOM
         manager_class = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
-        self.block_manager = manager_class(config.pool_blocks, config.block_size)
+        num_blocks = config.pool_blocks_for(model)
+        self.block_manager = manager_class(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.make_token_budget(), config.max_num_seqs,
                                    config.make_order(), tokenizer.eos_token_ids, self.log)
-        self.runner = ModelRunner(model, config.pool_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
         self.sequences: dict[object, Sequence] = {}  # unfinished ones, by request id
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.last_log = None
         self.log(f"engine: {self.scheduler.token_budget.describe()}, {self.scheduler.order.describe()}, up to "
-                 f"{config.max_num_seqs} sequences, KV pool of {config.pool_blocks} blocks x {config.block_size} tokens")
+                 f"{config.max_num_seqs} sequences, KV pool of {num_blocks} blocks x {config.block_size} tokens"
+                 + (f", {config.kv_bits}-bit" if config.kv_bits else ""))
 
     # ------------------------------------------------------------ requests in
 
@@ -279,8 +298,13 @@ class LLMEngine:
                  f"{(self.generation_tokens_total - generated_then) / elapsed:.1f} tokens/s, running "
                  f"{self.num_running}, waiting {self.num_waiting}, KV cache {100 * self.kv_cache_usage:.1f}%, "
                  f"preemptions {self.num_preemptions}"
-                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.config.enable_prefix_caching else ""))
+                 + (f", prefix cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%" if self.config.enable_prefix_caching else "")
+                 + self.log_details())
         self.last_log = (now, self.prompt_tokens_total, self.generation_tokens_total)
+
+    def log_details(self) -> str:
+        """More for the log line from an engine that does more (day 4.1's speculation); nothing here (provided)."""
+        return ""
 
 
 def generate(model, tokenizer, prompts: list, sampling: SamplingParams | None = None,

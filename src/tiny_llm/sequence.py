@@ -16,7 +16,12 @@ recomputed as one longer prompt, and generation resumes where it stopped.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+
+# Seeds in 0 .. 2**63 - 1: `mx.random.seed` takes 0 .. 2**64 - 1, and the runner adds the number of
+# tokens generated so far, so every seed it derives stays in MLX's range. The server takes the same range.
+MAX_SEED = 2**63 - 1
 
 
 class SequenceStatus(enum.Enum):
@@ -45,14 +50,17 @@ class SamplingParams:
         """Reject values no sampler can use, naming the field."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        # `not x >= 0` (rather than `x < 0`) also refuses NaN, which compares False with everything.
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in 0 .. 2**63 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Serving the engine over HTTP: an OpenAI-compatible API with streaming, metrics and clean errors.
+"""Serving the engine over HTTP: an OpenAI-compatible API with streaming, stop strings and aborts.
 
 A request's path, from socket to token and back:
 
@@ -6,40 +6,44 @@ A request's path, from socket to token and back:
                                      ^                                                  │ engine.step()
                                      └── asyncio.Queue <── loop.call_soon_threadsafe ───┘
 
-- The event loop does the cheap, many things: parse and validate requests, apply the chat template,
-  detokenize, cut at stop strings, write server-sent events, notice disconnects.
+- The event loop does the cheap, many things: parse and validate requests (`openai_api`), detokenize,
+  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a prompt, which can
+  take seconds for a long one, runs on a worker thread so the loop keeps serving everyone else.
 - The engine thread does the one expensive thing, `engine.step()`, in a loop, and is the only caller
   of the engine (it is single-threaded by contract). Requests reach it through a thread-safe queue;
-  tokens leave it through each request's `asyncio.Queue`, filled with `loop.call_soon_threadsafe`
-  because an asyncio queue may only be touched from its own loop's thread.
+  tokens leave it through each request's `asyncio.Queue`, all of one step's in one
+  `loop.call_soon_threadsafe` (an asyncio queue may only be touched from its own loop's thread).
 - A client that goes away is noticed by the handler, which asks the engine thread to `abort` the
-  request: its KV blocks return to the pool at once.
+  request: its KV blocks return to the pool before the next step.
+- A step that fails fails the requests the engine dropped; the thread logs it and keeps serving.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics (Prometheus text format).
+GET /v1/models/{id}, GET /health, GET /metrics (Prometheus, vLLM's names). The OpenAI plumbing
+(request models, errors, responses, metrics, API key, CORS, access log) is `openai_api.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
+import logging
 import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
+                         check_choices, choice, collect_all, completion_prompt_ids, install_http_extras, max_tokens_for,
+                         merge, model_card, object_kind, parse_body, usage)
 from .sequence import SamplingParams
 
-# Seconds; the buckets of the latency histograms on /metrics (a final +Inf bucket is implied).
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_STOP_STRINGS = 4  # as OpenAI's API
-DISCONNECT_POLL_SECONDS = 0.5  # how often a non-streaming handler checks whether its client left
+logger = logging.getLogger("tiny_llm.server")
 
 
 # ---------------------------------------------------------------- wire formats
@@ -50,6 +54,7 @@ def sse_event(payload: dict | str) -> str:
 
     An event is a `data: ` line followed by a blank line; a JSON payload must fit on that one line.
     """
+    # TODO: a dict as compact JSON (json.dumps escapes newlines), a string as it is; "data: ...\n\n"
     raise NotImplementedError("Week 3 Day 5 Task 1 (book/src/week3-05-serving.md): server-sent event")
 
 
@@ -61,58 +66,68 @@ def find_stop(text: str, stops: list[str]) -> tuple[int, bool]:
     holds back the longest tail of `text` that is the beginning of some stop string (the next tokens
     may complete it), and `stopped` is False.
     """
+    # TODO: the earliest occurrence of any stop; else hold back the longest tail that begins a stop
     raise NotImplementedError("Week 3 Day 5 Task 2 (book/src/week3-05-serving.md): stop strings")
 
 
-@dataclass
-class Histogram:
-    """A Prometheus histogram: counts of observations at or below each bucket bound, their sum and count."""
+class IncrementalDetokenizer:
+    """Text from tokens one token at a time, decoding a short window instead of the whole output.
 
-    name: str
-    help: str
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self):
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        """Record one observation (seconds)."""
-        self.total += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-
-
-@dataclass
-class Metric:
-    """One gauge or counter for /metrics: a name, its help line, a kind, and its value."""
-
-    name: str
-    help: str
-    kind: str  # "gauge" | "counter"
-    value: float
-
-
-def _number(value: float) -> str:
-    """A sample value as Prometheus writes it: integers without a decimal point, infinities as +Inf/-Inf."""
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def render_prometheus(metrics: list[Metric | Histogram]) -> str:
-    """The Prometheus text exposition format (version 0.0.4) of `metrics`.
-
-    Each metric gets `# HELP` and `# TYPE` lines, then its samples. A histogram `h` writes cumulative
-    `h_bucket{le="..."}` samples (each counts every observation at or below its bound), ending with
-    `le="+Inf"` equal to the count, then `h_sum` and `h_count`. The text ends with a newline.
+    Decoding all the tokens again after each one costs O(n) per token, O(n^2) per stream. Instead,
+    keep two offsets into `tokens`: `read_offset`, the end of what was already turned into text, and
+    `prefix_offset`, a little before it, so the window decoded has the context some tokenizers need
+    (a SentencePiece token's leading space depends on the token before it). The new text is the
+    window's decoding minus the decoding of its already-read part. A token that ends inside a
+    multi-byte character decodes to a trailing U+FFFD: nothing is returned until the next tokens
+    complete the character.
     """
-    raise NotImplementedError("Week 3 Day 5 Task 3 (book/src/week3-05-serving.md): Prometheus text")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # where the decoded window starts
+        self.read_offset = 0  # tokens before this have been returned as text
+
+    def add(self, token: int) -> str:
+        """The text `token` completes (often one word piece; empty while a character is incomplete)."""
+        # TODO: append; decode tokens[prefix_offset:read_offset] and tokens[prefix_offset:]; if the window
+        # TODO: grew and does not end in U+FFFD, move both offsets forward and return the new text
+        raise NotImplementedError("Week 3 Day 5 Task 3 (book/src/week3-05-serving.md): incremental detokenization")
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is still held back, as `tokenizer.decode` renders it (provided)."""
+        already = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return window[len(already):]
+
+
+class TextStream:
+    """Turns one request's tokens into the text pieces its client receives: detokenized, cut at stop strings.
+
+    The pieces add up to what `tokenizer.decode` gives for all the tokens, cut before the first stop
+    string. Only the text not yet sent is searched for stop strings: `find_stop` never lets a piece
+    end with the beginning of a stop string, so a stop cannot straddle what was sent (provided).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.stops = stops
+        self.pending = ""  # text decoded but not sent: it may be the beginning of a stop string
+        self.stopped = False  # a stop string was found: the request is over
+
+    def add(self, token: int | None, finished: bool) -> str:
+        """The new piece of text after `token` (may be empty); at `finished`, everything still held back."""
+        if token is not None and token not in self.eos_token_ids:
+            self.pending += self.detokenizer.add(token)
+        if finished:
+            self.pending += self.detokenizer.flush()
+        end, self.stopped = find_stop(self.pending, self.stops)
+        if finished and not self.stopped:
+            end = len(self.pending)  # nothing more can complete a stop string
+        piece, self.pending = self.pending[:end], self.pending[end:]
+        return piece
 
 
 # ---------------------------------------------------------------- the engine thread
@@ -131,6 +146,7 @@ class RequestHandle:
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    priority: int = 0
 
 
 @dataclass
@@ -140,9 +156,45 @@ class Accepted:
 
 @dataclass
 class Rejected:
-    """The engine refused the request (`add_request` raised): the handler answers with a 4xx or 5xx."""
+    """The engine refused or dropped the request: the handler answers with a 4xx or 5xx."""
 
     error: Exception
+
+
+@dataclass
+class ClientLeft:
+    """The handler's own note on its queue: the client disconnected."""
+
+
+@dataclass
+class ServerStopping:
+    """The server's note on a request's queue: shutting down, end the request now (finish reason "abort")."""
+
+
+def engine_stats(engine) -> dict[str, float]:
+    """The engine's gauges and counters for /metrics (the one place that reads them) (provided)."""
+    manager = engine.block_manager
+    return {
+        "num_running": engine.num_running,
+        "num_waiting": engine.num_waiting,
+        "kv_cache_usage": engine.kv_cache_usage,
+        "prefix_cache_queries": getattr(manager, "queried_tokens", 0),
+        "prefix_cache_hits": getattr(manager, "hit_tokens", 0),
+        "num_preemptions": engine.num_preemptions,
+        "prompt_tokens": engine.prompt_tokens_total,
+        "generation_tokens": engine.generation_tokens_total,
+    }
+
+
+def engine_holds(engine, request_id) -> bool:
+    """Whether the engine still has this request, waiting or running (provided)."""
+    return request_id in engine.sequences
+
+
+def engine_context(engine) -> int:
+    """The most tokens one request can hold: the KV pool's size or the model's positions (provided)."""
+    manager = engine.block_manager
+    return min(manager.num_blocks * manager.block_size, engine.model.max_position)
 
 
 class EngineThread:
@@ -162,6 +214,9 @@ class EngineThread:
         self.stats: dict[str, float] = {}
         self.error: BaseException | None = None  # what killed the thread, if anything did
         self.running = False
+        self.outbox: list[tuple[RequestHandle, object]] = []  # this turn's events, delivered together
+        self.unanswered: dict[str, RequestHandle] = {}  # submitted, neither Accepted nor Rejected yet
+        self.submit_lock = threading.Lock()  # submit's two steps, seen together by fail_dropped
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -175,208 +230,113 @@ class EngineThread:
         self._thread.join()
 
     def submit(self, handle: RequestHandle) -> None:
-        self.inbox.put(("add", handle))
+        with self.submit_lock:
+            self.unanswered[handle.request_id] = handle
+            self.inbox.put(("add", handle))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
     def send(self, handle: RequestHandle, event) -> None:
-        """Put `event` on the handle's asyncio queue, safely, from this (non-event-loop) thread."""
-        handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
+        """Queue `event` for the handle; the turn's events reach the event loop together at its end."""
+        if isinstance(event, (Accepted, Rejected)):
+            self.unanswered.pop(handle.request_id, None)
+        self.outbox.append((handle, event))
+
+    def flush(self) -> None:
+        """Deliver this turn's events: one wake-up of each event loop per turn, not one per token (provided)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, event in self.outbox:
+            by_loop.setdefault(handle.loop, []).append((handle.events, event))
+        self.outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop is closed: the server is gone, nobody is waiting
+                pass
 
     def publish_stats(self) -> None:
-        engine = self.engine
-        self.stats = {
-            "num_running": engine.num_running,
-            "num_waiting": engine.num_waiting,
-            "kv_cache_usage": engine.kv_cache_usage,
-            "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
-            "prompt_tokens_total": engine.prompt_tokens_total,
-            "generation_tokens_total": engine.generation_tokens_total,
-        }
+        self.stats = engine_stats(self.engine)
 
     def run_once(self) -> bool:
         """One turn of the engine thread: apply the commands in `inbox`, then run one engine step.
 
         With no work in the engine, wait for a command instead of spinning. "add": call
-        `engine.add_request(handle.prompt, handle.sampling, request_id=...)`, remember the handle, and
-        send it `Accepted()`, or `Rejected(error)` if add_request raised ValueError/TypeError. "abort":
-        `engine.abort(request_id)` and forget the handle (its client is gone). "stop": return False.
-        After a step, send each `StepOutput` to its request's handle (forget the handle when the output
-        is finished), then `publish_stats()`. Returns True to keep running.
+        `engine.add_request(handle.prompt, handle.sampling, request_id=..., priority=...)`, remember the
+        handle, and send it `Accepted()`, or `Rejected(error)` if add_request raised ValueError/TypeError.
+        "abort": `engine.abort(request_id)` and forget the handle (its client is gone). "stop": return
+        False. After a step, send each `StepOutput` to its request's handle (forget the handle when the
+        output is finished), then `publish_stats()`. Returns True to keep running.
         """
+        # TODO: block on the inbox only when the engine is idle; apply add/abort/stop; one step; send outputs
         raise NotImplementedError("Week 3 Day 5 Task 4 (book/src/week3-05-serving.md): the engine thread's turn")
 
     def _run(self) -> None:
+        """The thread: turns until "stop"; a failed turn fails its requests, only a broken thread ends it (provided)."""
         try:
-            while self.run_once():
-                pass
+            while True:
+                try:
+                    keep_running = self.run_once()
+                except NotImplementedError:
+                    raise  # an unfinished skeleton: nothing to recover
+                except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
+                    self.fail_dropped(error)
+                    keep_running = True
+                finally:
+                    self.flush()
+                if not keep_running:
+                    return
         except BaseException as error:  # noqa: BLE001 - a dead engine thread must fail every waiting request
+            logger.exception("the engine thread died; every request fails until a restart")
             self.error = error
-            for handle in self.handles.values():
-                self.send(handle, Rejected(error))
-            self.handles.clear()
-            # Requests still in the inbox would wait forever: refuse them too.
-            while not self.inbox.empty():
+            self.fail(list(self.handles), error)
+            while not self.inbox.empty():  # requests still in the inbox would wait forever: refuse them too
                 command, argument = self.inbox.get()
                 if command == "add":
                     self.send(argument, Rejected(error))
+            self.flush()
         finally:
             self.running = False
 
+    def fail_dropped(self, error: Exception) -> None:
+        """After a failed turn: fail the requests it concerned, log it, keep serving (provided).
 
-# ---------------------------------------------------------------- request parsing
+        The engine frees the blocks of the sequences of a step that failed: those requests fail. A
+        request whose `add_request` raised something unexpected fails too. If neither explains the
+        failure and the engine kept its work, the next step would likely fail the same way: every
+        running request is aborted and failed.
+        """
+        logger.exception("an engine turn failed; failing the requests it concerned and serving on")
+        lost = self.lost_submissions()
+        dropped = [request_id for request_id in self.handles if not engine_holds(self.engine, request_id)]
+        if not dropped and not lost and self.engine.has_work():
+            dropped = list(self.handles)
+            for request_id in dropped:
+                self.engine.abort(request_id)
+        self.fail(dropped, error)
+        for handle in lost:
+            self.send(handle, Rejected(error))
+        self.publish_stats()
 
+    def lost_submissions(self) -> list[RequestHandle]:
+        """Requests taken from the inbox but never answered: their `add_request` raised something unexpected."""
+        with self.submit_lock:
+            waiting = {argument.request_id for command, argument in list(self.inbox.queue) if command == "add"}
+            return [handle for request_id, handle in self.unanswered.items()
+                    if request_id not in waiting and request_id not in self.handles]
 
-class APIError(Exception):
-    """A client error, answered with `status` and an OpenAI-style body: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        error_type = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def _field(body: dict, name: str, kinds: tuple[type, ...], default, kind_name: str):
-    """body[name] if it has one of `kinds` (bool is never a number here), `default` if absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise APIError(400, f"'{name}' must be {kind_name}, got {type(value).__name__}", param=name)
-    return value
-
-
-def _in_range(name: str, value, low, high, low_open: bool = False):
-    if value < low or (low_open and value == low) or value > high:
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise APIError(400, f"'{name}' must be in {bound}, got {value}", param=name)
-    return value
+    def fail(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            self.send(self.handles.pop(request_id), Rejected(error))
 
 
-def parse_sampling(body: dict) -> tuple[SamplingParams, list[str]]:
-    """The request's sampling parameters and stop strings, validated (APIError 400 naming the field)."""
-    max_tokens = _field(body, "max_tokens", (int,), None, "an integer")
-    if max_tokens is None:
-        max_tokens = _field(body, "max_completion_tokens", (int,), 16, "an integer")
-    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
-    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
-    top_k = _field(body, "top_k", (int,), 0, "an integer")
-    seed = _field(body, "seed", (int,), None, "an integer")
-    n = _field(body, "n", (int,), 1, "an integer")
-    if n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    stop = _field(body, "stop", (str, list), [], "a string or a list of strings")
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, f"'stop' must be at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    sampling = SamplingParams(
-        temperature=float(_in_range("temperature", temperature, 0, 2)),
-        top_p=float(_in_range("top_p", top_p, 0, 1, low_open=True)),
-        top_k=0 if top_k == -1 else _in_range("top_k", top_k, 0, 1 << 31),  # -1 also means off, as vLLM
-        max_tokens=_in_range("max_tokens", max_tokens, 1, 1 << 31),
-        seed=seed,
-    )
-    return sampling, stops
-
-
-def chat_prompt(tokenizer, messages) -> str:
-    """The prompt text for `messages` ([{"role": ..., "content": ...}]), through the tokenizer's chat template.
-
-    `content` is a string or a list of text parts ({"type": "text", "text": ...}), joined.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", param="messages")
-    plain = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = message.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            content = "".join(str(part.get("text", "")) for part in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or text parts", param="messages")
-        plain.append({"role": message["role"], "content": content})
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-
-
-def completion_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids for /v1/completions' `prompt`: a string, or a list of token ids."""
-    if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
-            raise APIError(400, "'prompt' holds a token id outside the vocabulary", param="prompt")
-        return prompt
-    raise APIError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
-
-
-# ---------------------------------------------------------------- text out
-
-
-class TextStream:
-    """Turns one request's tokens into the text pieces its client receives: detokenized, cut at stop strings.
-
-    The text is the tokenizer's decoding of all tokens so far (so the pieces add up to exactly what
-    `tokenizer.decode` gives); a token that ends inside a multi-byte character decodes to a trailing
-    U+FFFD, which is held back until the next tokens complete the character.
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(tokenizer.eos_token_ids)
-        self.stops = stops
-        self.tokens: list[int] = []
-        self.sent = 0  # characters of the text already handed out
-        self.stopped = False  # a stop string was found: the request is over
-
-    def add(self, token: int | None, finished: bool) -> str:
-        """The new piece of text after `token` (may be empty); at `finished`, everything still held back."""
-        if token is not None and token not in self.eos_token_ids:
-            self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if not finished:
-            text = text.rstrip("\ufffd")
-        end, self.stopped = find_stop(text, self.stops)
-        if finished and not self.stopped:
-            end = len(text)  # nothing more can complete a stop string
-        piece = text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return piece
+def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: put each event on its request's queue."""
+    for events_queue, event in events:
+        events_queue.put_nowait(event)
 
 
 # ---------------------------------------------------------------- the app
-
-
-class ServerMetrics:
-    """Latency histograms measured where the client feels them (the handler), in seconds from `clock`."""
-
-    def __init__(self):
-        self.ttft = Histogram("tiny_llm_time_to_first_token_seconds", "Time from request arrival to its first token.")
-        self.itl = Histogram("tiny_llm_inter_token_latency_seconds", "Time between consecutive tokens of a request.")
-        self.e2e = Histogram("tiny_llm_e2e_request_latency_seconds", "Time from request arrival to its last token.")
-        self.finished: dict[str, int] = {}  # finish reason -> requests
-
-    def render(self, stats: dict[str, float]) -> str:
-        gauges = [
-            Metric("tiny_llm_num_requests_running", "Requests holding KV blocks and generating.", "gauge",
-                   stats["num_running"]),
-            Metric("tiny_llm_num_requests_waiting", "Requests waiting for admission.", "gauge", stats["num_waiting"]),
-            Metric("tiny_llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).", "gauge",
-                   stats["kv_cache_usage"]),
-            Metric("tiny_llm_prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
-                   "gauge", stats["prefix_cache_hit_rate"]),
-            Metric("tiny_llm_prompt_tokens_total", "Prompt tokens processed.", "counter", stats["prompt_tokens_total"]),
-            Metric("tiny_llm_generation_tokens_total", "Tokens generated.", "counter",
-                   stats["generation_tokens_total"]),
-            Metric("tiny_llm_requests_finished_total", "Requests finished (any reason, aborts included).", "counter",
-                   sum(self.finished.values())),
-        ]
-        return render_prometheus([*gauges, self.ttft, self.itl, self.e2e])
 
 
 @dataclass
@@ -389,82 +349,102 @@ class Generation:
     finish_reason: str | None = None
 
 
+async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+    """Tell the handler (through its requests' queues) when the client goes away; run as a task beside it."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.events.put_nowait(ClientLeft())
+
+
 def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = time.perf_counter,
-               max_model_len: int | None = None) -> FastAPI:
+               max_model_len: int | None = None, api_key: str | None = None,
+               cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving `engine` (started and stopped with the app's lifespan).
 
     `model_name` is the id clients send as "model" and that /v1/models lists. The engine thread is
-    `app.state.engine_thread`. `clock` times the latency histograms. `max_model_len` (optional)
-    rejects prompts that, with max_tokens, could never fit.
+    `app.state.engine_thread`. `clock` times the latency histograms. `max_model_len` (optional, at
+    most what the engine can hold) bounds prompt plus output. `api_key`: requests to /v1 must send
+    it as `Authorization: Bearer KEY`. `cors_origins`: origins a browser may call from ("*": any).
     """
     engine_thread = EngineThread(engine)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name, lambda: engine_thread.stats)
+    context = engine_context(engine) if max_model_len is None else max_model_len
+    if not 1 <= context <= engine_context(engine):
+        raise ValueError(f"max_model_len={max_model_len} must be in 1 .. {engine_context(engine)}: "
+                         f"the tokens this engine's KV pool and model positions hold")
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def lifespan(app):
         engine_thread.start()
         yield
         engine_thread.stop()
+        tokenize_pool.shutdown(wait=False)
 
     app = FastAPI(title="tiny-llm", lifespan=lifespan)
     app.state.engine_thread = engine_thread
     app.state.metrics = metrics
+    app.state.draining = False
+    active: dict[str, RequestHandle] = {}  # requests being served, by id
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return error.response()
+    async def drain(timeout: float) -> None:
+        """Shutting down: refuse new requests, let running ones finish for `timeout` seconds, end the rest."""
+        app.state.draining = True
+        deadline = time.monotonic() + timeout
+        while active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for handle in list(active.values()):
+            handle.events.put_nowait(ServerStopping())
 
-    async def read_body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        requested = body.get("model", model_name)  # absent means this server's model, as mlx_lm.server
-        if requested != model_name:
-            raise APIError(404, f"the model '{requested}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
-        stream = _field(body, "stream", (bool,), False, "a boolean")
-        options = _field(body, "stream_options", (dict,), {}, "an object")
-        body["stream"], body["include_usage"] = stream, bool(options.get("include_usage", False))
-        return body
+    app.state.drain = drain
+    install_http_extras(app, api_key, list(cors_origins))
 
-    async def start(prompt: list[int], sampling: SamplingParams, prefix: str) -> tuple[RequestHandle, float]:
+    async def off_the_loop(function, *args):
+        """Run `function` on the tokenizing thread: a long prompt must not stall every other request."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
+
+    async def start(prompt: list[int], sampling: SamplingParams, priority: int, request_id: str) -> RequestHandle:
         """Hand the request to the engine thread; wait until it is accepted (or answer its refusal)."""
-        if max_model_len is not None and len(prompt) + sampling.max_tokens > max_model_len:
-            raise APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
-                           f"exceeds this server's {max_model_len} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down")
         if not engine_thread.running:
             raise APIError(503, f"the engine is not running: {engine_thread.error!r}")
-        arrival = clock()
-        handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", prompt, sampling, asyncio.get_running_loop(),
-                               asyncio.Queue())
+        handle = RequestHandle(request_id, prompt, sampling, asyncio.get_running_loop(), asyncio.Queue(), priority)
         engine_thread.submit(handle)
         first = await handle.events.get()
         if isinstance(first, Rejected):
             if isinstance(first.error, (ValueError, TypeError)):
                 raise APIError(400, str(first.error), code="invalid_request")
-            raise APIError(500, f"the engine failed: {first.error!r}")
-        return handle, arrival
+            raise APIError(500, f"the engine failed: {type(first.error).__name__}")
+        return handle
 
     async def tokens(handle: RequestHandle, stops: list[str], generation: Generation, arrival: float):
-        """The request's text pieces, one per token; aborts the request if the consumer stops early."""
+        """The request's text pieces, one per token; aborts the request if it ends before the engine says so."""
         text = TextStream(tokenizer, stops)
-        last = None
+        first_token = last_token = None
+        engine_done = False  # the engine finished the request itself (EOS or max_tokens)
+        active[handle.request_id] = handle
         try:
             while True:
                 output = await handle.events.get()
+                if isinstance(output, ClientLeft):
+                    return
+                if isinstance(output, ServerStopping):
+                    generation.finish_reason = "abort"
+                    yield text.add(None, finished=True)
+                    return
                 if isinstance(output, Rejected):
-                    raise APIError(500, f"the engine failed: {output.error!r}")
+                    raise APIError(500, f"the engine failed: {type(output.error).__name__}")
                 now = clock()
                 if output.token is not None and output.token not in text.eos_token_ids:
                     generation.completion_tokens += 1
-                    if last is None:
+                    if last_token is None:
+                        first_token = now
                         metrics.ttft.observe(now - arrival)
                     else:
-                        metrics.itl.observe(now - last)
-                    last = now
+                        metrics.itl.observe(now - last_token)
+                    last_token = now
+                engine_done = output.finished
                 piece = text.add(output.token, output.finished)
                 if text.stopped:
                     generation.finish_reason = "stop"
@@ -474,97 +454,91 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                 if generation.finish_reason is not None:
                     return
         finally:
-            if generation.finish_reason is None or text.stopped:
-                # The client left, the engine failed, or a stop string ended it early: free its blocks now.
+            del active[handle.request_id]
+            if not engine_done or text.stopped:
+                # The client left, the engine failed, a stop string or a shutdown ended it: free its blocks now.
                 engine_thread.abort(handle.request_id)
-            reason = generation.finish_reason or "abort"
-            metrics.finished[reason] = metrics.finished.get(reason, 0) + 1
+            metrics.finished(generation.finish_reason or "abort")
             metrics.e2e.observe(clock() - arrival)
+            if first_token is not None:
+                metrics.decode.observe(last_token - first_token)
 
-    def usage(generation: Generation) -> dict:
-        return {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens,
-                "total_tokens": generation.prompt_tokens + generation.completion_tokens}
+    async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float):
+        """Serve every prompt `n` times, one engine request per choice, as one response or one stream."""
+        check_choices(len(prompts), body.n)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        plans = [(prompt, body.sampling(max_tokens_for(body, len(prompt), context), i))
+                 for prompt in prompts for i in range(body.n)]
+        handles: list[RequestHandle] = []
+        try:
+            for index, (prompt, sampling) in enumerate(plans):
+                handles.append(await start(prompt, sampling, body.priority, f"{response_id}-{index}"))
+        except BaseException:
+            for handle in handles:  # refused part-way: the choices already accepted must not run on
+                engine_thread.abort(handle.request_id)
+            raise
+        watcher = asyncio.create_task(wait_for_disconnect(request, handles))
+        generations = [Generation(h.request_id, prompt_tokens=len(h.prompt)) for h in handles]
+        streams = [tokens(h, body.stop_strings(), g, arrival) for h, g in zip(handles, generations)]
+        head = {"id": response_id, "created": int(time.time()), "model": model_name}
 
-    async def collect(request: Request, pieces) -> str:
-        """All of a non-streaming request's text; stops (and so aborts the request) if the client leaves."""
-        text = []
-        iterator = pieces.__aiter__()
-        while True:
-            step = asyncio.ensure_future(iterator.__anext__())
-            while not step.done():
-                await asyncio.wait([step], timeout=DISCONNECT_POLL_SECONDS)
-                if not step.done() and await request.is_disconnected():
-                    step.cancel()
-                    await pieces.aclose()
-                    raise APIError(499, "client disconnected")
-            try:
-                text.append(step.result())
-            except StopAsyncIteration:
-                return "".join(text)
+        def total_usage() -> dict:
+            completion = sum(g.completion_tokens for g in generations)
+            return usage(sum(len(prompt) for prompt in prompts), completion)
 
-    async def respond(request: Request, body: dict, prompt: list[int], chat: bool):
-        sampling, stops = parse_sampling(body)
-        prefix = "chatcmpl" if chat else "cmpl"
-        handle, arrival = await start(prompt, sampling, prefix)
-        generation = Generation(handle.request_id, prompt_tokens=len(prompt))
-        pieces = tokens(handle, stops, generation, arrival)
-        created = int(time.time())
-        head = {"id": handle.request_id, "created": created, "model": model_name}
+        if not body.stream:
+            texts = await collect_all(streams, watcher)
+            if any(g.finish_reason is None for g in generations):
+                raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
+            choices = [choice(chat, i, text, g.finish_reason, streaming=False)
+                       for i, (text, g) in enumerate(zip(texts, generations))]
+            return JSONResponse({**head, "object": object_kind(chat, False), "choices": choices,
+                                 "usage": total_usage()})
 
-        def choice(piece: str, finish_reason: str | None, first: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": piece} if first else ({"content": piece} if piece else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return {"index": 0, "text": piece, "finish_reason": finish_reason, "logprobs": None}
-
-        if not body["stream"]:
-            text = await collect(request, pieces)
-            if chat:
-                message = {"role": "assistant", "content": text}
-                choices = [{"index": 0, "message": message, "finish_reason": generation.finish_reason,
-                            "logprobs": None}]
-            else:
-                choices = [{"index": 0, "text": text, "finish_reason": generation.finish_reason, "logprobs": None}]
-            kind = "chat.completion" if chat else "text_completion"
-            return JSONResponse({**head, "object": kind, "choices": choices, "usage": usage(generation)})
-
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        kind = object_kind(chat, True)
 
         async def events():
-            # Cancelled here (the client left) or not, `pieces`' finally aborts an unfinished request.
+            # Cancelled here (the client left) or not, each stream's finally aborts its unfinished request.
             try:
-                first = True
-                async for piece in pieces:
-                    done = generation.finish_reason is not None
-                    if piece or first or not done:
-                        yield sse_event({**head, "object": kind, "choices": [choice(piece, None, first)]})
-                        first = False
-                    if done:
-                        yield sse_event({**head, "object": kind, "choices": [choice("", generation.finish_reason)]})
-                if body["include_usage"]:
-                    yield sse_event({**head, "object": kind, "choices": [], "usage": usage(generation)})
+                async for index, piece, finish_reason, first in merge(streams, generations):
+                    yield sse_event({**head, "object": kind,
+                                     "choices": [choice(chat, index, piece, finish_reason, True, first)]})
+                if any(g.finish_reason is None for g in generations):
+                    return  # the client left or the engine failed: nothing more to say
+                if body.include_usage:
+                    yield sse_event({**head, "object": kind, "choices": [], "usage": total_usage()})
                 yield sse_event("[DONE]")
             finally:
-                await pieces.aclose()
+                watcher.cancel()
+                for stream in streams:
+                    await stream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
-        prompt_text = chat_prompt(tokenizer, body.get("messages"))
-        return await respond(request, body, tokenizer.encode(prompt_text, add_special_tokens=False), chat=True)
+        arrival = clock()
+        body = parse_body(ChatCompletionRequest, await request.body(), model_name)
+        prompt = await off_the_loop(chat_prompt_ids, tokenizer, body.messages)
+        return await respond(request, body, [prompt], chat=True, arrival=arrival)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
-        return await respond(request, body, completion_prompt(tokenizer, body.get("prompt")), chat=False)
+        arrival = clock()
+        body = parse_body(CompletionRequest, await request.body(), model_name)
+        prompts = await off_the_loop(completion_prompt_ids, tokenizer, body.prompt, engine.model.args.vocab_size)
+        return await respond(request, body, prompts, chat=False, arrival=arrival)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tiny-llm"}]}
+        return {"object": "list", "data": [model_card(model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        return model_card(model_name)
 
     @app.get("/health")
     async def health():
@@ -574,7 +548,7 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return PlainTextResponse(metrics.render(engine_thread.stats),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
 
     return app

@@ -97,8 +97,8 @@ def check_max_seq_len(model, max_seq_len) -> int:
 def kv_bytes_per_token(model) -> int | None:
     """Bytes of keys and values one token takes in every layer's cache (None when the model does not say)."""
     args = getattr(model, "args", None)
-    if args is None:
-        return None
+    if not all(hasattr(args, name) for name in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+        return None  # a test's stand-in model, or no args at all
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     dtype = getattr(getattr(getattr(model, "embedding", None), "weight", None), "dtype", None)
@@ -121,6 +121,16 @@ def check_batch_size(model, batch_size, max_seq_len: int) -> int:
                          f"of KV cache when full, more than this machine's {memory_bytes() / 1e9:.1f} GB of memory: "
                          f"use fewer slots or a shorter max_seq_len")
     return batch_size
+
+
+def check_kv_pool(model, num_blocks: int, block_size: int) -> None:
+    """A paged KV pool of `num_blocks` x `block_size` tokens must fit in the machine's memory (day 3.2's pool)."""
+    per_token = kv_bytes_per_token(model)
+    need = num_blocks * block_size * (per_token or 0)
+    if need > memory_bytes():
+        raise ValueError(f"num_blocks={num_blocks} blocks of block_size={block_size} tokens would need "
+                         f"{need / 1e9:.1f} GB of KV cache, more than this machine's {memory_bytes() / 1e9:.1f} GB "
+                         f"of memory: use fewer blocks")
 
 
 def check_chunk_size(policy, size) -> int:

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .attention import causal_mask
 from .block_manager import slot_mapping
+from .quantized_kv import make_kv_pool
 from .qwen2_week3 import PrefillChunk, RaggedBatch
 from .sampler import make_sampler
 from .scheduler import ScheduledChunk, StepPlan
@@ -22,11 +23,11 @@ from .sequence import Sequence
 class ModelRunner:
     """Runs plans on a week-3 model over its own KV pool of `num_blocks` blocks of `block_size` positions."""
 
-    def __init__(self, model, num_blocks: int, block_size: int):
-        """Allocate the KV pool once (provided)."""
+    def __init__(self, model, num_blocks: int, block_size: int, kv_bits: int | None = None):
+        """Allocate the KV pool once (provided); `kv_bits` 16, 8 or 4 stores it in fewer bytes (day 4.2)."""
         self.model = model
         self.block_size = block_size
-        self.pool = model.make_kv_pool(num_blocks, block_size)
+        self.pool = make_kv_pool(model, num_blocks, block_size, kv_bits)
 
     def run(self, plan: StepPlan) -> list[int]:
         """Run the plan in one model call; return the next token of each chunk that samples, in plan order."""

@@ -1,0 +1,469 @@
+"""Speculative decoding, verified as a prefill chunk: several tokens per sequence per step, same output.
+
+A decode step reads every weight to produce one token per sequence. If something cheap could guess
+the next k tokens, the target model could check all of them in *one* pass: the newest token and the
+k guesses form a chunk of k + 1 tokens at the sequence's offset, run under day 2.7's chunk mask,
+exactly like a prefill chunk, riding in the same token-budget step as everybody else's decodes and
+prefills. Row i of the chunk gives the target's next token after guess i, so
+
+- greedy: the longest prefix of guesses the target agrees with is accepted, plus the target's own
+  token after it (a correction, or a bonus when every guess was right): 1 to k + 1 tokens a step;
+- temperature > 0: rejection sampling accepts guess x with probability min(1, p(x) / q(x)) and, at
+  the first rejection, draws from the residual max(p - q, 0), normalized: the output has exactly the
+  target's distribution, whatever the guesses were.
+
+The KV cache then holds keys of rejected guesses: the sequence's computed length goes back to what
+was accepted, and blocks wholly past it go back to the pool.
+
+- `NgramProposer`: prompt lookup; the last n tokens seen earlier in the context propose what
+  followed them there. No second model: it shines when the output copies from the prompt.
+- `DraftModelProposer`: a smaller model with the same tokenizer, greedy, with its own KV cache.
+- `accept_greedy`, `accept_sampled`: the two acceptance rules.
+- `SpeculativeEngine`: week 3's engine, with proposals planned into the step's leftover budget and
+  verified in the same model call. Speculation backs off by itself: only the tokens the decodes and
+  prefills leave in the budget are proposed, and a sequence whose guesses keep failing stops
+  guessing (it tries again now and then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .block_manager import blocks_for
+from .engine import EngineConfig, LLMEngine
+from .scheduler import ScheduledChunk, StepOutput, StepPlan
+from .sequence import Sequence
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+
+
+@dataclass
+class VerifyChunk(ScheduledChunk):
+    """A decoding sequence's newest token followed by `draft`: `1 + len(draft)` tokens, every row sampled.
+
+    To the model it is a prefill chunk at the sequence's offset; the draft tokens are not part of the
+    sequence (yet): only the accepted ones will be.
+    """
+
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The newest token, then the guesses."""
+        return self.seq.token_ids[self.start : self.start + 1] + self.draft
+
+    @property
+    def samples(self) -> bool:
+        """Always: its rows are what the guesses are checked against."""
+        return True
+
+
+# ---------------------------------------------------------------- proposers
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in its context; propose what followed."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+        """Match suffixes of `max_ngram` tokens down to `min_ngram` (longer matches are tried first)."""
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching suffix; [] if none."""
+        # BEGIN TASK Week 4 Day 1 Task 1: n-gram prompt lookup
+        # TODO: for n from max_ngram down to min_ngram: the last n tokens; the latest earlier place they occur
+        # TODO: (not the suffix itself); propose up to k tokens that followed them there
+        tokens = seq.token_ids
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) <= n:
+                continue
+            suffix = tokens[-n:]
+            # Latest first: the most recent copy is the likeliest to go on the same way.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + k]
+        return []
+        # END TASK
+
+    def forget(self, request_id) -> None:
+        """Nothing is kept per request (provided)."""
+
+
+class DraftModelProposer:
+    """A smaller mlx-lm model with the target's tokenizer guesses greedily, keeping a KV cache per request (provided).
+
+    Its cache is trimmed back to what it shares with the sequence before each proposal, so rejected
+    guesses cost nothing to forget.
+    """
+
+    def __init__(self, draft_model):
+        """`draft_model`: an mlx-lm model (`model(inputs, cache=...)` -> logits) over the same vocabulary."""
+        self.model = draft_model
+        self.states: dict[object, tuple[list, list[int]]] = {}  # request id -> (cache, tokens it holds)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """The draft's `k` greedy next tokens after the sequence's tokens."""
+        if k < 1:
+            return []
+        cache, held = self.states.get(seq.request_id) or (make_prompt_cache(self.model), [])
+        context = seq.token_ids
+        common = 0
+        limit = min(len(held), len(context) - 1)  # feed at least one token: its logits are the first guess
+        while common < limit and held[common] == context[common]:
+            common += 1
+        trim_prompt_cache(cache, len(held) - common)
+        feed, draft = context[common:], []
+        for _ in range(k):
+            logits = self.model(mx.array([feed]), cache=cache)
+            draft.append(mx.argmax(logits[0, -1]).item())
+            feed = draft[-1:]
+        self.states[seq.request_id] = (cache, context + draft[:-1])  # the last guess was never fed
+        return draft
+
+    def forget(self, request_id) -> None:
+        """Drop a finished request's cache."""
+        self.states.pop(request_id, None)
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def accept_greedy(draft: list[int], target_tokens: list[int]) -> list[int]:
+    """The tokens a greedy sequence gains: the guesses the target agrees with, then the target's own next token.
+
+    `target_tokens[i]` is the target's argmax at row i of the verify chunk, i.e. after the newest token
+    and `draft[:i]`; there are `len(draft) + 1` of them.
+    """
+    # BEGIN TASK Week 4 Day 1 Task 2: greedy acceptance
+    # TODO: walk the guesses while each equals the target's token at its row; then append the target's
+    # TODO: token at the first disagreeing row (or the bonus row after the last guess)
+    accepted = []
+    for guess, target in zip(draft, target_tokens):
+        if guess != target:
+            break
+        accepted.append(guess)
+    accepted.append(target_tokens[len(accepted)])
+    return accepted
+    # END TASK
+
+
+def accept_sampled(draft: list[int], target_probs: mx.array, draft_probs: mx.array | None = None) -> list[int]:
+    """Rejection sampling: the tokens a sampled sequence gains, distributed exactly as the target's own draws.
+
+    `target_probs` is `(len(draft) + 1) x V`: row i is the target's distribution after `draft[:i]`.
+    `draft_probs` is `len(draft) x V`, the distributions the guesses were drawn from; None means every
+    guess was certain (a proposer that picks, like prompt lookup or a greedy draft: q is one-hot).
+    Draws use MLX's global random state.
+    """
+    # BEGIN TASK Week 4 Day 1 Task 3: rejection sampling
+    # TODO: for each guess x at row i: q = its draft row (one-hot on x when None); accept with probability
+    # TODO: min(1, p(x) / q(x)); at the first rejection draw from max(p - q, 0) normalized and stop;
+    # TODO: if every guess is accepted, draw one more token from the last row of p
+    accepted = []
+    for i, guess in enumerate(draft):
+        p = target_probs[i]
+        q = mx.zeros_like(p).at[guess].add(1.0) if draft_probs is None else draft_probs[i]
+        ratio = p[guess] / q[guess]
+        if mx.random.uniform().item() < ratio.item():
+            accepted.append(guess)
+            continue
+        residual = mx.maximum(p - q, 0.0)
+        accepted.append(mx.random.categorical(mx.log(residual / residual.sum())).item())
+        return accepted
+    accepted.append(mx.random.categorical(mx.log(target_probs[len(draft)])).item())
+    return accepted
+    # END TASK
+
+
+# ---------------------------------------------------------------- bookkeeping (provided)
+
+
+@dataclass
+class SpeculationStats:
+    """Counters over every verify chunk: guesses proposed and accepted, and chunks verified."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted guesses / proposed guesses (0 before any)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted guesses per verify chunk (0 before any): each chunk also yields one token of the target's own."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+
+class AcceptanceTracker:
+    """Per sequence, a moving average of its acceptance rate; below `min_rate` it stops guessing (provided).
+
+    A sequence that stopped tries again after `probe_interval` plain decode steps, so one that starts
+    copying (a quote, a code block) is noticed.
+    """
+
+    def __init__(self, min_rate: float = 0.5, probe_interval: int = 16, smoothing: float = 0.5):
+        """A rate in 0..1, a probe every `probe_interval` >= 1 steps, a smoothing weight in (0, 1]."""
+        if not 0 <= min_rate <= 1 or probe_interval < 1 or not 0 < smoothing <= 1:
+            raise ValueError("need 0 <= min_rate <= 1, probe_interval >= 1 and 0 < smoothing <= 1, got "
+                             f"{min_rate}, {probe_interval}, {smoothing}")
+        self.min_rate = min_rate
+        self.probe_interval = probe_interval
+        self.smoothing = smoothing
+        self.rates: dict[object, float] = {}
+        self.waits: dict[object, int] = {}  # steps left before a turned-down sequence probes again
+
+    def wants(self, request_id) -> bool:
+        """Should this sequence propose this step? Counts a step of waiting when it should not."""
+        if self.rates.get(request_id, 1.0) >= self.min_rate:
+            return True
+        self.waits[request_id] = self.waits.get(request_id, self.probe_interval) - 1
+        if self.waits[request_id] > 0:
+            return False
+        del self.waits[request_id]
+        return True
+
+    def observe(self, request_id, proposed: int, accepted: int) -> None:
+        """Fold one verify chunk's outcome into the sequence's average."""
+        rate = accepted / proposed
+        old = self.rates.get(request_id)
+        self.rates[request_id] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+
+    def forget(self, request_id) -> None:
+        """Drop a finished request."""
+        self.rates.pop(request_id, None)
+        self.waits.pop(request_id, None)
+
+
+def give_back_blocks_past(block_manager, seq: Sequence, num_tokens: int) -> None:
+    """Return the blocks of `seq` that hold no position below `num_tokens` to the pool (provided).
+
+    They go through the manager's own `free`, as the block table of a throwaway sequence, so the plain
+    and the prefix-caching managers each do their own bookkeeping.
+    """
+    keep = blocks_for(num_tokens, block_manager.block_size)
+    if len(seq.block_table) <= keep:
+        return
+    spare = Sequence(("rejected", seq.request_id), [0])
+    seq.block_table, spare.block_table = seq.block_table[:keep], seq.block_table[keep:]
+    block_manager.free(spare)
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Greedy sequences and plain temperature sampling; top-k/top-p ones decode as usual (provided).
+
+    Rejection sampling needs the target's exact distribution, which here is softmax(logits / temperature).
+    """
+    params = seq.sampling
+    return params.greedy or (params.top_k == 0 and params.top_p == 1)
+
+
+class SpeculativeRunner:
+    """Wraps week 3's model runner: runs a plan with every row of each verify chunk sampled (provided)."""
+
+    def __init__(self, runner):
+        """`runner`: a week-3 `ModelRunner` (its `prepare`, model, pool and `sample` are used as they are)."""
+        self.runner = runner
+
+    def logit_rows(self, plan: StepPlan) -> mx.array:
+        """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk."""
+        batch = self.runner.prepare(plan)
+        rows, end = [], 0
+        for chunk in plan.chunks:
+            end += chunk.length
+            if isinstance(chunk, VerifyChunk):
+                rows += range(end - chunk.length, end)
+            elif chunk.samples:
+                rows.append(end - 1)
+        batch.sample_rows = mx.array(rows, dtype=mx.int32)
+        logits = self.runner.model(batch, self.runner.pool)
+        mx.eval(logits, *self.runner.pool.arrays())
+        return logits
+
+    def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
+        """Week 3's sampling for ordinary chunks."""
+        return self.runner.sample(logits, seqs)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculation's knobs, beside the engine's `EngineConfig` (provided)."""
+
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most guesses one verify chunk checks
+    min_acceptance_rate: float = 0.5  # a sequence whose acceptance falls below this stops guessing...
+    probe_interval: int = 16  # ...and tries again after this many plain decode steps
+
+    def __post_init__(self):
+        """Reject a knob no engine can use, naming it."""
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class SpeculativeEngine(LLMEngine):
+    """Week 3's engine; decoding sequences propose up to k tokens each, verified in the same model call."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *,
+                 speculation: SpeculativeConfig | None = None, proposer=None, **engine_kwargs):
+        """`proposer` (default: `NgramProposer()`) has `propose(seq, k)` and `forget(request_id)` (provided).
+
+        `config` and the other keywords (`metrics`, `clock`, `log`) are `LLMEngine`'s.
+        """
+        super().__init__(model, tokenizer, config, **engine_kwargs)
+        self.speculation_config = speculation = speculation or SpeculativeConfig()
+        self.runner = SpeculativeRunner(self.runner)
+        self.proposer = proposer or NgramProposer()
+        self.num_speculative_tokens = speculation.num_speculative_tokens
+        self.tracker = AcceptanceTracker(speculation.min_acceptance_rate, speculation.probe_interval)
+        self.speculation = SpeculationStats()
+        self.log(f"speculative decoding: up to {self.num_speculative_tokens} tokens proposed by "
+                 f"{type(self.proposer).__name__}, turned down below {100 * speculation.min_acceptance_rate:.0f}% "
+                 f"acceptance")
+
+    def step(self) -> list[StepOutput]:
+        """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
+        self.maybe_log()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        self.propose(plan)
+        logits = self.run(plan)
+        outputs = self.update(plan, logits)
+        self.record(plan, outputs)
+        for output in outputs:
+            if output.finished:
+                self.forget(output.request_id)
+        return outputs
+
+    def run(self, plan: StepPlan) -> mx.array:
+        """One model call, every verify row sampled; timed for the budget policy (a verify chunk counts as a decode
+        plus its guesses); a failure releases every sequence (provided)."""
+        start = self.clock()
+        try:
+            logits = self.runner.logit_rows(plan)
+        except BaseException:
+            self.release_all()  # a failed step must not leak the blocks of the sequences it held
+            raise
+        num_decoding = len(plan.decodes) + sum(isinstance(c, VerifyChunk) for c in plan.prefills)
+        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start)
+        self.num_steps += 1
+        return logits
+
+    def step_budget(self, plan: StepPlan) -> int:
+        """The step's token budget as the scheduler computed it (provided)."""
+        return self.scheduler.step_budget(len(plan.decodes))
+
+    def propose(self, plan: StepPlan) -> None:
+        """Turn decodes into verify chunks with the budget the plan leaves, the free blocks and `max_tokens`."""
+        # BEGIN TASK Week 4 Day 1 Task 4: plan proposals into the step
+        # TODO: room = step budget - planned tokens; for each decode (while room is left) that can speculate and
+        # TODO: whose tracker wants to: k = min(num_speculative_tokens, room, tokens it may still emit - 1);
+        # TODO: ask the proposer; cut the draft to what the held and free blocks cover; allocate; swap the
+        # TODO: decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
+        room = self.step_budget(plan) - plan.num_tokens
+        block_size = self.block_manager.block_size
+        for chunk in list(plan.decodes):
+            if room <= 0:
+                return
+            seq = chunk.seq
+            # The last token emitted is always the target's own, so at most max_tokens - outputs - 1 guesses.
+            k = min(self.num_speculative_tokens, room, seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
+            if k <= 0 or not can_speculate(seq) or not self.tracker.wants(seq.request_id):
+                continue
+            draft = self.proposer.propose(seq, k)[:k]
+            # Speculation never preempts: only positions the held and the free blocks can take.
+            held = (len(seq.block_table) + self.block_manager.num_free_blocks) * block_size
+            draft = draft[: held - seq.num_tokens]
+            if not draft:
+                continue
+            self.block_manager.allocate(seq, seq.num_tokens + len(draft))
+            plan.decodes.remove(chunk)
+            plan.prefills.append(VerifyChunk(seq, chunk.start, 1 + len(draft), draft))
+            room -= len(draft)
+        # END TASK
+
+    def update(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
+        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided)."""
+        ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
+        rows, row = {}, 0
+        for chunk in plan.chunks:  # which logits rows belong to which chunk
+            count = chunk.length if isinstance(chunk, VerifyChunk) else int(chunk.samples)
+            rows[id(chunk)] = (row, row + count)
+            row += count
+        sampling = [c for c in ordinary.chunks if c.samples]
+        ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
+        tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
+        outputs = self.scheduler.update_from_output(ordinary, tokens)
+        for chunk in plan.prefills:
+            if isinstance(chunk, VerifyChunk):
+                first, last = rows[id(chunk)]
+                outputs += self.apply_verification(chunk, self.verify(chunk, logits[first:last]))
+        return outputs
+
+    def verify(self, chunk: VerifyChunk, logits: mx.array) -> list[int]:
+        """The tokens the chunk's sequence gains, from its `1 + k` rows of logits (provided)."""
+        params = chunk.seq.sampling
+        if params.greedy:
+            return accept_greedy(chunk.draft, mx.argmax(logits, axis=-1).tolist())
+        if params.seed is not None:
+            mx.random.seed(params.seed + len(chunk.seq.output_token_ids))  # as week 3: whatever shares the batch
+        probs = mx.softmax(logits.astype(mx.float32) / params.temperature, axis=-1)
+        return accept_sampled(chunk.draft, probs)
+
+    def apply_verification(self, chunk: VerifyChunk, accepted: list[int]) -> list[StepOutput]:
+        """Append the accepted tokens (EOS and max_tokens end it as usual), count them, give back rejected positions."""
+        # BEGIN TASK Week 4 Day 1 Task 5: accept, count, roll back
+        # TODO: count the chunk in self.speculation and the tracker (accepted guesses = len(accepted) - 1);
+        # TODO: scheduler.append_token each accepted token, stopping when one finishes the sequence; then the cache holds
+        # TODO: the newest token and the accepted guesses: num_computed_tokens = start + len(accepted);
+        # TODO: give back the blocks past it; let the prefix cache see its new full blocks
+        seq = chunk.seq
+        self.speculation.proposed += len(chunk.draft)
+        self.speculation.accepted += len(accepted) - 1
+        self.speculation.verifications += 1
+        self.tracker.observe(seq.request_id, len(chunk.draft), len(accepted) - 1)
+        outputs = []
+        for token in accepted:
+            outputs.append(self.scheduler.append_token(seq, token))
+            if outputs[-1].finished:
+                return outputs  # finishing freed every block
+        # The newest token and the accepted guesses are in the cache; the last token (the target's own) is not.
+        seq.num_computed_tokens = chunk.start + len(accepted)
+        give_back_blocks_past(self.block_manager, seq, seq.num_computed_tokens)
+        self.block_manager.cache_computed_blocks(seq)
+        return outputs
+        # END TASK
+
+    def abort(self, request_id) -> None:
+        """End a request now and forget its speculation state (provided)."""
+        super().abort(request_id)
+        self.forget(request_id)
+
+    def forget(self, request_id) -> None:
+        """Drop per-request speculation state (provided)."""
+        self.proposer.forget(request_id)
+        self.tracker.forget(request_id)
+
+    def summary(self) -> dict:
+        """Week 3's summary plus the speculation counters (provided)."""
+        summary = super().summary()
+        summary.update(speculative_proposed=self.speculation.proposed, speculative_accepted=self.speculation.accepted,
+                       speculative_acceptance_rate=self.speculation.acceptance_rate,
+                       speculative_mean_accepted_length=self.speculation.mean_accepted_length)
+        return summary
+
+    def log_details(self) -> str:
+        """The log line's speculation part (provided)."""
+        return (f", speculation: {100 * self.speculation.acceptance_rate:.1f}% accepted, "
+                f"{self.speculation.mean_accepted_length:.2f} guesses accepted per verification")

@@ -1,0 +1,659 @@
+"""Week 4 Day 1: speculative decoding, verified as a prefill chunk (book/src/week4-01-speculative-decoding.md).
+
+Oracles: a fake runner that simulates the paged pool (every slot remembers which token of which
+sequence was written there, and every sampled row first checks that its sequence's block table reads
+back exactly its own context) and whose "model" is a fixed function of the history, so generation
+one request at a time, without speculation, is computed directly; exact probabilities of that
+function for the statistical tests (a chi-square test with a stated false-alarm rate); mlx-lm's own
+Qwen2, one request at a time, for greedy outputs on the embedded model; hand-built cases for the
+acceptance rules and the counters.
+
+Every other day's code (week 3's engine, scheduler, runner, model) comes from the reference: the
+selector. The engine tests run the student's whole day 4.1 (their proposer, acceptance rules,
+planning and roll-back) on that stack.
+"""
+
+import math
+import random
+
+import mlx.core as mx
+import pytest
+
+from tests.harness import reference, solution
+from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
+from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
+
+sol = solution(week=4, day=1)
+ref = reference()
+Params = ref.sequence.SamplingParams
+STEP_LIMIT = 2000  # no engine run in this file needs more steps; more means a sequence stopped moving
+FALSE_ALARM = 1e-3  # each statistical test fails a correct solution with at most this probability
+
+
+# ---------------------------------------------------------------- the fake model and runner
+
+
+def fake_logits(history: list[int]) -> list[float]:
+    """The fake model's logits after `history`: a fixed pseudo-random function of the whole history."""
+    h = 17
+    for token in history:
+        h = (h * 1_000_003 + token + 7) % 2_147_483_647
+    rng = random.Random(h)
+    return [rng.gauss(0.0, 2.0) for _ in range(VOCAB)]
+
+
+def fake_greedy(prompt: list[int], max_tokens: int, logits_of=fake_logits) -> tuple[list[int], str]:
+    """One request alone, greedy, no speculation: (output, finish reason)."""
+    history, output = list(prompt), []
+    while len(output) < max_tokens:
+        row = logits_of(history)
+        token = row.index(max(row))
+        if token == EOS:
+            return output, "stop"
+        output.append(token)
+        history.append(token)
+    return output, "length"
+
+
+class FakeSpeculativeRunner:
+    """`logit_rows` and `sample`, what SpeculativeEngine calls of its runner, without a model.
+
+    `logits_of(history)` gives a row's logits. The pool is simulated slot by slot, each slot holding the
+    (position, token) last written there (a block shared through the prefix cache holds the same for
+    every sharer), and checked at every sampled row.
+    """
+
+    def __init__(self, engine, logits_of=fake_logits):
+        self.engine = engine
+        self.logits_of = logits_of
+        self.slots: dict[int, tuple] = {}
+        self.plans = []
+
+    def slot(self, seq, position):
+        block_size = self.engine.block_manager.block_size
+        assert position // block_size < len(seq.block_table), \
+            f"{seq.request_id!r} position {position} has no block (table {seq.block_table})"
+        return seq.block_table[position // block_size] * block_size + position % block_size
+
+    def logit_rows(self, plan):
+        self.plans.append(plan)
+        for chunk in plan.chunks:  # the model writes every row's key before anyone reads
+            for i, token in enumerate(chunk.token_ids):
+                self.slots[self.slot(chunk.seq, chunk.start + i)] = (chunk.start + i, token)
+        rows = []
+        for chunk in plan.chunks:
+            verify = isinstance(chunk, ref_verify_chunks())
+            if not (verify or chunk.samples):
+                continue
+            context = chunk.seq.token_ids[: chunk.start] + chunk.token_ids
+            for position, token in enumerate(context):
+                held = self.slots.get(self.slot(chunk.seq, position))
+                assert held == (position, token), \
+                    f"{chunk.seq.request_id!r} position {position}: its block holds {held}, not token {token}"
+            first = len(context) - (chunk.length if verify else 1)
+            rows += [self.logits_of(context[: end + 1]) for end in range(first, len(context))]
+        return mx.array(rows) if rows else mx.zeros((0, VOCAB))
+
+    def sample(self, logits, seqs):
+        tokens = []
+        for row, seq in enumerate(seqs):
+            if seq.sampling.greedy:
+                tokens.append(mx.argmax(logits[row]).item())
+            else:
+                tokens.append(mx.random.categorical(logits[row] / seq.sampling.temperature).item())
+        return tokens
+
+
+def ref_verify_chunks():
+    """VerifyChunk of the student's module and the reference's (a chunk is recognized by either)."""
+    return (sol.speculative.VerifyChunk, ref.speculative.VerifyChunk)
+
+
+class OracleProposer:
+    """Guesses the fake model's greedy continuation right for a random number of tokens, then wrong ones."""
+
+    def __init__(self, seed: int, logits_of=fake_logits):
+        self.rng = random.Random(seed)
+        self.logits_of = logits_of
+        self.calls = []
+
+    def propose(self, seq, k):
+        self.calls.append((seq.request_id, k))
+        right = self.rng.randint(0, k)
+        history, draft = list(seq.token_ids), []
+        for i in range(k):
+            row = self.logits_of(history)
+            token = row.index(max(row))
+            if i >= right:
+                token = (token + 1 + self.rng.randrange(VOCAB - 2)) % VOCAB  # anything but the right one
+            draft.append(token)
+            history.append(token)
+        return draft
+
+    def forget(self, request_id):
+        pass
+
+
+def fake_engine(logits_of=fake_logits, proposer=None, num_speculative_tokens=4, min_acceptance_rate=0.3,
+                probe_interval=8, **config):
+    """The student's SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
+    speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
+    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), ref.engine.EngineConfig(**config),
+                                               speculation=speculation, proposer=proposer)
+    engine.runner = FakeSpeculativeRunner(engine, logits_of)
+    return engine
+
+
+def run_to_end(engine, arrivals=(), check=None) -> dict:
+    """Step until done (requests in `arrivals` join one per step); `check(engine)` after every step.
+
+    Returns the arrivals' sequences by request id.
+    """
+    pending, seqs = list(arrivals), {}
+    for _ in range(STEP_LIMIT):
+        if pending:
+            prompt, params, request_id = pending.pop(0)
+            seqs[request_id] = engine.add_request(prompt, params, request_id=request_id)
+        if not pending and not engine.has_work():
+            return seqs
+        engine.step()
+        if check:
+            check(engine)
+    raise AssertionError(f"not done after {STEP_LIMIT} steps: {engine.scheduler.running} still running")
+
+
+def random_prompts(n, seed, longest=30):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, EOS) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+def blocks_are_sound(engine, shared: bool = False):
+    """No block in two tables (unless `shared`: the prefix cache) or both held and free; none past a sequence's tokens."""
+    manager = engine.block_manager
+    held = [b for seq in engine.scheduler.running for b in seq.block_table]
+    if not shared:
+        assert len(held) == len(set(held)), "a block is in two block tables"
+    assert len(set(held)) + manager.num_free_blocks == manager.num_blocks, \
+        f"{manager.num_blocks - manager.num_free_blocks - len(set(held))} blocks are neither held nor free: leaked"
+    for seq in engine.scheduler.running:
+        most = ref.block_manager.blocks_for(seq.num_tokens, manager.block_size)
+        assert len(seq.block_table) <= most, \
+            f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
+
+
+def verifications_are_exact(engine):
+    """After a step: each greedy verify chunk gave its sequence exactly its right guesses plus one token.
+
+    Right guesses are counted from the fake model itself; the cache then holds all but the newest token.
+    """
+    for chunk in engine.runner.plans[-1].chunks:
+        seq = chunk.seq
+        if not isinstance(chunk, ref_verify_chunks()) or not seq.sampling.greedy or seq.is_finished:
+            continue
+        history, right = seq.token_ids[: chunk.start + 1], 0
+        for guess in chunk.draft:
+            row = engine.runner.logits_of(history)
+            if guess != row.index(max(row)):
+                break
+            right += 1
+            history.append(guess)
+        if seq.num_computed_tokens == 0:
+            continue  # preempted since: nothing to check
+        assert seq.num_tokens == chunk.start + 2 + right, (
+            f"{seq.request_id!r}: {right} of {len(chunk.draft)} guesses right, so {right + 1} new tokens; "
+            f"got {seq.num_tokens - chunk.start - 1}")
+        assert seq.num_computed_tokens == seq.num_tokens - 1, \
+            f"{seq.request_id!r}: {seq.num_computed_tokens} positions computed for {seq.num_tokens} tokens"
+
+
+def engine_is_sound(engine, shared: bool = False):
+    """Every check after a step: blocks, and what each verify chunk gave."""
+    blocks_are_sound(engine, shared)
+    verifications_are_exact(engine)
+
+
+# ---------------------------------------------------------------- chi-square, without scipy
+
+
+def chi_square_p_value(statistic: float, dof: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, statistic/2)."""
+    a, x = dof / 2, statistic / 2
+    if x <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    for n in range(1, 10_000):  # the series of the lower incomplete gamma; converges for every x
+        term *= x / (a + n)
+        total += term
+        if term < total * 1e-15:
+            break
+    lower = math.exp(a * math.log(x) - x - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+def assert_distribution(counts: dict, probs: dict, what: str):
+    """Chi-square goodness of fit of observed `counts` to `probs` (cells with tiny expectations pooled)."""
+    n = sum(counts.values())
+    assert set(counts) <= set(probs), f"{what}: outcomes the target can never give: {set(counts) - set(probs)}"
+    cells, pooled_expected, pooled_observed = [], 0.0, 0
+    for cell, p in probs.items():
+        if n * p >= 5:
+            cells.append((counts.get(cell, 0), n * p))
+        else:
+            pooled_expected += n * p
+            pooled_observed += counts.get(cell, 0)
+    if pooled_expected > 0:
+        cells.append((pooled_observed, pooled_expected))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    p_value = chi_square_p_value(statistic, len(cells) - 1)
+    assert p_value > FALSE_ALARM, (f"{what}: the samples do not follow the target's distribution "
+                                   f"(chi-square {statistic:.1f} on {len(cells) - 1} dof, p = {p_value:.2g})")
+
+
+# ---------------------------------------------------------------- Task 1: n-gram prompt lookup
+
+
+def seq_of(tokens, params=None, request_id="s"):
+    return ref.sequence.Sequence(request_id, tokens, params)
+
+
+def test_task_1_ngram_proposes_what_followed():
+    proposer = sol.speculative.NgramProposer(max_ngram=3, min_ngram=1)
+    # "5 6 7" occurred before, followed by 8 9 1: the longest suffix match wins.
+    assert proposer.propose(seq_of([5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 3) == [8, 9, 1]
+    assert proposer.propose(seq_of([5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 10) == [8, 9, 1, 2, 5, 6, 7]
+    # The latest earlier occurrence: "1 2" is followed by 3 early on and by 4 later.
+    assert proposer.propose(seq_of([1, 2, 3, 0, 1, 2, 4, 0, 1, 2]), 2) == [4, 0]
+    # Longer suffixes first: "0 1 2" matches only at the start (-> 3), "1 2" later (-> 4).
+    assert proposer.propose(seq_of([0, 1, 2, 3, 9, 1, 2, 4, 0, 1, 2]), 1) == [3]
+    assert proposer.propose(seq_of([4, 5, 6]), 3) == [], "no earlier occurrence: no guess"
+    assert proposer.propose(seq_of([7]), 3) == []
+    # The output counts as context too.
+    seq = seq_of([3, 1, 4])
+    seq.output_token_ids = [1, 5, 3, 1]
+    assert proposer.propose(seq, 2) == [4, 1]
+
+
+def test_task_1_ngram_respects_min_ngram_and_k():
+    strict = sol.speculative.NgramProposer(max_ngram=3, min_ngram=2)
+    assert strict.propose(seq_of([1, 9, 8, 1]), 2) == [], "a single-token match is below min_ngram"
+    assert strict.propose(seq_of([1, 9, 8, 7, 1, 9]), 2) == [8, 7]
+    assert strict.propose(seq_of([1, 9, 8, 7, 1, 9]), 1) == [8]
+    loose = sol.speculative.NgramProposer(max_ngram=1, min_ngram=1)
+    assert loose.propose(seq_of([1, 9, 8, 1]), 2) == [9, 8]
+    # A match right before the suffix proposes only what exists: repeated tokens.
+    assert loose.propose(seq_of([2, 2]), 4) == [2]
+    with pytest.raises(ValueError):
+        sol.speculative.NgramProposer(max_ngram=1, min_ngram=2)
+
+
+PERIOD = 12  # the copying model repeats the last 12 tokens
+STEPS_BOUND = {2: 27, 4: 23}  # steps for 40 tokens with prompt lookup at k (the reference: 23, 18; plain: 40)
+
+
+def copying_logits(history):
+    """A model that copies: its greedy token is the one PERIOD tokens back (the prompt, over and over),
+    except at every 9th position, where it says the next token instead (so some guesses are rejected)."""
+    row = [0.1 * x for x in fake_logits(history)]
+    copied = history[len(history) - PERIOD]
+    row[copied if len(history) % 9 else (copied + 1) % EOS] += 10.0
+    return row
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_task_1_prompt_lookup_speeds_up_copying(k):
+    """On output that copies its prompt, the engine with prompt lookup gains about k + 1 tokens a step, same text."""
+    rng = random.Random(k)
+    engine = fake_engine(copying_logits, proposer=sol.speculative.NgramProposer(), num_speculative_tokens=k,
+                         token_budget=64, max_num_seqs=2, block_size=4)
+    prompts = [rng.sample(range(EOS), PERIOD) for _ in range(2)]  # distinct tokens: a suffix occurs once
+    max_tokens = 40
+    seqs = [engine.add_request(p, Params(max_tokens=max_tokens), request_id=i) for i, p in enumerate(prompts)]
+    run_to_end(engine, check=engine_is_sound)
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_token_ids == fake_greedy(prompt, max_tokens, copying_logits)[0]
+    stats = engine.speculation
+    assert stats.acceptance_rate >= 0.5, f"prompt lookup on copied text: {100 * stats.acceptance_rate:.0f}% accepted"
+    # A plain engine needs 1 prefill step + 39 decode steps.
+    assert engine.num_steps <= STEPS_BOUND[k], f"{engine.num_steps} steps for {max_tokens} tokens"
+
+
+# ---------------------------------------------------------------- Task 2: greedy acceptance
+
+
+@pytest.mark.parametrize("draft,target,expected", [
+    ([4, 5, 6], [4, 5, 6, 7], [4, 5, 6, 7]),  # every guess right: all of them and the bonus token
+    ([4, 5, 6], [4, 9, 6, 7], [4, 9]),  # the first wrong guess is replaced by the target's token
+    ([4, 5, 6], [1, 5, 6, 7], [1]),  # wrong at once: the target's own token, as a plain decode
+    ([4, 5, 6], [4, 5, 2, 7], [4, 5, 2]),
+    ([8], [8, 3], [8, 3]),
+    ([], [3], [3]),  # nothing guessed: exactly a decode step
+])
+def test_task_2_accept_greedy(draft, target, expected):
+    assert sol.speculative.accept_greedy(list(draft), list(target)) == expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_task_2_engine_gains_exactly_the_agreeing_guesses(k):
+    """In the engine, each verify chunk gains its agreeing guesses plus one token; outputs as without speculation."""
+    engine = fake_engine(proposer=OracleProposer(seed=k), num_speculative_tokens=k, token_budget=32,
+                         max_num_seqs=4, block_size=4, min_acceptance_rate=0.0)
+    prompts = random_prompts(6, seed=40 + k)
+    arrivals = [(p, Params(max_tokens=16), i) for i, p in enumerate(prompts)]
+    seqs = run_to_end(engine, arrivals, engine_is_sound)
+    for prompt, params, i in arrivals:
+        assert (seqs[i].output_token_ids, seqs[i].finish_reason) == fake_greedy(prompt, 16), f"request {i}"
+    assert engine.speculation.accepted > 0
+
+
+# ---------------------------------------------------------------- Task 3: rejection sampling
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_task_3_rejection_sampling_keeps_the_target_distribution(with_draft_probs):
+    """Vocabulary of 4, two guesses, 3,000 draws; each chi-square test at false-alarm rate FALSE_ALARM.
+
+    Row i of p is the target's distribution at the i-th new token (here the same whatever came before).
+    Whatever the guesses, token i of the output, whenever the output reaches it, must follow p[i].
+    With `draft_probs` the guesses are drawn from the draft's rows q; without, they are fixed (q one-hot).
+    """
+    # The test's own chi-square against known quantiles (dof 2 has a closed form; dof 10's 0.999 quantile is 29.588).
+    assert chi_square_p_value(2 * math.log(1000), 2) == pytest.approx(1e-3, rel=1e-9)
+    assert chi_square_p_value(29.588, 10) == pytest.approx(1e-3, rel=1e-3)
+    p = [[0.1, 0.4, 0.2, 0.3], [0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]]
+    q = [[0.05, 0.6, 0.05, 0.3], [0.1, 0.1, 0.7, 0.1]] if with_draft_probs else None
+    rng = random.Random(5)
+    mx.random.seed(11)
+    target, draft_rows = mx.array(p), None if q is None else mx.array(q)
+    counts = [{}, {}, {}]  # position -> token -> count
+    for _ in range(3000):
+        draft = [1, 2] if q is None else [rng.choices(range(4), weights=row)[0] for row in q]
+        out = sol.speculative.accept_sampled(draft, target, draft_rows)
+        assert 1 <= len(out) <= 3 and out[:-1] == draft[: len(out) - 1], \
+            f"{out} for guesses {draft}: every token but the last must be an accepted guess"
+        for position, token in enumerate(out):
+            counts[position][token] = counts[position].get(token, 0) + 1
+    for position in range(3):
+        assert sum(counts[position].values()) >= 200, f"too few outputs reach token {position} to test it"
+        assert_distribution(counts[position], dict(enumerate(p[position])), f"output token {position}")
+
+
+def test_task_3_rejection_sampling_edge_cases():
+    mx.random.seed(3)
+    certain = mx.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    for _ in range(20):
+        assert sol.speculative.accept_sampled([1], certain) == [1, 2], "p(guess) = 1: always accepted, then the bonus"
+    never = mx.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    for _ in range(20):
+        assert sol.speculative.accept_sampled([1], never) == [2], "p(guess) = 0: rejected, the residual is p itself"
+    equal = mx.array([[0.2, 0.5, 0.3], [0.3, 0.3, 0.4]])
+    for _ in range(20):
+        out = sol.speculative.accept_sampled([2], equal, mx.array([[0.2, 0.5, 0.3]]))
+        assert len(out) == 2 and out[0] == 2, "q = p: every guess is accepted"
+    assert len(sol.speculative.accept_sampled([], mx.array([[0.5, 0.5, 0.0]]))) == 1
+
+
+# A Markov chain over tokens 1..3 (everything else, EOS included, impossible): rows of logits by last token.
+MARKOV = {1: [0.0, 1.0, -0.5], 2: [0.8, -0.3, 0.2], 3: [-1.0, 0.5, 1.2]}
+
+
+def markov_logits(history):
+    row = [-1e4] * VOCAB
+    row[1:4] = MARKOV.get(history[-1], [0.0, 0.0, 0.0])
+    return row
+
+
+def markov_probs(last, temperature):
+    logits = [x / temperature for x in MARKOV.get(last, [0.0, 0.0, 0.0])]
+    total = sum(math.exp(x) for x in logits)
+    return {token: math.exp(x) / total for token, x in zip((1, 2, 3), logits)}
+
+
+def test_task_3_engine_sampled_output_follows_the_target_distribution():
+    """Temperature 0.8, always 2 guesses ("1, 1"): the 2nd-4th tokens' joint law must be the target's.
+
+    The first token comes from the prefill (no guess); each later step verifies 2 guesses. 4,000
+    requests, 27 outcomes of (t2, t3, t4); false-alarm rate FALSE_ALARM.
+    """
+
+    class Ones:
+        def propose(self, seq, k):
+            return [1] * k
+
+        def forget(self, request_id):
+            pass
+
+    temperature = 0.8
+    mx.random.seed(1234)
+    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
+                         max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
+    n = 4000
+    seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
+    run_to_end(engine, check=blocks_are_sound)
+    counts, probs = {}, {}
+    for seq in seqs:
+        assert len(seq.output_token_ids) == 4
+        first, *rest = seq.output_token_ids
+        key = (first, *rest)
+        counts[key] = counts.get(key, 0) + 1
+    for t1, p1 in markov_probs(2, temperature).items():
+        for t2, p2 in markov_probs(t1, temperature).items():
+            for t3, p3 in markov_probs(t2, temperature).items():
+                for t4, p4 in markov_probs(t3, temperature).items():
+                    probs[(t1, t2, t3, t4)] = p1 * p2 * p3 * p4
+    assert_distribution(counts, probs, "the engine's sampled outputs")
+    assert engine.speculation.verifications >= n and 0 < engine.speculation.accepted < engine.speculation.proposed
+
+
+# ---------------------------------------------------------------- Task 4: planning proposals into the step
+
+
+@pytest.mark.parametrize("budget", [3, 6, 16, 64])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
+    """Speculation changes how many tokens a step yields, never which: same outputs as one request alone."""
+    engine = fake_engine(proposer=OracleProposer(seed=budget * 10 + k), num_speculative_tokens=k,
+                         token_budget=budget, max_num_seqs=3, block_size=2)
+    rng = random.Random(budget + k)
+    prompts = random_prompts(7, seed=budget + 100 * k)
+    arrivals = [(p, Params(max_tokens=rng.randint(1, 14)), i) for i, p in enumerate(prompts)]
+
+    def check(engine):
+        plan = engine.runner.plans[-1]
+        assert plan.num_tokens <= budget, f"a step of {plan.num_tokens} tokens: the budget is {budget}"
+        engine_is_sound(engine)
+
+    seqs = run_to_end(engine, arrivals, check)
+    for prompt, params, i in arrivals:
+        seq = seqs[i]
+        assert (seq.output_token_ids, seq.finish_reason) == fake_greedy(prompt, params.max_tokens), f"request {i}"
+    assert engine.speculation.verifications > 0, "nothing was speculated"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_task_4_proposals_fill_only_the_leftover_budget():
+    proposer = OracleProposer(seed=1)
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, token_budget=8, max_num_seqs=4)
+    engine.add_request([1, 2, 3], Params(max_tokens=30), request_id="a")
+    engine.add_request([4, 5], Params(max_tokens=30), request_id="b")
+    engine.step()  # both prompts prefill (5 tokens): nobody decodes yet, nothing to guess
+    assert proposer.calls == []
+    engine.add_request(list(range(1, 30)), Params(max_tokens=3), request_id="long")
+    plan = engine.scheduler.schedule()
+    engine.propose(plan)
+    # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
+    assert plan.num_tokens == 8 and proposer.calls == []
+    assert all(not isinstance(c, ref_verify_chunks()) for c in plan.chunks)
+    engine.record(plan, engine.update(plan, engine.runner.logit_rows(plan)))
+    run_to_end(engine)
+
+
+def test_task_4_proposals_within_room_blocks_and_max_tokens():
+    class Fixed:
+        def __init__(self):
+            self.calls = []
+
+        def propose(self, seq, k):
+            self.calls.append(k)
+            return [1, 2, 3, 4, 5, 6][:k]
+
+        def forget(self, request_id):
+            pass
+
+    proposer = Fixed()
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=6, token_budget=16, max_num_seqs=4,
+                         block_size=4, num_blocks=4)
+    engine.add_request([7] * 6, Params(max_tokens=4), request_id="a")  # 6 prompt tokens: 2 blocks
+    engine.add_request([8] * 7, Params(max_tokens=9), request_id="b")  # 7 prompt tokens: 2 blocks, the pool is full
+    engine.step()
+    plan = engine.scheduler.schedule()
+    engine.propose(plan)
+    chunks = {c.seq.request_id: c for c in plan.chunks}
+    # a: 7 tokens, may emit 3 more: at most 2 guesses (the last token is always the target's own), and
+    # its 2 blocks have room for 1 position more with none free: 1 guess.
+    assert proposer.calls[0] == 2
+    assert isinstance(chunks["a"], ref_verify_chunks()) and chunks["a"].draft == [1]
+    assert (chunks["a"].start, chunks["a"].length) == (6, 2)
+    # b: 8 tokens in 2 full blocks, no free block left: speculation never preempts, so no guess.
+    assert not isinstance(chunks["b"], ref_verify_chunks()) and chunks["b"].length == 1
+    assert plan.decodes == [chunks["b"]] and plan.prefills == [chunks["a"]], "a verify chunk runs as a prefill chunk"
+    assert plan.num_tokens == 3 and engine.block_manager.num_free_blocks == 0
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        sol.speculative.SpeculativeConfig(num_speculative_tokens=0)
+
+
+def test_task_4_backs_off_when_guesses_fail():
+    class Wrong:
+        calls = 0
+
+        def propose(self, seq, k):
+            Wrong.calls += 1
+            history = list(seq.token_ids)
+            row = fake_logits(history)
+            return [(row.index(max(row)) + 1) % EOS] * k  # never the greedy token
+
+        def forget(self, request_id):
+            pass
+
+    prompt = [3] * 5
+    expected, _ = fake_greedy(prompt, 60)
+    max_tokens = len(expected)  # no EOS within the run
+    engine = fake_engine(proposer=Wrong(), num_speculative_tokens=3, min_acceptance_rate=0.5, probe_interval=5)
+    engine.add_request(prompt, Params(max_tokens=max_tokens), request_id="r")
+    run_to_end(engine)
+    decode_steps = max_tokens - 1
+    # The first guess fails (rate 0 < 0.5); from then on one probe per 5 decode steps.
+    assert Wrong.calls <= 1 + decode_steps // 5 + 1, f"{Wrong.calls} proposals in {decode_steps} decode steps"
+    assert Wrong.calls >= decode_steps // 5, "a turned-down sequence must still probe now and then"
+    assert engine.speculation.accepted == 0
+
+
+# ---------------------------------------------------------------- Task 5: accept, count, roll back
+
+
+def test_task_5_counters_exact_on_a_constructed_case():
+    prompt = [2, 4, 6, 8]
+    truth, _ = fake_greedy(prompt, 30)
+    assert EOS not in truth[:12]
+
+    class Scripted:
+        """Step 1: 2 right of 3. Step 2: 0 right of 2. Step 3: 3 right of 3."""
+
+        def __init__(self):
+            self.step = 0
+
+        def propose(self, seq, k):
+            self.step += 1
+            done = len(seq.output_token_ids)
+            right = truth[done : done + 3]
+            wrong = [(t + 1) % EOS for t in right]
+            return {1: right[:2] + wrong[2:3], 2: wrong[:2], 3: right[:3]}.get(self.step, [])
+
+        def forget(self, request_id):
+            pass
+
+    engine = fake_engine(proposer=Scripted(), num_speculative_tokens=3, block_size=2,
+                         min_acceptance_rate=0.0)
+    seq = engine.add_request(prompt, Params(max_tokens=12), request_id="r")
+    engine.step()  # prefill: 1 token
+    assert len(seq.output_token_ids) == 1
+    gained = []
+    for _ in range(3):
+        before = len(seq.output_token_ids)
+        outputs = engine.step()
+        gained.append(len(seq.output_token_ids) - before)
+        assert [o.token for o in outputs] == seq.output_token_ids[before:]
+        assert seq.num_computed_tokens == seq.num_tokens - 1, "the cache holds all but the newest token"
+        engine_is_sound(engine)
+    assert gained == [3, 1, 4]  # accepted guesses plus the target's own token
+    stats = engine.speculation
+    assert (stats.proposed, stats.accepted, stats.verifications) == (8, 5, 3)
+    summary = engine.summary()
+    assert summary["speculative_proposed"] == 8 and summary["speculative_accepted"] == 5
+    assert summary["speculative_acceptance_rate"] == pytest.approx(5 / 8)
+    assert summary["speculative_mean_accepted_length"] == pytest.approx(5 / 3)
+    run_to_end(engine)
+    assert seq.output_token_ids == truth[:12]
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 8])
+def test_task_5_rejected_positions_never_leak_blocks(block_size):
+    """Tight pool, many rejections across block boundaries, preemptions: blocks always add up."""
+    engine = fake_engine(proposer=OracleProposer(seed=block_size), num_speculative_tokens=4,
+                         token_budget=24, max_num_seqs=4, block_size=block_size,
+                         num_blocks=ref.block_manager.blocks_for(60, block_size), min_acceptance_rate=0.0)
+    prompts = random_prompts(8, seed=block_size, longest=12)
+    arrivals = [(p, Params(max_tokens=20), i) for i, p in enumerate(prompts)]
+    seqs = run_to_end(engine, arrivals, engine_is_sound)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for prompt, params, i in arrivals:
+        assert (seqs[i].output_token_ids, seqs[i].finish_reason) == fake_greedy(prompt, 20)
+    assert engine.speculation.proposed > engine.speculation.accepted > 0
+
+
+def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
+    """EOS among the accepted tokens ends the sequence there; the prefix cache only names real tokens."""
+    for start in range(200):  # a prompt whose greedy run meets EOS after a few tokens
+        prompt = [start % EOS, (start * 7) % EOS, 5]
+        output, reason = fake_greedy(prompt, 12)
+        if reason == "stop" and len(output) >= 3:
+            break
+    engine = fake_engine(proposer=OracleProposer(seed=4), num_speculative_tokens=5, block_size=2,
+                         enable_prefix_caching=True, min_acceptance_rate=0.0)
+    arrivals = [(prompt, Params(max_tokens=12), 0), (prompt, Params(max_tokens=12), 1),
+                (prompt + output, Params(max_tokens=4), 2)]
+    seqs = run_to_end(engine, arrivals, lambda e: engine_is_sound(e, shared=True))
+    assert (seqs[0].output_token_ids, seqs[0].finish_reason) == (output, "stop")
+    assert (seqs[1].output_token_ids, seqs[1].finish_reason) == (output, "stop")
+    assert (seqs[2].output_token_ids, seqs[2].finish_reason) == fake_greedy(prompt + output, 4)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# ---------------------------------------------------------------- the whole stack on a real model
+
+
+@pytest.fixture(scope="module")
+def real(model32):
+    """(week-3 model, mlx-lm model, tokenizer) on the embedded weights, float32."""
+    mlx_model, tokenizer = model32
+    return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), mlx_model, tokenizer
+
+
+@pytest.mark.parametrize("budget,k", [(5, 2), (16, 4), (256, 3)])
+def test_task_5_your_stack_so_far_greedy_equals_mlx_lm(real, budget, k):
+    """The student's day 4.1 on week 3's engine and the embedded Qwen2, with a draft model (the same
+    checkpoint through mlx-lm, so most guesses are right) and prompt lookup: mlx-lm's greedy output."""
+    model, mlx_model, tokenizer = real
+    rng = random.Random(budget)
+    base = [rng.randrange(100, 5000) for _ in range(6)]
+    prompts = [base * 3, [rng.randrange(100, 5000) for _ in range(11)], base[:4]]
+    expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
+    for proposer in (sol.speculative.DraftModelProposer(mlx_model), sol.speculative.NgramProposer(3, 1)):
+        config = ref.engine.EngineConfig(token_budget=budget, max_num_seqs=3, block_size=4)
+        engine = sol.speculative.SpeculativeEngine(model, tokenizer, config, proposer=proposer,
+                                                   speculation=sol.speculative.SpeculativeConfig(k))
+        seqs = [engine.add_request(p, Params(max_tokens=10), request_id=i) for i, p in enumerate(prompts)]
+        run_to_end(engine, check=blocks_are_sound)
+        assert [s.output_token_ids for s in seqs] == expected, type(proposer).__name__
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        if isinstance(proposer, sol.speculative.DraftModelProposer):
+            assert engine.speculation.accepted > 0, "the target as its own draft: its guesses are right"
