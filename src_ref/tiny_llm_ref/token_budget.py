@@ -123,7 +123,7 @@ class AdaptiveTokenBudget:
     def seconds_per_token(self, offset: float) -> float | None:
         """What a prefill token at `offset` adds to a step: the fitted line there (None before any point)."""
         # BEGIN TASK Week 3 Day 1 Task 1: the least-squares line through the recent points
-        # TODO: slope = (mean xy - mean x * mean y) / (mean xx - mean x^2), 0 when the offsets barely vary;
+        # TODO: slope = (mean xy - mean x * mean y) / (mean xx - mean x^2), 0 when that variance is under 1 (token^2);
         # TODO: clamp it to 0 .. mean y / mean x (cost never falls with the offset, never below 0 at 0)
         if self.moments is None:
             return None
