@@ -82,7 +82,10 @@ class StepPlan:
 
     @property
     def prefill_offset(self) -> float:
-        """Where the prefill chunks start, the mean over their tokens (0 without prefills): what the budget's cost model reads."""
+        """Where the prefill chunks start, the mean over their tokens (0 without prefills).
+
+        The budget's cost model reads it: a token's cost is linear in its chunk's offset, so the mean is exact.
+        """
         tokens = sum(chunk.length for chunk in self.prefills)
         return sum(chunk.start * chunk.length for chunk in self.prefills) / tokens if tokens else 0.0
 
@@ -175,7 +178,10 @@ class Scheduler:
         return max(self.token_budget.budget(num_decoding, self.next_prefill_offset()), num_decoding)
 
     def next_prefill_offset(self) -> int:
-        """Where the next prefill chunk would start: the most urgent part-way or waiting sequence's computed tokens (provided)."""
+        """Where the next prefill chunk would start (provided).
+
+        That is the computed tokens of the most urgent part-way or waiting sequence (0 when none).
+        """
         partway = [seq for seq in self.running if not seq.is_decoding]
         candidates = self.order.order(partway + list(self.waiting))
         return candidates[0].num_computed_tokens if candidates else 0
