@@ -51,8 +51,8 @@ class AdaptiveTokenBudget:
     is a moving average of decode-only steps; each other step, once the base is known, gives one
     point: its prefill chunks' `offset` (mean over their tokens) and what each prefill token added,
     `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
-    recent points: moving averages of x, y, x*x and x*y (`moments`), so old points fade like the
-    base's. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
+    recent points (moving averages of x, y, x*x and x*y: `moments`, so old points fade like the
+    base's), used only upward: below the recent offsets, their average cost. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
     at the next chunk's offset, clamped to `min_tokens .. max_num_batched_tokens`. While the base is
     unknown it answers `num_decoding` (a decode-only step, the only kind that measures it); then
     `initial_tokens` until a prefill token is measured.
@@ -103,7 +103,7 @@ class AdaptiveTokenBudget:
     def seconds_per_token(self, offset: float) -> float | None:
         """What a prefill token at `offset` adds to a step: the fitted line there (None before any point)."""
         # TODO: slope = (mean xy - mean x * mean y) / (mean xx - mean x^2), 0 when that variance is under 1 (token^2);
-        # TODO: clamp it to 0 .. mean y / mean x (cost never falls with the offset, never below 0 at 0)
+        # TODO: clamp it to 0 .. mean y / mean x; mean y + slope * (offset - mean x), never below mean y
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the least-squares line through the recent points"
         )

@@ -51,8 +51,8 @@ class AdaptiveTokenBudget:
     is a moving average of decode-only steps; each other step, once the base is known, gives one
     point: its prefill chunks' `offset` (mean over their tokens) and what each prefill token added,
     `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
-    recent points: moving averages of x, y, x*x and x*y (`moments`), so old points fade like the
-    base's. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
+    recent points (moving averages of x, y, x*x and x*y: `moments`, so old points fade like the
+    base's), used only upward: below the recent offsets, their average cost. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
     at the next chunk's offset, clamped to `min_tokens .. max_num_batched_tokens`. While the base is
     unknown it answers `num_decoding` (a decode-only step, the only kind that measures it); then
     `initial_tokens` until a prefill token is measured.
@@ -124,14 +124,16 @@ class AdaptiveTokenBudget:
         """What a prefill token at `offset` adds to a step: the fitted line there (None before any point)."""
         # BEGIN TASK Week 3 Day 1 Task 1: the least-squares line through the recent points
         # TODO: slope = (mean xy - mean x * mean y) / (mean xx - mean x^2), 0 when that variance is under 1 (token^2);
-        # TODO: clamp it to 0 .. mean y / mean x (cost never falls with the offset, never below 0 at 0)
+        # TODO: clamp it to 0 .. mean y / mean x; mean y + slope * (offset - mean x), never below mean y
         if self.moments is None:
             return None
         x, y, xx, xy = self.moments
         variance = xx - x * x
         slope = (xy - x * y) / variance if variance > 1.0 else 0.0  # offsets within a token: no slope to see
-        slope = max(0.0, min(slope, y / x if x > 0 else 0.0))
-        return y + slope * (offset - x)
+        slope = max(0.0, min(slope, y / x if x > 0 else 0.0))  # never cheaper with more keys; at most 2x at mean x
+        # Only upward from the recent points: smaller chunks also cost more per token (small matmuls), which the
+        # line takes for the offset, so back at offset 0 it would promise too much.
+        return y + slope * max(0.0, offset - x)
         # END TASK
 
     def target(self) -> float:
