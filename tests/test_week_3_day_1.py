@@ -133,12 +133,15 @@ def test_task_1_late_chunks_stay_within_the_target():
     assert min(seconds[2:]) >= 0.5 - step_seconds(1, offset) + 0.2, "steps a whole token under the target"
 
 
-def test_task_1_the_engine_shrinks_late_chunks(engine_module):
+def test_task_1_the_engine_shrinks_late_chunks():
     # The whole loop on a simulated machine: the fake runner advances the engine's clock by 0.2 s a
-    # step plus, per prefill token, 0.004 s and 0.000005 s per key before it.
+    # step plus, per prefill token, 0.004 s and 0.000005 s per key before it. The reference's engine
+    # and scheduler run the policy under test, so this passes once Task 1 is written.
     now = [0.0]
-    config = engine_module.EngineConfig(token_budget=256, adaptive_budget=True, target_itl=0.5, max_num_seqs=8)
-    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
+    config = ref.engine.EngineConfig(token_budget=256, max_num_seqs=8)
+    engine = ref.engine.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
+    engine.scheduler.token_budget = sol.token_budget.AdaptiveTokenBudget(
+        target_itl=0.5, max_num_batched_tokens=256, min_tokens=16, initial_tokens=64)
     runner = engine.runner = FakeRunner(engine, eos=False)
 
     def timed_run(plan):
