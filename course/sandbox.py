@@ -48,7 +48,7 @@ UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
 MAX_PROCESSES = 64
-MAX_OPEN_FILES = 256
+MAX_OPEN_FILES = 4096  # mlx_lm sets its own limit to (2048, 4096) at import, and may not raise the hard one
 SCRATCH_BYTES = 256 << 20
 INSIDE = "/grade"
 
@@ -188,12 +188,12 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | N
 class Worker:
     """One sandboxed worker process and the endpoint that talks to it."""
 
-    def __init__(self, root: Path, week: int, day: int, cpu_seconds: float | None, memory_mb: int | None):
+    def __init__(self, root: Path, week: int, day: int, kind: str, cpu_seconds: float | None, memory_mb: int | None):
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
         inner = [inner_python, "-s", "-m", "course.sandbox", str(to_worker_r), str(from_worker_w),
-                 str(week), str(day)]
+                 str(week), str(day), kind]
         # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
         # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
         counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
@@ -283,8 +283,10 @@ class RemoteSelection:
     _workers: dict[tuple[int, int], Worker] = {}
     _restart_needed = {"flag": False}
 
-    def __init__(self, week: int, day: int):
-        self._key = (week, day)
+    def __init__(self, week: int, day: int, kind: str = "day"):
+        """`kind` "day": the day's tasks from the student (`selector.for_day`); "stack": the student's week
+        so far (`selector.for_stack`, the "your stack so far" tests)."""
+        self._key = (week, day, kind)
         _forward_seeds()
 
     def _worker(self) -> Worker:
@@ -340,13 +342,15 @@ def stop_workers() -> None:
 # ---------------------------------------------------------------- the worker (inside the sandbox)
 
 def _worker_main(argv: list[str]) -> None:
-    read_fd, write_fd, week, day = (int(a) for a in argv)
+    read_fd, write_fd, week, day = (int(a) for a in argv[:4])
+    kind = argv[4]
     from course import fast_mlx
 
     fast_mlx.setup(quiet=True)
     from course import selector
 
-    endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selector.for_day(week, day))
+    selection = selector.for_stack(week, day) if kind == "stack" else selector.for_day(week, day)
+    endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selection)
     endpoint.read_forever()
 
 

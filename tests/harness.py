@@ -46,4 +46,6 @@ def stack(week: int, day: int) -> selector.Selection:
     and every earlier day of week W they have written (the reference for the rest), or the reference."""
     if solution_name() == "ref":
         return reference()
+    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the student's week runs in the sandbox
+        return sandbox.RemoteSelection(week, day, kind="stack")
     return selector.for_stack(week, day)
