@@ -92,14 +92,14 @@ class RecordingBudget:
     def __init__(self, policy):
         self.policy, self.answers, self.observed = policy, [], []
 
-    def budget(self, num_decoding: int) -> int:
-        answer = self.policy.budget(num_decoding)
+    def budget(self, num_decoding: int, offset: int = 0) -> int:
+        answer = self.policy.budget(num_decoding, offset)
         self.answers.append(answer)
         return answer
 
-    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
-        self.observed.append((num_tokens, num_decoding, round(seconds, 6)))
-        self.policy.observe_step(num_tokens, num_decoding, seconds)
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
+        self.observed.append((num_tokens, num_decoding, round(seconds, 6), round(offset, 3)))
+        self.policy.observe_step(num_tokens, num_decoding, seconds, offset)
 
     def __getattr__(self, name):
         return getattr(self.policy, name)

@@ -72,7 +72,7 @@ def test_task_1_adaptive_budget_holds_the_target():
     assert policy.budget(4) == 32  # no per-token cost yet
     policy.observe_step(104, 4, 1.2)  # 100 prefill tokens added 1.0 s
     assert policy.base_seconds == pytest.approx(0.2)
-    assert policy.seconds_per_token == pytest.approx(0.01)
+    assert policy.seconds_per_token(0) == pytest.approx(0.01)
     assert policy.budget(4) == 4 + 30  # (0.5 - 0.2) / 0.01 prefill tokens beside the 4 decodes
     policy.observe_step(4, 4, 0.6)  # a slow decode step leaves less room: the floor
     assert policy.budget(4) == 8
@@ -93,6 +93,81 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
                 dict(smoothing=0.0), dict(decode_multiple=1.0)):
         with pytest.raises(ValueError):
             sol.token_budget.AdaptiveTokenBudget(**bad)
+
+
+def test_task_1_cost_grows_with_the_offset():
+    # Hand-made steps of a machine where a prefill token costs 0.01 s + 0.00001 s per key before it.
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=8,
+                                                  initial_tokens=32, smoothing=0.5)
+    policy.observe_step(4, 4, 0.2)
+    for offset in (0, 400, 800):  # 20 prefill tokens each, starting ever later in a long prompt
+        policy.observe_step(24, 4, 0.2 + 20 * (0.01 + 1e-5 * offset), offset)
+    # Moving averages (smoothing 0.5): offset 500, 0.015 s per token; the line through the points has slope 1e-5.
+    assert policy.seconds_per_token(1600) == pytest.approx(0.026)
+    assert policy.budget(4, 900) == 4 + 15  # 0.3 s of room at 0.019 s per token
+    assert policy.budget(4, 1600) == 4 + 11  # at 0.026 s per token
+    # Below the recent offsets the line is not trusted: their average cost, 0.015 s.
+    assert policy.seconds_per_token(0) == pytest.approx(0.015)
+    assert policy.budget(4, 100) in (4 + 19, 4 + 20)  # 0.3 s / 0.015 s, whichever way the division rounds
+    # A cost that falls with the offset is noise: the line never slopes down.
+    policy.observe_step(24, 4, 0.2 + 20 * 0.001, 1200)
+    assert policy.seconds_per_token(5000) == pytest.approx(policy.seconds_per_token(0))
+
+
+def test_task_1_late_chunks_stay_within_the_target():
+    # A simulated long prompt beside 4 decodes: each chunk starts where the last one ended.
+    def step_seconds(prefill_tokens, offset):
+        return 0.2 + prefill_tokens * (0.004 + 2e-5 * offset)
+
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=1,
+                                                  initial_tokens=32, smoothing=0.5)
+    policy.observe_step(4, 4, step_seconds(0, 0))
+    offset, seconds = 0, []
+    for _ in range(40):
+        chunk = policy.budget(4, offset) - 4
+        seconds.append(step_seconds(chunk, offset))
+        policy.observe_step(4 + chunk, 4, seconds[-1], offset)
+        offset += chunk
+    assert offset > 800, "the prompt advanced too little: budgets far below the target"
+    # The first two chunks cannot know the slope yet; from then on the line predicts every step.
+    assert max(seconds[2:]) <= 0.5 + 1e-9, f"steps over the 0.5 s target: {[round(s, 3) for s in seconds]}"
+    assert min(seconds[2:]) >= 0.5 - step_seconds(1, offset) + 0.2, "steps a whole token under the target"
+
+
+def test_task_1_the_engine_shrinks_late_chunks():
+    # The whole loop on a simulated machine: the fake runner advances the engine's clock by 0.2 s a
+    # step plus, per prefill token, 0.004 s and 0.000005 s per key before it. The reference's engine
+    # and scheduler run the policy under test, so this passes once Task 1 is written.
+    now = [0.0]
+    config = ref.engine.EngineConfig(token_budget=256, max_num_seqs=8)
+    engine = ref.engine.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
+    engine.scheduler.token_budget = sol.token_budget.AdaptiveTokenBudget(
+        target_itl=0.5, max_num_batched_tokens=256, min_tokens=16, initial_tokens=64)
+    runner = engine.runner = FakeRunner(engine, eos=False)
+
+    def timed_run(plan):
+        now[0] += 0.2 + sum(chunk.length * (0.004 + 5e-6 * chunk.start) for chunk in plan.prefills)
+        return FakeRunner.run(runner, plan)
+
+    runner.run = timed_run
+    for i in range(4):
+        engine.add_request([1, 2], ref.sequence.SamplingParams(max_tokens=400), request_id=i)
+    for _ in range(3):
+        engine.step()  # the prompts, then decode-only steps: the base
+    long = engine.add_request([3] * 2000, ref.sequence.SamplingParams(max_tokens=1), request_id="long")
+    chunks, seconds = [], []
+    for _ in range(200):
+        if long.status == ref.sequence.SequenceStatus.FINISHED:
+            break
+        start = now[0]
+        engine.step()
+        if runner.plans[-1].prefills:  # (the prompt's last token runs as a decode)
+            chunks.append(runner.plans[-1].prefills[0].length)
+            seconds.append(now[0] - start)
+    assert long.status == ref.sequence.SequenceStatus.FINISHED, f"the long prompt did not finish in 200 steps: {chunks}"
+    # Two chunks measure the line; from then on every step lands within the target (to 0.1%).
+    assert max(seconds[2:]) <= 0.5 * 1.001, f"steps over the 0.5 s target: {[round(s, 3) for s in seconds]}"
+    assert chunks[-2] < chunks[2] / 2, f"late chunks must be smaller: {chunks}"
 
 
 # ---------------------------------------------------------------- Task 2: the planner

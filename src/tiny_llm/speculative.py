@@ -325,7 +325,8 @@ class SpeculativeEngine(LLMEngine):
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
         num_decoding = len(plan.decodes) + sum(isinstance(c, VerifyChunk) for c in plan.prefills)
-        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start)
+        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start,
+                                                 plan.prefill_offset)
         self.num_steps += 1
         return logits
 

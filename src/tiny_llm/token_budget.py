@@ -3,17 +3,21 @@
 A step runs every decode token plus as many prefill tokens as the budget leaves. Since the step is
 one model call, its time grows with its tokens: roughly `base + tokens * per_token`, where `base` is
 what a step costs even for a few tokens (reading all the weights once) and `per_token` the compute
-of one more row. The budget is the knob between the decoding requests' inter-token latency (every
-decode waits for the whole step) and how fast prompts get prefilled.
+of one more row. A prefill token also attends to every key before it, so `per_token` grows with the
+offset its chunk starts at: `per_token(offset) = per_token(0) + offset * per_key`. The budget is the
+knob between the decoding requests' inter-token latency (every decode waits for the whole step) and
+how fast prompts get prefilled.
 
 - `FixedTokenBudget`: always the same budget.
 - `AdaptiveTokenBudget`: while requests decode, the largest budget whose predicted step time stays
   within a latency target; with nobody decoding, the full budget (nobody waits on the step). A long
   prompt is then spread over the decode steps that have to run anyway, each one filled up to the
-  target, instead of stalling them.
+  target, instead of stalling them; late in the prompt, where a token costs more, with fewer tokens.
 
-The engine asks `budget(num_decoding)` before planning a step and reports each step with
-`observe_step(num_tokens, num_decoding, seconds)`.
+The scheduler asks `budget(num_decoding, offset)` before planning a step (`offset`: where the next
+prefill chunk starts), and the engine reports each step with
+`observe_step(num_tokens, num_decoding, seconds, offset)` (`offset`: where its prefill chunks started,
+the mean over their tokens).
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ class FixedTokenBudget:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
 
-    def budget(self, num_decoding: int) -> int:
+    def budget(self, num_decoding: int, offset: int = 0) -> int:
         """The token budget of the next step: always `max_num_batched_tokens`."""
         return self.max_num_batched_tokens
 
-    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
         """A step ran `num_tokens` tokens, `num_decoding` of them decodes, in `seconds` (ignored)."""
 
     def describe(self) -> str:
@@ -43,12 +47,15 @@ class FixedTokenBudget:
 class AdaptiveTokenBudget:
     """A budget that holds a step near `target_itl` seconds while requests decode.
 
-    It keeps two moving averages: `base_seconds`, the time of a step that runs only decode tokens,
-    and `seconds_per_token`, what each prefill token adds to a step. The budget is then
-    `num_decoding + (target_itl - base_seconds) / seconds_per_token`, clamped to
-    `min_tokens .. max_num_batched_tokens`. While the base is unknown it answers `num_decoding` (a
-    decode-only step, the only kind that measures it); then `initial_tokens` until a prefill token is
-    measured.
+    It learns the cost model `base + prefill_tokens * (intercept + slope * offset)`: `base_seconds`
+    is a moving average of decode-only steps; each other step, once the base is known, gives one
+    point: its prefill chunks' `offset` (mean over their tokens) and what each prefill token added,
+    `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
+    recent points (moving averages of x, y, x*x and x*y: `moments`, so old points fade like the
+    base's), used only upward: below the recent offsets, their average cost. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
+    at the next chunk's offset, clamped to `min_tokens .. max_num_batched_tokens`. While the base is
+    unknown it answers `num_decoding` (a decode-only step, the only kind that measures it); then
+    `initial_tokens` until a prefill token is measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
     measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
@@ -74,20 +81,31 @@ class AdaptiveTokenBudget:
         self.smoothing = smoothing
         self.decode_multiple = decode_multiple
         self.base_seconds: float | None = None  # a decode-only step
-        self.seconds_per_token: float | None = None  # what one prefill token adds to a step
+        # Moving averages of (offset, seconds per prefill token, offset^2, offset * seconds per token).
+        self.moments: tuple[float, float, float, float] | None = None
 
-    def budget(self, num_decoding: int) -> int:
+    def budget(self, num_decoding: int, offset: int = 0) -> int:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
-        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens; else num_decoding + (target() - base) / per token, clamped
+        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens;
+        # TODO: else num_decoding + (target() - base) / seconds_per_token(offset), clamped
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target"
         )
 
-    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float) -> None:
-        """Update the averages from one step: decode-only steps give the base, the others the per-token cost."""
-        # TODO: decode-only step: base_seconds; otherwise seconds_per_token from (seconds - base) / prefill tokens
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
+        """Update the averages from one step: decode-only steps give the base, the others a point of the line."""
+        # TODO: decode-only step: base_seconds; no base yet: nothing to learn; otherwise the point
+        # TODO: (offset, (seconds - base) / prefill tokens) enters the moments (x, y, x*x, x*y)
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages"
+        )
+
+    def seconds_per_token(self, offset: float) -> float | None:
+        """What a prefill token at `offset` adds to a step: the fitted line there (None before any point)."""
+        # TODO: slope = (mean xy - mean x * mean y) / (mean xx - mean x^2), 0 when that variance is under 1 (token^2);
+        # TODO: clamp it to 0 .. mean y / mean x; mean y + slope * (offset - mean x), never below mean y
+        raise NotImplementedError(
+            "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the least-squares line through the recent points"
         )
 
     def target(self) -> float:

@@ -221,7 +221,8 @@ class LLMEngine:
         except BaseException:
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
-        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)
+        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,
+                                                 plan.prefill_offset)
         self.num_steps += 1
         return tokens
 

@@ -80,6 +80,15 @@ class StepPlan:
         """True when the step would run nothing."""
         return not self.decodes and not self.prefills
 
+    @property
+    def prefill_offset(self) -> float:
+        """Where the prefill chunks start, the mean over their tokens (0 without prefills).
+
+        The budget's cost model reads it: a token's cost is linear in its chunk's offset, so the mean is exact.
+        """
+        tokens = sum(chunk.length for chunk in self.prefills)
+        return sum(chunk.start * chunk.length for chunk in self.prefills) / tokens if tokens else 0.0
+
 
 @dataclass
 class StepOutput:
@@ -162,8 +171,20 @@ class Scheduler:
     # ------------------------------------------------------------ planning
 
     def step_budget(self, num_decoding: int) -> int:
-        """The token budget of the next step: the policy's answer, never below the decode tokens (provided)."""
-        return max(self.token_budget.budget(num_decoding), num_decoding)
+        """The token budget of the next step: the policy's answer, never below the decode tokens (provided).
+
+        The policy hears where the next prefill chunk starts: late in a long prompt a token costs more.
+        """
+        return max(self.token_budget.budget(num_decoding, self.next_prefill_offset()), num_decoding)
+
+    def next_prefill_offset(self) -> int:
+        """Where the next prefill chunk would start (provided).
+
+        That is the computed tokens of the most urgent part-way or waiting sequence (0 when none).
+        """
+        partway = [seq for seq in self.running if not seq.is_decoding]
+        candidates = self.order.order(partway + list(self.waiting))
+        return candidates[0].num_computed_tokens if candidates else 0
 
     def order_queues(self) -> None:
         """Put both queues in the order policy's order, most urgent first (provided; a no-op for FCFS)."""
