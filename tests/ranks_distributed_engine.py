@@ -6,7 +6,8 @@ over PROMPTS, then shuts it down; every other rank follows its plans (`follow_en
 Each rank writes what it saw to `rank<r>.json` (course/ranks.py): rank 0 its outputs and the
 oracles' (the single-process week-3 engine of the reference on the whole model, and mlx-lm's model
 recomputing every token), every rank the steps it ran, how often it sampled and its pool's shape.
-With `--die-rank R`, rank R exits after its first step: rank 0 must then fail with `RankLost`, not wait.
+With `--stack`, the code is the student's for every task written so far (the reference's for the
+rest), not only day 4.4's. With `--die-rank R`, rank R exits after its first step: rank 0 must then fail with `RankLost`, not wait.
 """
 
 from course import fast_mlx
@@ -15,13 +16,15 @@ fast_mlx.setup(quiet=True)
 
 import argparse  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import traceback  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
-from tests.harness import reference, solution  # noqa: E402
+from course import selector  # noqa: E402
+from tests.harness import reference, solution, solution_name  # noqa: E402
 
 # Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
 # chunks share steps, and the pool is small enough that the run preempts and recomputes.
@@ -113,9 +116,17 @@ def follow(sol, model, die: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--stack", action="store_true", help="the student's code for every task written so far")
     args = parser.parse_args()
     group = ranks.join()
-    sol = solution(4, 4)
+    if args.stack and solution_name() == "student":
+        sol = selector.for_student()
+    else:
+        sol = solution(4, 4)
+    if args.die_rank is not None and group.rank() != args.die_rank:
+        # mlx.launch terminates the other ranks when one fails: ignore it here, so that what is tested is
+        # this rank's own reaction to the lost peer (the launch's timeout still bounds the run).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     mlx_model, tokenizer = load_model("embedded")
     try:
         model = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)

@@ -126,20 +126,28 @@ class TensorParallelRunner:
     def pool(self):
         return self.runner.pool
 
-    def exchange(self, message: mx.array) -> mx.array:
-        """The all_sum of every rank's message: rank 0's plan everywhere; a lost rank raises `RankLost` (provided)."""
+    def evaluate(self, *arrays) -> None:
+        """`mx.eval` of arrays that hold collectives: a failure there is a lost rank, `RankLost` (provided).
+
+        MLX reports a peer that died mid-collective as a RuntimeError when the graph is evaluated.
+        """
         try:
-            received = mx.distributed.all_sum(message, group=self.group)
-            mx.eval(received)
+            mx.eval(*arrays)
         except RuntimeError as error:
-            raise RankLost(f"rank {self.group.rank()}: another rank stopped answering ({error})") from None
+            raise RankLost(f"rank {self.group.rank()} of {self.group.size()}: another rank stopped answering "
+                           f"({error})") from None
+
+    def exchange(self, message: mx.array) -> mx.array:
+        """The all_sum of every rank's message: rank 0's plan, everywhere (provided)."""
+        received = mx.distributed.all_sum(message, group=self.group)
+        self.evaluate(received)
         return received
 
     def forward(self, plan: StepPlan) -> mx.array:
         """Run a plan on this rank's shard, the KV pool's writes evaluated with the logits (provided)."""
         batch = self.runner.prepare(plan)
         logits = self.runner.model(batch, self.runner.pool)
-        mx.eval(logits, *self.runner.pool.arrays())
+        self.evaluate(logits, *self.runner.pool.arrays())
         return logits
 
     def run(self, plan: StepPlan) -> list[int]:
