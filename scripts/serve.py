@@ -18,6 +18,7 @@ Then, from another shell:
 import argparse
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
 def launch_ranks(world_size: int, argv: list[str]) -> int:
     """This command again on `world_size` ranks of this machine, under mlx.launch; its exit status.
 
-    Ctrl-C reaches mlx.launch and the ranks (one process group); mlx.launch stops every rank when one fails.
+    Ctrl-C: rank 0's server drains and stops the other ranks, which (like mlx.launch) ignore it.
     """
     command = [*ranks.mlx_launch_command(), "--backend", "ring", "-n", str(world_size),
                "--starting-port", str(ranks.free_ports(world_size)), "--",
                sys.executable, "-m", "scripts.serve", *argv, "--as-rank"]
     threads = {name: "1" for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    ignore_ctrl_c = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - rank 0's server re-enables it
+    process = subprocess.Popen(command, env={**os.environ, **threads}, stdin=subprocess.PIPE, preexec_fn=ignore_ctrl_c)
     try:
-        return subprocess.run(command, env={**os.environ, **threads}, stdin=subprocess.PIPE).returncode
+        return process.wait()
     except KeyboardInterrupt:
+        process.wait()  # rank 0 drains, then stops the others
         return 130
 
 
@@ -140,6 +144,8 @@ def serve_rank(parser, args) -> int:
         return user_error(parser.prog, f"rank {group.rank()}: {error}")
     config = engine_config(args, selection)
     if group.rank() != 0:
+        # Ctrl-C and SIGTERM are for rank 0's server, which drains and then stops this rank's loop.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             selection.distributed_engine.follow_engine(model, config).follow()
         except selection.distributed_engine.RankLost as error:
