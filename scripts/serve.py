@@ -153,6 +153,7 @@ def serve_rank(parser, args) -> int:
         return 0
     log = lambda line: print(f"[engine] {line}", file=sys.stderr, flush=True)  # noqa: E731
     engine = selection.distributed_engine.TensorParallelEngine(model, tokenizer, config, log=log)
+    stop_when_a_rank_is_lost(engine, selection.distributed_engine.RankLost, parser.prog)
     try:
         warm_up(engine, selection)
         app = selection.server.create_app(engine, tokenizer, args.served_model_name or args.model,
@@ -167,6 +168,22 @@ def serve_rank(parser, args) -> int:
         return user_error(parser.prog, str(error))
     print("[tiny-llm] stopped", file=sys.stderr)
     return 0
+
+
+def stop_when_a_rank_is_lost(engine, rank_lost, prog: str) -> None:
+    """A step that loses a rank fails its requests (the server's engine thread does that) and stops the
+    server: one line, then the same drain as Ctrl-C; nothing can run without every shard."""
+    step = engine.step
+
+    def step_or_stop():
+        try:
+            return step()
+        except rank_lost as error:
+            print(f"{prog}: error: {error}; stopping the server", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise
+
+    engine.step = step_or_stop
 
 
 def default_model_name(args) -> str:

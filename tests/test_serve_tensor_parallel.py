@@ -6,6 +6,7 @@ whole model (what `pdm run serve` without the option runs), greedy. Bounded: eve
 and the whole process group is killed at the end, whatever happened.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,8 +27,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5, 88, 3, 1000, 11], [1510
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def launched():
+@contextlib.contextmanager
+def serve_on_two_ranks():
     """(base URL, process, log file) of `serve --tensor-parallel 2`; the process group is killed afterwards."""
     port = ranks.free_ports(1)
     command = [sys.executable, "-m", "scripts.serve", "--tensor-parallel", "2", "--solution", "ref", "--model", MODEL,
@@ -43,6 +44,12 @@ def launched():
             yield url, process, log
         finally:
             ranks.kill_group(process)
+
+
+@pytest.fixture(scope="module")
+def launched():
+    with serve_on_two_ranks() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +119,36 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def rank_pid(pgid: int, rank: int) -> int | None:
+    """The process of rank `rank` (mlx.launch exports MLX_RANK to each) in process group `pgid`."""
+    marker = f"MLX_RANK={rank}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid and marker in open(f"/proc/{entry}/environ", "rb").read().split(b"\0") \
+                    and b"--as-rank" in open(f"/proc/{entry}/cmdline", "rb").read():
+                return int(entry)
+        except OSError:  # gone, or not ours
+            continue
+    return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1's process through /proc (Linux, as CI)")
+def test_a_dead_rank_stops_the_server_with_a_clear_error():
+    with serve_on_two_ranks() as (url, process, log):
+        follower = rank_pid(process.pid, 1)
+        assert follower is not None, "found no rank 1 process"
+        os.kill(follower, signal.SIGKILL)
+        # The next step needs rank 1: the request fails, and the server stops.
+        try:
+            httpx.post(f"{url}/v1/completions", timeout=30, json={"model": MODEL, "prompt": [9, 9], "max_tokens": 3})
+        except httpx.HTTPError:
+            pass  # the server may already be gone
+        try:
+            process.wait(timeout=START_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server still runs after rank 1 died: {output(log)}")
+        assert "another rank stopped answering" in output(log), output(log)
