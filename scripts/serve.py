@@ -5,6 +5,7 @@
     pdm run serve --solution student                # your src/tiny_llm (server and engine)
     pdm run serve --max-num-batched-tokens 128 --max-num-seqs 8 --block-size 16 --num-blocks 512
     pdm run serve --target-itl 0.2 --scheduling-policy priority --api-key sesame --log-level warning
+    pdm run serve --tensor-parallel 2               # day 4.4: two ranks on this machine (mlx.launch), HTTP on rank 0
 
 Then, from another shell:
 
@@ -16,12 +17,15 @@ Then, from another shell:
 
 import argparse
 import logging
+import os
+import signal
 import socket
+import subprocess
 import sys
 
 import uvicorn
 
-from course import fast_mlx, selector
+from course import fast_mlx, ranks, selector
 from course.user_errors import OneLineParser, user_error
 
 
@@ -61,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "aborted (default 5)")
     parser.add_argument("--log-interval", type=float, default=5.0,
                         help="seconds between the engine's throughput lines (default 5)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="day 4.4: run the model on N ranks of this machine, started with mlx.launch; the HTTP "
+                             "server on rank 0 (default 1: one process)")
+    parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set by the launch itself
     return parser
 
 
@@ -88,12 +96,109 @@ def main(argv: list[str] | None = None) -> int:
         positive(parser, name, getattr(args, name))
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
-    check_port(parser, args.host, args.port)
+    positive(parser, "tensor_parallel", args.tensor_parallel)
+    if args.tensor_parallel > 1 and not args.as_rank:
+        check_port(parser, args.host, args.port)
+        return launch_ranks(args.tensor_parallel, sys.argv[1:] if argv is None else argv)
+    if not args.as_rank:
+        check_port(parser, args.host, args.port)
     try:
+        if args.as_rank:
+            return serve_rank(parser, args)
         return serve(parser, args)
     except KeyboardInterrupt:  # Ctrl-C while the model loads (once serving, uvicorn handles it)
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def launch_ranks(world_size: int, argv: list[str]) -> int:
+    """This command again on `world_size` ranks of this machine, under mlx.launch; its exit status.
+
+    Ctrl-C: rank 0's server drains and stops the other ranks, which (like mlx.launch) ignore it.
+    """
+    command = [*ranks.mlx_launch_command(), "--backend", "ring", "-n", str(world_size),
+               "--starting-port", str(ranks.free_ports(world_size)), "--",
+               sys.executable, "-m", "scripts.serve", *argv, "--as-rank"]
+    threads = {name: "1" for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    ignore_ctrl_c = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - rank 0's server re-enables it
+    process = subprocess.Popen(command, env={**os.environ, **threads}, stdin=subprocess.PIPE, preexec_fn=ignore_ctrl_c)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.wait()  # rank 0 drains, then stops the others
+        return 130
+
+
+def serve_rank(parser, args) -> int:
+    """One rank of `--tensor-parallel N`: rank 0 serves HTTP over a `TensorParallelEngine`; the others follow it."""
+    logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s", stream=sys.stderr)
+    fast_mlx.setup()
+    from course.models import load_model
+
+    group = ranks.join()
+    selection = selector.from_arguments(args)
+    try:
+        mlx_model, tokenizer = load_model(default_model_name(args))
+        model = selection.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
+    except (ValueError, TypeError) as error:
+        return user_error(parser.prog, f"rank {group.rank()}: {error}")
+    config = engine_config(args, selection)
+    if group.rank() != 0:
+        # Ctrl-C and SIGTERM are for rank 0's server, which drains and then stops this rank's loop.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            selection.distributed_engine.follow_engine(model, config).follow()
+        except selection.distributed_engine.RankLost as error:
+            return user_error(parser.prog, str(error))
+        return 0
+    log = lambda line: print(f"[engine] {line}", file=sys.stderr, flush=True)  # noqa: E731
+    engine = selection.distributed_engine.TensorParallelEngine(model, tokenizer, config, log=log)
+    stop_when_a_rank_is_lost(engine, selection.distributed_engine.RankLost, parser.prog)
+    try:
+        warm_up(engine, selection)
+        app = selection.server.create_app(engine, tokenizer, args.served_model_name or args.model,
+                                          max_model_len=args.max_model_len, api_key=args.api_key,
+                                          cors_origins=tuple(args.allowed_origins))
+        print(f"[tiny-llm] serving on {group.size()} ranks, HTTP on rank 0: http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        DrainingServer(uvicorn_config, args.shutdown_timeout).run()
+        engine.shutdown()  # the other ranks' loops end: the launch ends
+    except selection.distributed_engine.RankLost as error:
+        return user_error(parser.prog, str(error))
+    print("[tiny-llm] stopped", file=sys.stderr)
+    return 0
+
+
+def stop_when_a_rank_is_lost(engine, rank_lost, prog: str) -> None:
+    """A step that loses a rank fails its requests (the server's engine thread does that) and stops the
+    server: one line, then the same drain as Ctrl-C; nothing can run without every shard."""
+    step = engine.step
+
+    def step_or_stop():
+        try:
+            return step()
+        except rank_lost as error:
+            print(f"{prog}: error: {error}; stopping the server", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise
+
+    engine.step = step_or_stop
+
+
+def default_model_name(args) -> str:
+    from course.models import default_model
+
+    args.model = default_model() if args.model is None else args.model
+    return args.model
+
+
+def warm_up(engine, selection) -> None:
+    """One token through the engine on this thread: whatever the model left lazy is evaluated before the
+    engine thread takes over (MLX streams are thread-local)."""
+    engine.add_request([0], selection.sequence.SamplingParams(max_tokens=1))
+    while engine.has_work():
+        engine.step()
 
 
 def serve(parser, args) -> int:
@@ -155,12 +260,16 @@ class DrainingServer(uvicorn.Server):
 
 def make_engine(args, selection, model, tokenizer, log):
     """The engine with every knob of the command line (the one place this command builds an engine)."""
-    config = selection.engine.EngineConfig(
+    return selection.engine.LLMEngine(model, tokenizer, engine_config(args, selection), log=log)
+
+
+def engine_config(args, selection):
+    """Every knob of the command line as an `EngineConfig`."""
+    return selection.engine.EngineConfig(
         token_budget=args.max_num_batched_tokens, adaptive_budget=args.adaptive_budget or args.target_itl is not None,
         target_itl=args.target_itl, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         num_blocks=args.num_blocks, log_interval=args.log_interval, enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy)
-    return selection.engine.LLMEngine(model, tokenizer, config, log=log)
 
 
 if __name__ == "__main__":

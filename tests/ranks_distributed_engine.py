@@ -1,0 +1,150 @@
+"""What each rank runs for day 4.4's tests: `python -m tests.ranks_distributed_engine [--die-rank R]` under mlx.launch.
+
+Every rank builds day 4.3's sharded model of the embedded checkpoint and the code under test the way
+the tests do (`solution(4, 4)`). Rank 0 runs week 3's engine across the ranks (`TensorParallelEngine`)
+over PROMPTS, then shuts it down; every other rank follows its plans (`follow_engine(...).follow()`).
+Each rank writes what it saw to `rank<r>.json` (course/ranks.py): rank 0 its outputs and the
+oracles' (the single-process week-3 engine of the reference on the whole model, and mlx-lm's model
+recomputing every token), every rank the steps it ran, how often it sampled and its pool's shape.
+With `--stack`, the code is the student's for every task written so far (the reference's for the
+rest), not only day 4.4's. With `--die-rank R`, rank R exits after its first step: rank 0 must then fail with `RankLost`, not wait.
+"""
+
+from course import fast_mlx
+
+fast_mlx.setup(quiet=True)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import traceback  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from course import ranks  # noqa: E402
+from course.models import load_model  # noqa: E402
+from course import selector  # noqa: E402
+from tests.harness import reference, solution, solution_name  # noqa: E402
+
+# Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
+# chunks share steps, and the pool is small enough that the run preempts and recomputes.
+PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5, 88, 3, 1000, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+           [151000, 12], [500 + i for i in range(11)]]
+MAX_TOKENS = 8
+STEP_LIMIT = 200
+DIED = 3  # the exit status of a rank told to die
+
+
+def engine_config(sol):
+    """The one configuration of every engine here (rank 0's, the others' pools, the single-process oracle)."""
+    return sol.engine.EngineConfig(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14)
+
+
+def run_engine(engine, sol) -> dict:
+    """Every prompt through `engine` to the end (bounded); outputs in prompt order, and the pool after."""
+    seqs = [engine.add_request(prompt, sol.sequence.SamplingParams(max_tokens=MAX_TOKENS)) for prompt in PROMPTS]
+    for _ in range(STEP_LIMIT):
+        if not engine.has_work():
+            break
+        engine.step()
+    return {"outputs": [seq.output_token_ids for seq in seqs], "unfinished": engine.has_work(),
+            "free_blocks": engine.block_manager.num_free_blocks, "num_blocks": engine.block_manager.num_blocks,
+            "preemptions": engine.num_preemptions, "steps": engine.num_steps}
+
+
+def mlx_lm_greedy(mlx_model, prompt: list[int]) -> list[int]:
+    """mlx-lm's model, whole, every token recomputed: the single-process oracle."""
+    tokens = list(prompt)
+    for _ in range(MAX_TOKENS):
+        tokens.append(mx.argmax(mlx_model(mx.array([tokens]))[0, -1]).item())
+    return tokens[len(prompt):]
+
+
+def count_samples(runner) -> list[int]:
+    """Count the calls of the wrapped week-3 runner's `sample` on this rank (one counter, in a list)."""
+    calls = [0]
+    sample = runner.runner.sample
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return sample(*args, **kwargs)
+
+    runner.runner.sample = counted
+    return calls
+
+
+def die_after_first_step(runner) -> None:
+    """Make this rank exit as it starts its second step (after one plan run with the others)."""
+    forward, steps = runner.forward, [0]
+
+    def dying(plan):
+        steps[0] += 1
+        if steps[0] == 2:
+            os._exit(DIED)
+        return forward(plan)
+
+    runner.forward = dying
+
+
+def lead(sol, model, tokenizer, mlx_model, die_rank) -> dict:
+    """Rank 0: the engine across the ranks, then the oracles."""
+    engine = sol.distributed_engine.TensorParallelEngine(model, tokenizer, engine_config(sol))
+    sampled = count_samples(engine.runner)
+    try:
+        got = run_engine(engine, sol)
+        engine.shutdown()
+    except sol.distributed_engine.RankLost as error:
+        return {"lost": str(error)}
+    if die_rank is not None:
+        return got
+    ref = reference()
+    single = ref.engine.LLMEngine(ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer, engine_config(ref))
+    return {**got, "sample_calls": sampled[0], "pool_shape": list(engine.runner.pool.keys[0].shape),
+            "single_process": run_engine(single, ref), "mlx_lm": [mlx_lm_greedy(mlx_model, p) for p in PROMPTS]}
+
+
+def follow(sol, model, die: bool) -> dict:
+    """Every other rank: follow rank 0's plans until it stops."""
+    runner = sol.distributed_engine.follow_engine(model, engine_config(sol))
+    sampled = count_samples(runner)
+    if die:
+        die_after_first_step(runner)
+    steps = runner.follow()
+    return {"steps": steps, "sample_calls": sampled[0], "pool_shape": list(runner.pool.keys[0].shape)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--stack", action="store_true", help="the student's code for every task written so far")
+    args = parser.parse_args()
+    group = ranks.join()
+    if args.stack and solution_name() == "student":
+        sol = selector.for_student()
+    else:
+        sol = solution(4, 4)
+    if args.die_rank is not None and group.rank() != args.die_rank:
+        # mlx.launch terminates the other ranks when one fails: ignore it here, so that what is tested is
+        # this rank's own reaction to the lost peer (the launch's timeout still bounds the run).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mlx_model, tokenizer = load_model("embedded")
+    try:
+        model = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
+        if group.rank() == 0:
+            result = lead(sol, model, tokenizer, mlx_model, args.die_rank)
+        else:
+            result = follow(sol, model, group.rank() == args.die_rank)
+    except NotImplementedError as error:
+        result = {"not_implemented": str(error)}
+        # The other ranks may wait for this one in a collective: end the launch rather than hang.
+        ranks.write_result(group.rank(), result)
+        os._exit(1)
+    except Exception as error:  # noqa: BLE001 - the student's code may raise anything; the test reports it
+        result = {"error": "".join(traceback.format_exception_only(error)).strip()}
+        ranks.write_result(group.rank(), result)
+        os._exit(1)
+    ranks.write_result(group.rank(), result)
+
+
+if __name__ == "__main__":
+    main()

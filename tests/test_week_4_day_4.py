@@ -1,0 +1,265 @@
+"""Week 4 Day 4: serving across ranks (book/src/week4-04-serving-across-ranks.md).
+
+Oracles: week 3's model runner (`prepare` of the scheduler's own plan is what every rank must run),
+the reference's single-process engine on the whole model, and mlx-lm's own Qwen2 recomputing every
+token; invariants (every block back in the pool, every rank ran every step, only rank 0 sampled).
+Two kinds of test:
+
+- in this process: the message's layout on a hand-made plan; encoding and decoding every plan of a
+  real engine run (with chunked prefills and preemptions); the engine on a group of one rank (the
+  all_sum is then the message itself) against the single-process engine; a follower fed rank 0's
+  messages, whose pool must end up the leader's;
+- across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
+  runs tests/ranks_distributed_engine.py with the day's code, one with the student's whole stack so
+  far, and one kills rank 1 after its first step.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from course import ranks, selector
+from tests.harness import reference, solution, solution_name
+from tests.ranks_distributed_engine import DIED, MAX_TOKENS, PROMPTS, engine_config, run_engine
+
+sol = solution(week=4, day=4)
+ref = reference()
+
+WORLD = 2
+# Seconds for both ranks to start, load the embedded model and serve every prompt: about 15 on two
+# busy cores; a machine shared with more work may need more.
+LAUNCH_TIMEOUT = float(os.environ.get("TINY_LLM_RANKS_TIMEOUT", "55"))
+RANKS_PROGRAM = [sys.executable, "-m", "tests.ranks_distributed_engine"]
+STEP_LIMIT = 200
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The group of this process alone: the all_sum of a message is the message."""
+    group = mx.distributed.init()
+    assert group.size() == 1, "the tests' own process must not be a rank of a launch"
+    return group
+
+
+@pytest.fixture(scope="module")
+def models(model32, one_rank):
+    """(sharded model on one rank, whole week-3 model, tokenizer): the same weights, float32."""
+    mlx_model, tokenizer = model32
+    return (ref.tensor_parallel.Qwen2TensorParallel(mlx_model, one_rank), ref.qwen2_week3.Qwen2ModelWeek3(mlx_model),
+            tokenizer)
+
+
+def launch(*args: str) -> ranks.RankRun:
+    with tempfile.TemporaryDirectory() as out_dir:
+        return ranks.launch([*RANKS_PROGRAM, *args], WORLD, Path(out_dir), timeout=LAUNCH_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch()
+
+
+@pytest.fixture(scope="module")
+def your_stack(request):
+    if solution_name() == "ref":  # the reference's stack is the day's code: the same run
+        return request.getfixturevalue("two_ranks")
+    return launch("--stack")
+
+
+def rank_results(run: ranks.RankRun) -> list[dict]:
+    """Every rank's result; an unwritten task surfaces as the skeleton's NotImplementedError."""
+    for result in run.results:
+        if result and "not_implemented" in result:
+            raise NotImplementedError(result["not_implemented"])
+    failure = run.failure()
+    assert failure is None, f"the two-rank run did not finish: {failure}"
+    for rank, result in enumerate(run.results):
+        assert "error" not in result and "lost" not in result, f"rank {rank}: {result}"
+    return run.results
+
+
+def hand_made_plan():
+    """A decode of sequence A (6 tokens, blocks 3 and 7) and the first 3 tokens of B's prompt (block 5)."""
+    Sequence, ScheduledChunk = ref.sequence.Sequence, ref.scheduler.ScheduledChunk
+    a, b = Sequence("a", [11, 12, 13, 14, 15]), Sequence("b", [21, 22, 23, 24])
+    a.output_token_ids.append(16)
+    a.block_table, b.block_table = [3, 7], [5]
+    return ref.scheduler.StepPlan(decodes=[ScheduledChunk(a, 5, 1)], prefills=[ScheduledChunk(b, 0, 3)])
+
+
+def batch_arrays(batch) -> list:
+    """A RaggedBatch as plain lists, to compare two of them."""
+    views = [(c.length, c.key_slots.tolist(), c.mask.tolist()) for c in batch.chunks]
+    decode = None if batch.decode_key_slots is None else (batch.decode_key_slots.tolist(), batch.decode_mask.tolist())
+    return [batch.token_ids.tolist(), batch.positions.tolist(), batch.write_slots.tolist(), batch.num_decodes,
+            decode, views, batch.sample_rows.tolist()]
+
+
+def for_every_plan(model, tokenizer, check) -> None:
+    """A real engine run of PROMPTS (chunked prefills, decodes, preemptions): `check(step, plan, engine)`
+    on every plan before it runs, while its block tables are current."""
+    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(ref))
+    for prompt in PROMPTS:
+        engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=MAX_TOKENS))
+    mixed = False
+    for step in range(STEP_LIMIT):
+        plan = engine.scheduler.schedule()
+        if plan.is_empty:
+            break
+        mixed |= bool(plan.decodes and plan.prefills)
+        check(step, plan, engine)
+        engine.scheduler.update_from_output(plan, engine.runner.run(plan))
+    assert engine.num_preemptions > 0 and mixed, "the run was meant to mix decodes and prefills, and to preempt"
+
+
+def capacity_of(engine) -> int:
+    return ref.distributed_engine.plan_capacity(engine.config, engine.block_manager.num_blocks)
+
+
+# ---------------------------------------------------------------- Task 1: the plan as one array
+
+
+def test_task_1_layout_of_a_hand_made_plan():
+    message = sol.distributed_engine.encode_plan(hand_made_plan(), 30)
+    assert message.dtype == mx.int32 and message.shape == (30,), f"{message.dtype}, {message.shape}"
+    expected = [1, 1,  5, 1, 1, 2, 16, 3, 7,  0, 3, 0, 1, 21, 22, 23, 5]
+    assert message.tolist() == expected + [0] * (30 - len(expected)), (
+        "layout: [decodes, prefills, then per chunk start, length, samples, table length, token ids, block ids]")
+
+
+def test_task_1_a_plan_that_overflows_is_refused():
+    with pytest.raises(ValueError):
+        sol.distributed_engine.encode_plan(hand_made_plan(), 16)
+    assert sol.distributed_engine.encode_plan(hand_made_plan(), 17).shape == (17,)
+
+
+def test_task_1_every_plan_of_a_run_fits_and_reads_back(models):
+    """Read back by the reference, every message of a real run is its plan: the same batch."""
+    _, model, tokenizer = models
+
+    def check(step, plan, engine):
+        capacity = capacity_of(engine)
+        message = sol.distributed_engine.encode_plan(plan, capacity)
+        assert message.shape == (capacity,) and message.dtype == mx.int32, f"step {step}: {message.shape}, {message.dtype}"
+        decoded = ref.distributed_engine.decode_plan(message)
+        assert batch_arrays(engine.runner.prepare(decoded)) == batch_arrays(engine.runner.prepare(plan)), f"step {step}"
+
+    for_every_plan(model, tokenizer, check)
+
+
+# ---------------------------------------------------------------- Task 2: the array back as a plan
+
+
+def test_task_2_hand_made_message_reads_back():
+    capacity = 30
+    message = mx.array([1, 1, 5, 1, 1, 2, 16, 3, 7, 0, 3, 0, 1, 21, 22, 23, 5] + [0] * 13, dtype=mx.int32)
+    plan = sol.distributed_engine.decode_plan(message)
+    [decode], [prefill] = plan.decodes, plan.prefills
+    assert (decode.start, decode.length, decode.token_ids, decode.samples, decode.seq.block_table) == (5, 1, [16], True, [3, 7])
+    assert (prefill.start, prefill.length, prefill.token_ids, prefill.samples, prefill.seq.block_table) == (0, 3, [21, 22, 23], False, [5])
+    assert sol.distributed_engine.decode_plan(ref.distributed_engine.stop_message(capacity)) is None, "the stop message"
+    empty = sol.distributed_engine.decode_plan(mx.zeros(capacity, dtype=mx.int32))
+    assert empty.is_empty, "all zeros is a plan of nothing"
+
+
+def test_task_2_every_plan_of_a_run_runs_the_same_batch(models):
+    """What a rank builds from the message is exactly the batch rank 0's runner builds from the plan."""
+    _, model, tokenizer = models
+
+    def check(step, plan, engine):
+        decoded = sol.distributed_engine.decode_plan(ref.distributed_engine.encode_plan(plan, capacity_of(engine)))
+        assert [c.length for c in decoded.decodes] == [c.length for c in plan.decodes], f"step {step}: decodes"
+        assert batch_arrays(engine.runner.prepare(decoded)) == batch_arrays(engine.runner.prepare(plan)), (
+            f"step {step}: the batch built from the message differs from the plan's")
+
+    for_every_plan(model, tokenizer, check)
+
+
+# ---------------------------------------------------------------- Task 3: rank 0's step, the others' loop
+
+
+def run_tensor_parallel(models):
+    """The day's engine on a group of one rank, every prompt to the end; (its result, the engine)."""
+    tp, _, tokenizer = models
+    engine = sol.distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
+    return run_engine(engine, ref), engine
+
+
+def test_task_3_one_rank_engine_equals_the_single_process_engine(models):
+    _, model, tokenizer = models
+    got, _ = run_tensor_parallel(models)
+    expected = run_engine(ref.engine.LLMEngine(model, tokenizer, engine_config(ref)), ref)
+    assert not got["unfinished"], "the engine did not finish within its step limit"
+    assert got["outputs"] == expected["outputs"]
+    assert got["free_blocks"] == got["num_blocks"], "every block back in the pool"
+
+
+def test_task_3_a_follower_runs_rank_0s_messages_into_the_same_pool(models):
+    """Fed the messages rank 0 sent, a follower runs every plan, never samples, and its pool is rank 0's."""
+    tp, _, tokenizer = models
+    engine = sol.distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
+    sent, exchange = [], engine.runner.exchange
+    engine.runner.exchange = lambda message: sent.append(exchange(message)) or sent[-1]
+    result = run_engine(engine, ref)
+    engine.shutdown()
+    assert len(sent) == result["steps"] + 1, f"rank 0 sent {len(sent)} messages for {result['steps']} steps and the stop"
+    follower = ref.distributed_engine.follow_engine(tp, engine_config(ref))
+    messages = iter(sent)
+
+    def exchange_as_rank_1(message):
+        assert not mx.any(message).item(), "a follower adds zeros to the all_sum: anything else corrupts rank 0's plan"
+        return next(messages)
+
+    follower.exchange = exchange_as_rank_1
+    follower.runner.sample = lambda *args: pytest.fail("a follower sampled: only rank 0 samples")
+    steps = sol.distributed_engine.TensorParallelRunner.follow(follower)
+    assert steps == result["steps"], f"the follower ran {steps} steps, rank 0 {result['steps']}"
+    for leader_array, follower_array in zip(engine.runner.pool.arrays(), follower.pool.arrays()):
+        assert mx.array_equal(leader_array, follower_array), "the follower's pool differs from rank 0's"
+
+
+def test_task_3_two_ranks_equal_single_process_and_mlx_lm(two_ranks):
+    leader, _ = rank_results(two_ranks)
+    assert not leader["unfinished"], "rank 0's engine did not finish within its step limit"
+    assert leader["preemptions"] > 0, "the run was meant to preempt"
+    assert leader["outputs"] == leader["single_process"]["outputs"], "two ranks vs the single-process engine"
+    assert leader["outputs"] == leader["mlx_lm"], "two ranks vs mlx-lm"
+
+
+def test_task_3_every_rank_ran_every_step_and_the_pool_is_full(two_ranks):
+    leader, follower = rank_results(two_ranks)
+    assert follower["steps"] == leader["steps"], f"rank 1 ran {follower['steps']} steps, rank 0 {leader['steps']}"
+    assert leader["free_blocks"] == leader["num_blocks"], "rank 0's block manager: every block back"
+    # Each rank's pool: the engine's blocks, this rank's one KV head of the model's two.
+    assert leader["pool_shape"] == follower["pool_shape"] == [leader["num_blocks"] * 4, 1, 16]
+
+
+def test_task_3_only_rank_0_samples(two_ranks):
+    leader, follower = rank_results(two_ranks)
+    assert follower["sample_calls"] == 0, f"rank 1 sampled {follower['sample_calls']} times: only rank 0 samples"
+    assert leader["sample_calls"] == leader["steps"], "rank 0 samples once a step"
+
+
+def test_task_3_your_stack_so_far_on_two_ranks(request):
+    """Your code for every task written so far (days 4.3 and 4.4 included) across two ranks: mlx-lm's tokens."""
+    if solution_name() == "student":
+        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
+        for name, task in selector.unwritten().get("distributed_engine", {}).items():
+            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
+    leader, follower = rank_results(request.getfixturevalue("your_stack"))
+    assert leader["outputs"] == leader["mlx_lm"] and not leader["unfinished"]
+    assert follower["steps"] == leader["steps"] and leader["free_blocks"] == leader["num_blocks"]
+
+
+def test_task_3_a_dead_rank_fails_rank_0():
+    run = launch("--die-rank", "1")
+    if run.results[0] and "not_implemented" in run.results[0]:
+        raise NotImplementedError(run.results[0]["not_implemented"])
+    assert not run.timed_out, "rank 0 waited for the dead rank until the time limit"
+    assert run.results[1] is None and f"exited with code {DIED}" in run.output, run.output[-2000:]
+    assert run.results[0] is not None, f"rank 0 left no result: {run.failure()}"
+    assert "another rank stopped answering" in run.results[0].get("lost", ""), f"rank 0: {run.results[0]}"
