@@ -633,3 +633,278 @@ def test_task_4_fuzzed_requests_never_500(model):
     with running_server(app) as url:
         one_request()
         assert_still_serving(url, model, engine)
+
+
+# ---------------------------------------------------------------- the sampling extensions, over HTTP
+#
+# The logits processing itself (logits_processors.py) is provided; these tests check it on constructed
+# rows against hand-computed numbers, then check that the student's stack (the runner's `sample`, the
+# scheduler's EOS check, the engine thread, the stream) carries each field end to end, against
+# mlx-lm's own model and logits processors.
+
+
+def penalized(row, prompt, output, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """The penalties by their definitions, in numpy: the test's own oracle for a logits row."""
+    import numpy as np
+
+    row = np.array(row, dtype=np.float64)
+    for token, value in (bias or {}).items():
+        row[token] += value
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / repetition if row[token] > 0 else row[token] * repetition
+    for token in set(output):
+        row[token] -= frequency * output.count(token) + presence
+    return row
+
+
+def test_logits_processors_on_constructed_rows():
+    import mlx.core as mx
+    import numpy as np
+
+    lp = sol.logits_processors
+    row = [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]
+    prompt, output = [0, 1], [1, 3, 3]
+    # By hand: repetition 2 on {0, 1, 3}: 2 -> 1, -1 -> -2, 3 -> 1.5; then frequency 0.25 x count + presence 0.5
+    # on the output {1: 1, 3: 2}: -2 -> -2.75, 1.5 -> 0.5; bias +10 on token 2, -100 on token 4 (first).
+    expected = [1.0, -2.75, 10.5, 0.5, -102.0, 0.0]
+    params = ref.sequence.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                                         logit_bias={2: 10.0, 4: -100.0})
+    got = lp.process_row(mx.array(row), params, prompt, output)
+    np.testing.assert_allclose(np.array(got), expected, atol=1e-6)
+    np.testing.assert_allclose(expected, penalized(row, prompt, output, 0.5, 0.25, 2.0, {2: 10.0, 4: -100.0}))
+    # Presence and frequency count the output only: a token only in the prompt is not penalized by them.
+    only_prompt = lp.process_row(mx.array(row), ref.sequence.SamplingParams(presence_penalty=1.0), [5], [])
+    np.testing.assert_allclose(np.array(only_prompt), row)
+    # min_p after temperature: probabilities 1, .5, .1, .25 (relative); min_p 0.4 keeps 1 and .5 at T=1,
+    # and at T=2 (relative 1, .71, .32, .5) keeps three.
+    logits = mx.array(np.log([1.0, 0.5, 0.1, 0.25]))
+    keep = lambda t: np.isfinite(np.array(lp.apply_min_p(logits, 0.4, t))).tolist()  # noqa: E731
+    assert keep(1.0) == [True, True, False, False]
+    assert keep(2.0) == [True, True, False, True]
+    # Rows of sequences that ask for nothing are untouched, and a step where nobody asks costs nothing.
+    plain = ref.sequence.Sequence("plain", [0], ref.sequence.SamplingParams())
+    asks = ref.sequence.Sequence("asks", prompt, params)
+    asks.output_token_ids = list(output)
+    batch = mx.array([row, row])
+    assert lp.process_logits(batch, [plain, plain]) is batch
+    processed = np.array(lp.process_logits(batch, [plain, asks]))
+    np.testing.assert_allclose(processed, [row, expected], atol=1e-6)
+    np.testing.assert_allclose(np.array(batch), [row, row])  # the raw logits stay raw (for logprobs)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 2.5), ("min_p", -0.1), ("min_p", 1.5), ("logprobs", 21), ("logprobs", -1),
+    ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("ignore_eos", 1)])
+def test_sampling_params_refuse_out_of_range(field, value):
+    with pytest.raises((ValueError, TypeError), match=field.split("_")[0]):
+        ref.sequence.SamplingParams(**{field: value})
+
+
+def mlx_lm_greedy(model32, prompt: list[int], max_tokens: int, processors=None) -> list[tuple[int, "np.ndarray"]]:
+    """mlx-lm's own greedy generation: (token, the raw log-probabilities it came from) per step, up to EOS."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    mlx_model, tokenizer = model32
+    steps = []
+    for (token, logprobs), _ in zip(generate_step(mx.array(prompt), mlx_model, max_tokens=max_tokens,
+                                                  logits_processors=processors), range(max_tokens)):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        steps.append((int(token), np.array(logprobs.astype(mx.float32)).reshape(-1)))
+    return steps
+
+
+def raw_logprobs(model32, tokens: list[int]):
+    """Log-softmax of mlx-lm's logits at every position of `tokens` (row i predicts token i + 1)."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = model32[0](mx.array([tokens])).astype(mx.float32)[0]
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def test_task_4_logprobs_match_mlx_lm(model, tokenizer, model32):
+    """Completions' `logprobs` and chat's `logprobs`/`top_logprobs` (streamed, read by the openai client)
+    are mlx-lm's log-softmax of the chosen token and of the most likely ones."""
+    from openai import OpenAI
+
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    prompt_text = "The capital of France is"
+    content = "Name a colour."
+    completion_oracle = mlx_lm_greedy(model32, tokenizer.encode(prompt_text, add_special_tokens=False), 6)
+    chat_oracle = mlx_lm_greedy(model32, tokenizer.encode(chat_text(tokenizer, content), add_special_tokens=False), 6)
+    with running_server(app) as url:
+        body = {"model": MODEL, "prompt": prompt_text, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                     max_tokens=6, temperature=0, stream=True, logprobs=True,
+                                                     top_logprobs=2))
+        plain = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    logprobs = whole["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == whole["usage"]["completion_tokens"] == len(completion_oracle)
+    assert "".join(logprobs["tokens"]) == whole["choices"][0]["text"]
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    for (token, oracle), chosen, top in zip(completion_oracle, logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert chosen == pytest.approx(oracle[token], abs=2e-3)
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(oracle)[::-1][:3], abs=2e-3)
+    assert plain["choices"][0]["logprobs"] is None, "a request that asks for none gets none"
+
+    entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    assert len(entries) == len(chat_oracle), "one logprobs entry per generated token, across the chunks"
+    for (token, oracle), entry in zip(chat_oracle, entries):
+        assert entry.token == tokenizer.decode([token])
+        assert entry.logprob == pytest.approx(oracle[token], abs=2e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(sorted(oracle)[::-1][:2], abs=2e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen one is the most likely
+
+
+def test_task_4_sampled_logprobs_are_the_raw_distribution(model, model32):
+    """A sampled request's log-probabilities are the model's own (before temperature, top-k and penalties)."""
+    engine = make_engine(model)
+    prompt = model[1].encode("Once upon a time", add_special_tokens=False)
+    sampling = ref.sequence.SamplingParams(temperature=1.8, top_k=20, seed=5, max_tokens=6, logprobs=2,
+                                           presence_penalty=1.0)
+    seq = engine.add_request(prompt, sampling)
+    reported = []
+    for _ in range(50):
+        reported += [o.logprobs for o in engine.step() if o.token is not None]
+        if not engine.has_work():
+            break
+    oracle = raw_logprobs(model32, prompt + seq.output_token_ids)
+    assert [r.token for r in reported] == seq.output_token_ids
+    for i, r in enumerate(reported):
+        row = oracle[len(prompt) - 1 + i]
+        assert r.logprob == pytest.approx(row[r.token], abs=2e-3)
+        assert [t for t, _ in r.top] == row.argsort()[::-1][:2].tolist()
+
+
+def test_task_4_penalties_and_logit_bias_match_mlx_lm(model, tokenizer, model32):
+    """Greedy with a logit_bias that makes a token repeat: with repetition_penalty, mlx-lm's own processors give
+    the same tokens; with presence and frequency penalties, mlx-lm's model with the penalties by definition does."""
+    prompt_text = "one two one two one two"  # short: prompt and output stay within mlx-lm's 20-token window
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    # The runner-up of the first step, raised by 10: greedy then repeats it (this model never repeats by itself).
+    bias = {int(raw_logprobs(model32, prompt)[-1].argsort()[-2]): 10.0}
+
+    def by_definition(presence: float, frequency: float) -> list[int]:
+        output: list[int] = []
+        for _ in range(8):
+            row = penalized(raw_logprobs(model32, prompt + output)[-1], prompt, output, presence, frequency, bias=bias)
+            if int(row.argmax()) in tokenizer.eos_token_ids:
+                break
+            output.append(int(row.argmax()))
+        return output
+
+    from mlx_lm.sample_utils import make_logits_processors
+
+    repeating = by_definition(0.0, 0.0)
+    assert repeating[:3] == [next(iter(bias))] * 3, "the bias alone must make a token repeat"
+    oracle_repetition = [t for t, _ in mlx_lm_greedy(model32, prompt, 8, make_logits_processors(
+        logit_bias=bias, repetition_penalty=1.8))]
+    oracle_counts = by_definition(presence=0.7, frequency=0.9)
+    assert repeating != oracle_repetition and repeating != oracle_counts, "each penalty must change this output"
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    with running_server(app) as url:
+        body = {"model": MODEL, "prompt": prompt_text, "max_tokens": 8, "temperature": 0,
+                "logit_bias": {str(t): v for t, v in bias.items()}}
+        biased = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        repetition = httpx.post(f"{url}/v1/completions", json={**body, "repetition_penalty": 1.8}, timeout=60).json()
+        counted = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            **body, "presence_penalty": 0.7, "frequency_penalty": 0.9, "stream": True})
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in counted.text.splitlines()
+                           if line.startswith("data: {"))
+        assert_still_serving(url, model, engine)
+    assert biased["choices"][0]["text"] == tokenizer.decode(repeating)
+    assert repetition["choices"][0]["text"] == tokenizer.decode(oracle_repetition)
+    assert streamed == tokenizer.decode(oracle_counts)
+
+
+def test_task_4_ignore_eos_runs_to_max_tokens(model, tokenizer):
+    """With EOS forced (logit_bias), a request ends at once with "stop"; with ignore_eos it runs to max_tokens."""
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    eos = next(iter(tokenizer.eos_token_ids))
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100}}
+    with running_server(app) as url:
+        stops = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        runs_on = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60).json()
+        assert_still_serving(url, model, engine)
+    assert stops["choices"][0]["finish_reason"] == "stop" and stops["usage"]["completion_tokens"] == 0
+    assert runs_on["choices"][0]["finish_reason"] == "length"
+    assert runs_on["usage"]["completion_tokens"] == 5, "every EOS past the first is an output token"
+
+
+def test_task_4_cached_tokens_in_usage(model, tokenizer):
+    """`usage.prompt_tokens_details.cached_tokens`: 0 the first time, the shared full blocks the second."""
+    engine = ref.engine.LLMEngine(model[0], tokenizer, ref.engine.EngineConfig(
+        token_budget=64, max_num_seqs=16, block_size=8, enable_prefix_caching=True))
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    with running_server(app) as url:
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        second = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        stream = httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    cached = (prompt_tokens - 1) // 8 * 8  # every full block but one that holds the last prompt token
+    assert cached >= 16
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+class SlowTokenizer:
+    """The real tokenizer, but encoding a long text waits until the test says so (and says when it started)."""
+
+    def __init__(self, tokenizer):
+        import threading
+
+        self.tokenizer = tokenizer
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text, *args, **kwargs):
+        if len(text) > 100_000:
+            self.started.set()
+            self.release.wait(timeout=60)  # a step limit: never hangs the server for good
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
+    """A ~2 MB prompt: while it is tokenized, /health and another request are served; then it gets a 400."""
+    import threading
+
+    engine = make_engine(model)
+    slow = SlowTokenizer(tokenizer)
+    app = sol.server.create_app(engine, slow, MODEL)
+    huge = {"model": MODEL, "prompt": "word " * 400_000, "max_tokens": 2}
+    answers = {}
+    with running_server(app) as url:
+        sender = threading.Thread(target=lambda: answers.update(huge=send(url, "/v1/completions", huge)))
+        sender.start()
+        assert slow.started.wait(timeout=60), "the huge prompt never reached the tokenizer"
+        try:
+            answers["health"] = httpx.get(f"{url}/health", timeout=10)
+            answers["small"] = send(url, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 4,
+                                                             "temperature": 0})
+        except httpx.TimeoutException:
+            pytest.fail("the server did not answer while a prompt was being tokenized: tokenize off the event loop")
+        finally:
+            slow.release.set()
+            sender.join(timeout=120)
+        assert answers["health"].json() == {"status": "ok"}
+        assert answers["small"].json()["choices"][0]["text"] == in_process(model, "fine", 4)
+        error = answers["huge"].json()["error"]
+        assert answers["huge"].status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert_still_serving(url, model, engine)

@@ -264,6 +264,12 @@ def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[list[int]]
     return ids
 
 
+def prompt_size(prompt) -> int:
+    """How big /v1/completions' `prompt` is: its characters (a string or strings) or token ids."""
+    prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    return sum(len(p) for p in prompts)
+
+
 def check_logit_bias(body: SamplingRequest, vocab_size: int) -> None:
     """Every token `logit_bias` names must be in the vocabulary."""
     if body.logit_bias and max(int(token) for token in body.logit_bias) >= vocab_size:

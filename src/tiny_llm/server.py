@@ -7,8 +7,8 @@ A request's path, from socket to token and back:
                                      └── asyncio.Queue <── loop.call_soon_threadsafe ───┘
 
 - The event loop does the cheap, many things: parse and validate requests (`openai_api`), detokenize,
-  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a prompt, which can
-  take seconds for a long one, runs on a worker thread so the loop keeps serving everyone else.
+  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a long prompt, which
+  can take seconds, runs on a worker thread so the loop (and the short prompts) keep being served.
 - The engine thread does the one expensive thing, `engine.step()`, in a loop, and is the only caller
   of the engine (it is single-threaded by contract). Requests reach it through a thread-safe queue;
   tokens leave it through each request's `asyncio.Queue`, all of one step's in one
@@ -40,10 +40,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
                          check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids, install_http_extras, logprobs_field,
-                         max_tokens_for, merge, model_card, object_kind, parse_body, usage)
+                         max_tokens_for, merge, model_card, object_kind, parse_body, prompt_size, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
+
+LONG_PROMPT_CHARS = 16_384  # longer prompts are tokenized on a worker thread (milliseconds and up)
 
 
 # ---------------------------------------------------------------- wire formats
@@ -413,8 +415,11 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         """One token's text, as a response's log-probabilities name it."""
         return tokenizer.decode([token])
 
-    async def off_the_loop(function, *args):
-        """Run `function` on the tokenizing thread: a long prompt must not stall every other request."""
+    async def tokenize(size: int, function, *args):
+        """Tokenize a prompt of `size` characters: a short one right here (it takes microseconds), a long one
+        on the tokenizing thread, so it stalls neither the event loop nor the short prompts behind it."""
+        if size <= LONG_PROMPT_CHARS:
+            return function(*args)
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
 
     async def start(prompt: list[int], sampling: SamplingParams, priority: int, request_id: str) -> RequestHandle:
@@ -548,14 +553,15 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     async def chat_completions(request: Request):
         arrival = clock()
         body = parse_body(ChatCompletionRequest, await request.body(), model_name)
-        prompt = await off_the_loop(chat_prompt_ids, tokenizer, body.messages)
+        prompt = await tokenize(sum(len(m.text()) for m in body.messages), chat_prompt_ids, tokenizer, body.messages)
         return await respond(request, body, [prompt], chat=True, arrival=arrival)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = clock()
         body = parse_body(CompletionRequest, await request.body(), model_name)
-        prompts = await off_the_loop(completion_prompt_ids, tokenizer, body.prompt, engine.model.args.vocab_size)
+        prompts = await tokenize(prompt_size(body.prompt), completion_prompt_ids, tokenizer, body.prompt,
+                                 engine.model.args.vocab_size)
         return await respond(request, body, prompts, chat=False, arrival=arrival)
 
     @app.get("/v1/models")
