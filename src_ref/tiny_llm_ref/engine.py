@@ -210,10 +210,11 @@ class LLMEngine:
             return []
         tokens = self.run(plan)
         outputs = self.scheduler.update_from_output(plan, tokens)
-        if self.runner.logprobs:  # some request asked for log-probabilities
+        logprobs = getattr(self.runner, "logprobs", None)  # the step's, for requests that asked (a stand-in runner has none)
+        if logprobs:
             for output in outputs:
                 if output.token is not None:
-                    output.logprobs = self.runner.logprobs.get(output.request_id)
+                    output.logprobs = logprobs.get(output.request_id)
         self.record(plan, outputs)
         return outputs
 
