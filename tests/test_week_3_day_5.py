@@ -664,14 +664,16 @@ def test_logits_processors_on_constructed_rows():
     lp = sol.logits_processors
     row = [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]
     prompt, output = [0, 1], [1, 3, 3]
-    # By hand: repetition 2 on {0, 1, 3}: 2 -> 1, -1 -> -2, 3 -> 1.5; then frequency 0.25 x count + presence 0.5
-    # on the output {1: 1, 3: 2}: -2 -> -2.75, 1.5 -> 0.5; bias +10 on token 2, -100 on token 4 (first).
-    expected = [1.0, -2.75, 10.5, 0.5, -102.0, 0.0]
+    # By hand: first the bias, +10 on token 2, +1 on token 3 and -100 on token 4: [2, -1, 10.5, 4, -102, 0];
+    # then repetition 2 on {0, 1, 3}: 2 -> 1, -1 -> -2, 4 -> 2; then frequency 0.25 x count + presence 0.5
+    # on the output {1: 1, 3: 2}: -2 -> -2.75, 2 -> 1.
+    bias = {2: 10.0, 3: 1.0, 4: -100.0}
+    expected = [1.0, -2.75, 10.5, 1.0, -102.0, 0.0]
     params = ref.sequence.SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
-                                         logit_bias={2: 10.0, 4: -100.0})
+                                         logit_bias=bias)
     got = lp.process_row(mx.array(row), params, prompt, output)
     np.testing.assert_allclose(np.array(got), expected, atol=1e-6)
-    np.testing.assert_allclose(expected, penalized(row, prompt, output, 0.5, 0.25, 2.0, {2: 10.0, 4: -100.0}))
+    np.testing.assert_allclose(expected, penalized(row, prompt, output, 0.5, 0.25, 2.0, bias))
     # Presence and frequency count the output only: a token only in the prompt is not penalized by them.
     only_prompt = lp.process_row(mx.array(row), ref.sequence.SamplingParams(presence_penalty=1.0), [5], [])
     np.testing.assert_allclose(np.array(only_prompt), row)
@@ -756,6 +758,9 @@ def test_task_4_logprobs_match_mlx_lm(model, tokenizer, model32):
 
     entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
                for entry in chunk.choices[0].logprobs.content]
+    for chunk in chunks:  # a chunk carries the entries of its own tokens, not all of them at the end
+        if chunk.choices and chunk.choices[0].delta.content:
+            assert "".join(e.token for e in chunk.choices[0].logprobs.content) == chunk.choices[0].delta.content
     assert len(entries) == len(chat_oracle), "one logprobs entry per generated token, across the chunks"
     for (token, oracle), entry in zip(chat_oracle, entries):
         assert entry.token == tokenizer.decode([token])
