@@ -53,17 +53,18 @@ DAYS: list[Day] = [
     Day(2, 7, "Chunked prefill", "week2-07-chunked-prefill.md", ("batch", "chunk_policy"),
         {1: 10, 2: 5, 3: 10, 4: 5, 5: 10, 6: 5}, compare="chunked-prefill"),
     Day(3, 1, "One forward pass under a token budget", "week3-01-token-budget.md",
-        ("token_budget", "scheduler", "qwen2_week3", "model_runner", "engine"), {1: 5, 2: 10, 3: 10, 4: 10, 5: 5},
+        ("token_budget", "scheduler", "qwen2_week3", "model_runner", "engine"), {1: 5, 2: 10, 3: 10, 4: 10, 5: 5, 6: 60},
         compare="engine"),
     Day(3, 2, "Paged KV cache and preemption", "week3-02-paged-kv-cache.md", ("block_manager", "scheduler"),
-        {1: 10, 2: 5, 3: 10}, compare="engine"),
-    Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5},
+        {1: 10, 2: 5, 3: 10, 4: 40}, compare="engine"),
+    Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5, 5: 45},
         compare="engine"),
     Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler", "scheduler", "engine"),
-        {1: 5, 2: 10, 3: 10}, compare="engine"),
+        {1: 5, 2: 10, 3: 10, 4: 40}, compare="engine"),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10}),
     Day(4, 1, "Speculative decoding", "week4-01-speculative-decoding.md", ("speculative",), {1: 5, 2: 5, 3: 10, 4: 10, 5: 10}),
     Day(4, 2, "A quantized paged KV cache", "week4-02-quantized-kv-cache.md", ("quantized_kv",), {1: 10, 2: 10, 3: 10}),
+    Day(4, 3, "Tensor parallelism", "week4-03-tensor-parallelism.md", ("tensor_parallel",), {1: 5, 2: 10, 3: 10, 4: 15}),
 ]
 
 

@@ -72,6 +72,8 @@ class RunResult:
 
 # ---------------------------------------------------------------- starting pytest
 
+TEST_TIME_LIMIT = 60.0  # seconds one test may run: the grader's default and `pdm run test`'s (pytest-timeout)
+
 def pytest_command(args: list[str]) -> list[str]:
     """The command line of every pytest run of the course's tooling (the plugin does nothing unless watched)."""
     return [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider", *args]

@@ -7,6 +7,9 @@ the student's files with some functions and methods swapped for the reference's:
 
 - `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
   every other day's task, even one the student has written. So each day is graded on its own code.
+- `for_stack(W, D)` (the day's "your stack so far" tests): the student's code for day W.D's tasks and
+  every earlier day of week W they have written, the reference's for the rest. So the engine the
+  student will serve with is tested as a whole, not only function by function.
 - `for_command("student")` (main, batch-main, compare, the benchmarks): the student's code for every
   task written, the reference's for every task whose body still raises the marker. `describe()` says
   which, in one line.
@@ -281,20 +284,46 @@ def for_day(week: int, day: int) -> Selection:
 
     Modules with none of the day's tasks are the reference's modules themselves.
     """
-    name = f"tiny_llm_week{week}_day{day}"
+    return _selection_for_days(f"tiny_llm_week{week}_day{day}", [(week, day)],
+                               lambda task, written: task.day_key == (week, day))
+
+
+def for_stack(week: int, day: int) -> Selection:
+    """The code a day's "your stack so far" tests run: the student's for day W.D's tasks and for every task
+    of an earlier day of week W they have written; the reference's for the other weeks, for later days,
+    and for an earlier day's task still raising its marker (a student who starts at day W.D has none).
+
+    So a planner bug of day 3.1 shows in day 3.2's end-to-end tests too: they run the engine the student
+    will actually serve with.
+    """
+    from course.course_map import DAYS
+
+    days = [(d.week, d.day) for d in DAYS if d.week == week and d.day <= day]
+    return _selection_for_days(f"tiny_llm_stack_week{week}_day{day}", days,
+                               lambda task, written: task.week == week and
+                               (task.day == day or (task.day < day and written)))
+
+
+def _selection_for_days(name: str, days: list[tuple[int, int]], students) -> Selection:
+    """A package of the days' modules in which `students(task, written)` says whose code each task runs.
+
+    The days' modules (those holding one of their tasks, and `Day.modules`) are the student's files
+    with the reference's functions swapped in where `students` is False; every other module is the
+    reference's module itself.
+    """
     if name in _CACHE:
         return _CACHE[name]
     from course.course_map import find_day
 
-    table = task_table()
-    own = {m for m, names in table.items() if any(t.day_key == (week, day) for t in names.values())}
-    own |= set(find_day(week, day).modules)
-    current = unwritten()
+    table, current = task_table(), unwritten()
+    own = {m for m, names in table.items() if any(t.day_key in days for t in names.values())}
+    for week, day in days:
+        own |= set(find_day(week, day).modules)
     swaps = {}
     for module in own:
-        others = {n for n, t in table.get(module, {}).items() if t.day_key != (week, day)}
-        others |= {n for n, t in current.get(module, {}).items() if t.day_key != (week, day)}
-        swaps[module] = others
+        still_unwritten = current.get(module, {})
+        tasks = {**table.get(module, {}), **still_unwritten}
+        swaps[module] = {n for n, t in tasks.items() if not students(t, n not in still_unwritten)}
     aliases = [m for m in _modules() if m not in own]
     selection = Selection(name, swaps, aliases)
     _make_package(name, selection, aliases)

@@ -10,6 +10,8 @@ and what is wrong:
 - commands:  every `pdm run X ...` shown is a script of pyproject.toml whose arguments its parser accepts;
 - tasks:     every "## Task N" of a day's chapter has tests named test_task_N_... in that day's test file,
              every such test has its "## Task N", and every task with tests has points in the course map;
+- coming:    no "(coming)" beside a day the course has: on a line linking to an existing chapter, or in
+             a week overview's table row of a day of the course map;
 - skeleton:  every "Week W Day D Task N (book/src/X.md)" message in the skeleton names day W.D's chapter
              and one of its tasks, and sits in a module the course map lists for day W.D (otherwise the
              harness would hand that task's tests the reference's module).
@@ -37,6 +39,9 @@ TASK_HEADING = re.compile(r"^#{1,6}\s+Task\s+(\d+)\b")
 TASK_TEST = re.compile(r"^test_task_(\d+)_")
 SKELETON_MESSAGE = re.compile(r"Week (\d+) Day (\d+) Task (\d+) \((book/src/[^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
+COMING = re.compile(r"\(coming\)", re.IGNORECASE)
+OVERVIEW = re.compile(r"^week(\d+)-overview\.md$")
+DAY_ROW = re.compile(r"^\|\s*(\d+)\s*\|")  # a table row whose first cell is a day number
 
 
 # ---------------------------------------------------------------- reading the repo
@@ -345,6 +350,25 @@ def task_problems(root: Path) -> list[str]:
     return problems
 
 
+def coming_problems(root: Path) -> list[str]:
+    """Lines saying "(coming)" beside a day that exists: a link to its chapter, or its row in its week's overview."""
+    days = {(d.week, d.day) for d in load_course_map(root).DAYS}
+    problems = []
+    for chapter in chapters(root):
+        overview = OVERVIEW.match(chapter.name)
+        for number, line, in_code in lines_outside_code(chapter.read_text()):
+            if in_code or not COMING.search(line):
+                continue
+            row = DAY_ROW.match(line)
+            listed_day = overview is not None and row is not None and (int(overview[1]), int(row[1])) in days
+            linked = [t for t in LINK.findall(line) if not t.startswith(("http:", "https:", "#"))
+                      and (chapter.parent / t.split("#")[0]).exists()]
+            if listed_day or linked:
+                what = f"links to {linked[0]}" if linked else f"is week {overview[1]} day {row[1]} of course/course_map.py"
+                problems.append(f"{rel(root, chapter)}:{number}: says \"(coming)\", but the day {what}")
+    return problems
+
+
 def skeleton_problems(root: Path) -> list[str]:
     """The skeleton's "not implemented" messages point at the right chapter and at a task it has."""
     days = {(d.week, d.day): d for d in load_course_map(root).DAYS}
@@ -378,6 +402,7 @@ CHECKS = {
     "paths": path_problems,
     "commands": command_problems,
     "tasks": task_problems,
+    "coming": coming_problems,
     "skeleton": skeleton_problems,
 }
 

@@ -8,17 +8,20 @@
     pdm run grade --solution ref           # grade the reference (every task at full points)
 
 What is graded: only the course's module files (the modules course/course_map.py lists for its days),
-copied from the submission into a fresh grading directory beside fresh, read-only copies of the tests,
-the tooling and the reference; every other file of the submission is reported and ignored. Each module
-is scanned first (course/integrity.py); a day that would run a flagged module scores 0, "needs review",
-with the file and line (`--allow-flagged` grades it anyway).
+copied from the submission into a package of their own; every other file of the submission is reported
+and ignored. The integrity scan (course/integrity.py) lists what it finds, for the instructor: it
+decides nothing.
 
 How: the tests expected are collected first in a process that imports no student code. Then each
-day's test file runs in its own pytest process in its own grading directory (course/isolated_pytest.py):
-a per-test time limit, a watchdog on the event stream, a memory limit, every descendant process killed
-when the day ends, and time budgets per day and for the whole run. A result counts only for an expected
-test reported in order with a start and a finish; anything else makes that day "needs review" at 0.
-results.json is rewritten (atomically) after each day, so an interrupted run leaves a valid report.
+day's test file runs in a trusted pytest process (course/isolated_pytest.py) that never imports the
+student's code either: `solution(week, day)` there reaches the day's package in a worker process in an
+OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
+files, a private scratch directory, limits), through a pipe that carries data, never code
+(course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
+limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json), a memory
+limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
+(atomically) after each day, so an interrupted run leaves a valid report. Without bubblewrap (macOS)
+it says plainly that it runs unsandboxed.
 
 Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
 split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
@@ -47,10 +50,11 @@ from fractions import Fraction
 from math import floor
 from pathlib import Path
 
+from course import sandbox
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
-from course.isolated_pytest import (CaseResult, RunResult, become_subreaper, child_env, collect, default_memory_mb,
-                                    kill_descendants, run_test_file)
+from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env, collect,
+                                    default_memory_mb, kill_descendants, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -64,6 +68,11 @@ STATUS_WORDS = {
     "skipped": "skipped", "timeout": "timed out", "crashed": "crashed the interpreter",
     "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
 }
+TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
+YARDSTICK_KEY = "yardstick"  # seconds of a fixed computation in that run: the machine's speed then
+BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
+MIN_DAY_BUDGET = 10.0
+DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
 
@@ -136,17 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "(or holding tiny_llm/ or src/tiny_llm/)")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="time limit of one test (default 60)")
-    parser.add_argument("--day-budget", type=float, default=600.0, metavar="SECONDS",
-                        help="time budget of one day's tests (default 600); tests left when it runs out score 0")
+    parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
+                        help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
+    parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
+                        help="time budget of one day's tests (default: 1.5x the honest run's time recorded in "
+                             "course/grading_times.json, scaled to this machine; 600 for a day not recorded); "
+                             "tests left when it runs out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
                         help="time budget of the whole run (default 3600); days left when it runs out score 0")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
                              "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
-    parser.add_argument("--allow-flagged", action="store_true",
-                        help="grade modules the integrity scan flagged (after a person has read them)")
+    parser.add_argument("--record-times", action="store_true",
+                        help="save each day's time as the honest run's, for the budgets (maintainers: run with "
+                             "--src src_ref/tiny_llm_ref on an idle machine)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
     return parser
 
@@ -230,28 +242,27 @@ def _copy_trusted(dest: Path) -> None:
         (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
 
 
-def make_grading_dir(dest: Path, submission: Submission | None) -> Path:
-    """A fresh, read-only directory: trusted tests, tooling and reference, and the package being graded.
-
-    The package holds the submission's course modules, the untouched skeleton's for a module it lacks, the
-    reference's provided code, and an `__init__.py` the grader writes. Without a submission (collection)
-    there is no package at all.
-    """
+def make_grading_dir(dest: Path) -> Path:
+    """A fresh, read-only directory for the trusted test process: tests, tooling and reference, no student code."""
     dest.mkdir(parents=True)
     _copy_trusted(dest)
-    if submission is not None:
-        package = dest / SKELETON_DIR
-        package.mkdir(parents=True)
-        for path in sorted((REPO_ROOT / SKELETON_DIR).glob("*.py")):
-            if path.stem in submission.modules:
-                shutil.copyfile(submission.modules[path.stem], package / path.name)
-            elif path.name == "__init__.py":
-                (package / path.name).write_text(INIT_TEXT)
-            elif path.stem in course_modules():
-                shutil.copyfile(path, package / path.name)  # not submitted: the untouched skeleton
-            else:
-                shutil.copyfile(trusted_file(path.name), package / path.name)
     read_only(dest)
+    return dest
+
+
+def make_package(dest: Path, submission: Submission) -> Path:
+    """The package being graded: the submission's course modules, the untouched skeleton's for a module it
+    lacks, the reference's provided code, and an `__init__.py` the grader writes."""
+    dest.mkdir(parents=True)
+    for path in sorted((REPO_ROOT / SKELETON_DIR).glob("*.py")):
+        if path.stem in submission.modules:
+            shutil.copyfile(submission.modules[path.stem], dest / path.name)
+        elif path.name == "__init__.py":
+            (dest / path.name).write_text(INIT_TEXT)
+        elif path.stem in course_modules():
+            shutil.copyfile(path, dest / path.name)  # not submitted: the untouched skeleton
+        else:
+            shutil.copyfile(trusted_file(path.name), dest / path.name)
     return dest
 
 
@@ -412,7 +423,7 @@ def points(units: int) -> str:
 
 
 def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str,
-           workspace_review: list[str] = ()) -> str:
+           integrity: list[str] = ()) -> str:
     lines = [f"Grading the {'reference' if solution == 'ref' else 'student'} solution", "",
              f"{'week':>4} {'day':>4} {'task':>4}  {'points':>13}  status",
              f"{'-' * 4:>4} {'-' * 4:>4} {'-' * 4:>4}  {'-' * 13:>13}  {'-' * 40}"]
@@ -430,11 +441,8 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
                          f"{points(of):<4}  {status}")
     lines += ["", f"total: {points(total)} / {points(maximum)}"]
     reviewed = [r for r in reports if r.review]
-    if reviewed or workspace_review:
+    if reviewed:
         lines += ["", "NEEDS REVIEW (these days score 0 until a person has looked):"]
-        if workspace_review:
-            lines.append("  the submission's other files:")
-            lines += [f"    - {reason}" for reason in workspace_review]
         for report in reviewed:
             lines.append(f"  week {report.day.week} day {report.day.day}:")
             lines += [f"    - {reason}" for reason in report.review]
@@ -454,6 +462,9 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     notes = workspace_notes + [n for r in reports for n in r.notes]
     if notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in notes]
+    if integrity:
+        lines += ["", "Integrity report (for the instructor; it decides nothing, the sandbox does):"]
+        lines += [f"  - {finding}" for finding in integrity]
     problems = [p for r in reports for p in r.problems]
     if problems:
         lines += ["", "GRADER PROBLEMS (not the student's code; these tests are at zero):"]
@@ -461,8 +472,7 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     return "\n".join(lines)
 
 
-def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict,
-                       workspace_review: list[str] = ()) -> dict:
+def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
     tests = []
     graded = [t for r in reports for t in r.tests if t.task is not None]
@@ -485,8 +495,7 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
         "tests": tests,
         "extra_data": {
             "max_score": sum(t.max_units for t in graded) / UNITS,
-            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review}
-            | ({"submission": list(workspace_review)} if workspace_review else {}),
+            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review},
             "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
             **extra,
         },
@@ -519,8 +528,55 @@ def progress_bar(total: int):
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} tests [{elapsed}<{remaining}]")
 
 
-def flagged_reasons(day: Day, submission: Submission) -> list[str]:
-    return [str(f) for module in day.modules for f in submission.findings.get(module, [])]
+def integrity_report(submission: Submission) -> list[str]:
+    """What the integrity scan found, for the instructor: it decides nothing (the sandbox is the defence)."""
+    return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
+
+
+def day_budget(day: Day, args: argparse.Namespace, speed: float) -> float:
+    """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget."""
+    recorded = recorded_times().get(day.key)
+    if args.day_budget is not None or recorded is None:
+        return args.day_budget or DEFAULT_DAY_BUDGET
+    return max(MIN_DAY_BUDGET, BUDGET_FACTOR * recorded * speed)
+
+
+def recorded_times() -> dict[str, float]:
+    try:
+        return {k: float(v) for k, v in json.loads(TIMES_FILE.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
+    """Keep each day's time (and the yardstick's, the machine's speed) for the budgets of later runs."""
+    times = recorded_times()
+    times.update({r.day.key: round(r.seconds, 2) for r in reports if not r.pending and r.seconds})
+    times[YARDSTICK_KEY] = round(yardstick_seconds, 3)
+    TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
+
+
+def yardstick() -> float:
+    """CPU seconds for a fixed piece of Python work (the best of three): how fast this machine's processor is.
+
+    CPU time, not wall time: the load of the moment swings too much (10x seen on a shared machine) to scale
+    a budget by, and the recorded times come from a busy machine, so they have room for load.
+    """
+    def once() -> float:
+        began, total = time.process_time(), 0
+        for i in range(1_000_000):
+            total += i % 7
+        return time.process_time() - began
+
+    return min(once() for _ in range(3))
+
+
+def machine_speed(seconds: float) -> float:
+    """How much slower this machine's processor is than the one that recorded the times (0.5x to 4x)."""
+    recorded = recorded_times().get(YARDSTICK_KEY)
+    if not recorded:
+        return 1.0
+    return min(4.0, max(0.5, seconds / recorded))
 
 
 def grade(args: argparse.Namespace) -> int:
@@ -535,7 +591,7 @@ def grade(args: argparse.Namespace) -> int:
         print("grade: no day in the selection has tests yet", file=sys.stderr)
         return GRADER_FAILED
     json_path = Path(args.json).resolve() if args.json else None
-    workspace_review: list[str] = []
+    integrity: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
     bar = None
     try:
@@ -544,6 +600,10 @@ def grade(args: argparse.Namespace) -> int:
         submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
         extra: dict = {}
         if student:
+            warning = sandbox.unsandboxed_warning()
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+                workspace_notes.append(warning.removeprefix("grade: "))
             if submission.ignored:
                 listed = submission.ignored[:20] + ([f"and {len(submission.ignored) - 20} more"]
                                                     if len(submission.ignored) > 20 else [])
@@ -551,24 +611,17 @@ def grade(args: argparse.Namespace) -> int:
             if args.src and submission.missing:
                 workspace_notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
                                        "the untouched skeleton's are graded")
-            flags = [str(f) for findings in submission.findings.values() for f in findings]
-            extra = {"ignored_files": submission.ignored, "integrity_flags": flags}
-            workspace_review = submission.review
-            if flags and args.allow_flagged:
-                workspace_notes.append("graded with --allow-flagged: the integrity scan's findings were "
-                                       "reviewed by a person: " + "; ".join(flags))
+            integrity = integrity_report(submission)
+            extra = {"ignored_files": submission.ignored, "integrity_flags": integrity,
+                     "sandboxed": warning is None}
 
-        # The tests expected, from a process that imports no student code (there is no package at all).
-        # A flagged day does not run: its tests are listed by function, read from the file.
-        flagged = {d.key: [] if args.allow_flagged or not student else flagged_reasons(d, submission) for d in days}
-        to_run = [d.test_file for d in days if not flagged[d.key]]
-        expected, collect_errors = {}, {}
-        if to_run:
-            collect_dir = make_grading_dir(tmp / "collect", None)
-            expected, collect_errors = collect(to_run, collect_dir, child_env("ref", ("src_ref", ".")))
-        for d in days:
-            if flagged[d.key]:
-                expected[d.test_file] = [f"{d.test_file}::{f}" for f in task_functions(REPO_ROOT / d.test_file)]
+        # One trusted directory for every test process: tests, tooling and reference, never student code.
+        trusted = make_grading_dir(tmp / "trusted")
+        package = make_package(tmp / "package", submission) if student else None
+        trusted_env = child_env(args.solution, ("src_ref", "."))
+        expected, collect_errors = collect([d.test_file for d in days], trusted, child_env("ref", ("src_ref", ".")))
+        yardstick_seconds = yardstick()
+        speed = machine_speed(yardstick_seconds)
         bar = progress_bar(sum(len(expected.get(d.test_file, [])) for d in days))
 
         reports: list[DayReport] = [placeholder(d, expected.get(d.test_file, []), "not graded yet", pending=True)
@@ -576,11 +629,12 @@ def grade(args: argparse.Namespace) -> int:
 
         def save() -> None:
             if json_path is not None:
-                summary = render(reports, False, workspace_notes, args.solution, workspace_review)
+                summary = render(reports, False, workspace_notes, args.solution, integrity)
                 write_atomically(json_path, json.dumps(gradescope_results(
-                    reports, summary, time.monotonic() - started, extra, workspace_review), indent=2) + "\n")
+                    reports, summary, time.monotonic() - started, extra), indent=2) + "\n")
 
         save()
+        memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         for index, day in enumerate(days):
             label = f"week {day.week} day {day.day}"
             if bar is not None and not bar.disable:
@@ -588,29 +642,32 @@ def grade(args: argparse.Namespace) -> int:
             else:
                 print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
             ids = expected.get(day.test_file, [])
-            flags = flagged[day.key]
             error = collect_errors.get(day.test_file) or (collect_errors.get("collection") if not ids else None)
             if error:
                 run = RunResult(day.test_file, collect_errors=[error])
                 reports[index] = score_day(day, [], run, task_functions(REPO_ROOT / day.test_file))
-            elif flags:
-                reports[index] = placeholder(day, ids, "not run: the integrity scan flagged this day's code",
-                                             review=[f"flagged by the integrity scan: {f}" for f in flags]
-                                             + ["grade it anyway, after reading it, with --allow-flagged"])
             elif time.monotonic() >= run_deadline:
                 reports[index] = placeholder(day, ids, "not run: the run's time budget ran out before this day")
             else:
-                day_dir = make_grading_dir(tmp / f"week{day.week}-day{day.day}", submission)
-                deadline = min(time.monotonic() + args.day_budget, run_deadline)
-                run = run_test_file(day.test_file, day_dir, child_env(args.solution), timeout=args.timeout,
-                                    expected=ids, deadline=deadline, memory_mb=default_memory_mb() if args.memory_mb is None else args.memory_mb or None,
+                budget = day_budget(day, args, speed)
+                env = trusted_env
+                if package is not None:
+                    root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
+                                                    REPO_ROOT / "course", day.week, day.day)
+                    logs = tmp / f"logs-{day.key}"  # a test process killed at a limit cannot clean up after itself
+                    logs.mkdir()
+                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
+                           sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
+                deadline = min(time.monotonic() + budget, run_deadline)
+                run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget), expected=ids,
+                                    deadline=deadline, memory_mb=memory_mb,
                                     on_result=(lambda _: bar.update(1)) if bar is not None else None)
                 kill_descendants()
                 reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out "
-                                                f"(--day-budget {args.day_budget:g} s, --budget {args.budget:g} s)")
-                remove_tree(day_dir)
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({budget:.0f} s: "
+                                                f"{BUDGET_FACTOR:g}x an honest run here; --budget {args.budget:g} s "
+                                                f"for the whole run)")
             if bar is not None:
                 bar.n = sum(len(expected.get(d.test_file, [])) for d in days[: index + 1])
                 bar.refresh()
@@ -620,7 +677,9 @@ def grade(args: argparse.Namespace) -> int:
             bar.close()
         kill_descendants()
         remove_tree(tmp)
-    summary = render(reports, args.verbose, workspace_notes, args.solution, workspace_review)
+    if args.record_times:
+        record_times(reports, yardstick_seconds)
+    summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
     print(summary)
     seconds = time.monotonic() - started
     print(f"\ngraded {len(reports)} day(s) in {seconds:.0f} s")

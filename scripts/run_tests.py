@@ -4,6 +4,9 @@
     pdm run test --week 2 --day 7 -- -k task_1   # narrowed to Task 1 (any pytest arguments after --)
     pdm run test --week 2 --day 7 --ref      # the same tests against the reference solution
     pdm run test-ref                         # every test against the reference
+
+Every test has the grader's time limit (60 s; `-- --timeout=N` changes it): one that runs longer
+fails with its name and where it was.
 """
 
 import argparse
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 
 from course.course_map import DAYS, find_day
-from course.isolated_pytest import child_env, pytest_command
+from course.isolated_pytest import TEST_TIME_LIMIT, child_env, pytest_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,10 +59,18 @@ def test_targets(week: int | None, day: int | None) -> list[str]:
     return [d.test_file for d in days]
 
 
+def with_time_limit(pytest_args: list[str]) -> list[str]:
+    """The grader's per-test limit (pytest-timeout), unless the arguments set one: an endless loop fails
+    with its test's name, not silence."""
+    if any(arg.startswith("--timeout") for arg in pytest_args):
+        return list(pytest_args)
+    return [f"--timeout={TEST_TIME_LIMIT:g}", *pytest_args]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     solution = "ref" if args.ref else args.solution
-    pytest_args = args.pytest_args
+    pytest_args = with_time_limit(args.pytest_args)
     targets = test_targets(args.week, args.day)
     print(f"[tiny-llm] testing the {'reference' if solution == 'ref' else 'student'} solution: "
           f"{' '.join(targets)}", flush=True)

@@ -2,6 +2,7 @@
 
     sol = solution(week=1, day=5)   # the code under test: sol.qwen2_week1, sol.embedding, ...
     ref = reference()               # always the reference: oracles and collaborators
+    mine = stack(week=3, day=2)     # "your stack so far": days 3.1 and 3.2 of the student's, together
 
 Against the reference (TINY_LLM_SOLUTION=ref), `solution(...)` is simply `tiny_llm_ref`.
 
@@ -9,11 +10,15 @@ Against the student's package (the default), `solution(week, day)` is the select
 day (course/selector.py): the student's code for the day's tasks, the reference's for every other task,
 function by function. So a student who starts at day 2.7 is graded on day 2.7's code alone, and a
 mistake in day 2.7's part of batch.py cannot fail day 2.6's tests.
+
+While grading (`pdm run grade` sets TINY_LLM_SANDBOX_ROOT), that package runs in a sandboxed worker
+process and `solution(...)` reaches it through a pipe (course/sandbox.py): the tests, and the verdict,
+stay in this process, which never imports the student's code.
 """
 
 import os
 
-from course import selector
+from course import sandbox, selector
 
 
 def solution_name() -> str:
@@ -31,4 +36,14 @@ def solution(week: int, day: int) -> selector.Selection:
     """The code under test for one day: the student's code for that day's tasks, or the reference."""
     if solution_name() == "ref":
         return reference()
+    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the day's package runs in the sandbox
+        return sandbox.RemoteSelection(week, day)
     return selector.for_day(week, day)
+
+
+def stack(week: int, day: int) -> selector.Selection:
+    """The engine a student serves with, for day W.D's "your stack so far" tests: their code for that day
+    and every earlier day of week W they have written (the reference for the rest), or the reference."""
+    if solution_name() == "ref":
+        return reference()
+    return selector.for_stack(week, day)

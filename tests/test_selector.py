@@ -58,6 +58,23 @@ def test_a_days_selection_runs_that_days_tasks_only():
     assert selection.qwen2_week2 is ref.qwen2_week2, "a module with none of the day's tasks is the reference's"
 
 
+def test_a_stack_runs_the_days_tasks_and_the_earlier_days_written_ones():
+    """Day 3.2's "your stack so far": the student's 3.2 tasks always, their 3.1 tasks once written, the rest the reference's."""
+    table, unwritten = selector.task_table(), selector.unwritten()
+    selection, ref = selector.for_stack(3, 2), selector.reference()
+    for name, task in table["scheduler"].items():
+        chosen = resolve(selection.scheduler, name)
+        written = name not in unwritten.get("scheduler", {})
+        if task.day_key == (3, 2) or (task.day_key == (3, 1) and written):
+            assert code_file(chosen).endswith("src/tiny_llm/scheduler.py"), f"{name} is the student's"
+        else:
+            assert chosen.__code__ is resolve(ref.scheduler, name).__code__, f"{name} must be the reference's"
+    assert code_file(resolve(selection.engine, "LLMEngine.__init__")).endswith("src/tiny_llm/engine.py"), \
+        "a day-3.1 module is the student's file, provided code included"
+    assert selection.prefix_cache is ref.prefix_cache, "a later day's module is the reference's"
+    assert selection.batch is ref.batch, "an earlier week's module is the reference's"
+
+
 def test_commands_take_only_unwritten_tasks_from_the_reference():
     selection = selector.for_student()
     ref = selector.reference()

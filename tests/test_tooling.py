@@ -17,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from course import sandbox
 from maint import book_check
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Each test here runs whole grading or checking processes, every one bounded by its own subprocess timeout:
+# they get more than `pdm run test`'s per-test limit.
+pytestmark = pytest.mark.timeout(900)
 
 # ---------------------------------------------------------------- Gradescope's results.json, checked field by field
 # From Gradescope's "Autograder Specifications" (gradescope-autograders.readthedocs.io/en/latest/specs/):
@@ -231,7 +235,7 @@ def test_grade_survives_a_hang_a_crash_and_an_import_error(tmp_path):
     write_modules(submission, BROKEN_STUDENT)
     report = tmp_path / "out" / "results.json"
     done = run_tool(root, "scripts.grade", "--src", str(submission), "--timeout", "2", "--json", str(report),
-                    "--allow-flagged")  # alpha.py imports os to abort on purpose
+                    "--day-budget", "120")  # the real course's recorded times say nothing about these days
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(report.read_text())
     assert gradescope_problems(results) == []
@@ -310,6 +314,19 @@ def test_check_days_passes_each_day_alone_and_catches_a_broken_reference(tmp_pat
     assert "NotImplementedError" in (root / "src" / "tiny_llm" / "gamma.py").read_text()
 
 
+def test_pdm_run_test_gives_every_test_the_graders_time_limit(tmp_path):
+    from course.isolated_pytest import TEST_TIME_LIMIT
+    from scripts import run_tests
+
+    assert run_tests.with_time_limit(["-q"]) == [f"--timeout={TEST_TIME_LIMIT:g}", "-q"]
+    assert run_tests.with_time_limit(["--timeout=5", "-x"]) == ["--timeout=5", "-x"]
+    spin = tmp_path / "test_spin.py"
+    spin.write_text("def test_spins_forever():\n    while True:\n        pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(spin),
+                           *run_tests.with_time_limit(["--timeout=1"])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Timeout" in done.stdout and "test_spins_forever" in done.stdout, done.stdout
+
+
 # ---------------------------------------------------------------- the book check, on small synthetic books
 
 def make_book(root: Path) -> Path:
@@ -384,6 +401,7 @@ def test_book_check_accepts_a_correct_book(book_root):
     (("alpha.md", "## Task 3: crash", "## Task 4: crash"), "Task 4"),
     (("beta.md", "## Task 2: twice zero", "## Twice zero"), "test_task_2"),
     (("preface.md", "(./alpha.md)", "(./alfa.md)"), "alfa.md"),
+    (("preface.md", "(./alpha.md).", "(./alpha.md) (coming)."), "coming"),
 ])
 def test_book_check_catches_each_kind_of_drift(tmp_path, breakage, expected):
     root = make_book(tmp_path / "course")
@@ -443,7 +461,9 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
         assert score == pytest.approx(expected, abs=1e-3), (key, done.stdout)
     assert zero <= set(by_task) and ("day 1.4", "task 1") in by_task
     hung = [t for t in results["tests"] if t["tags"][1:] == ["day 1.4", "task 2"]]
-    assert all("timed out" in t["output"] for t in hung)
+    # Each hang is stopped at the time limit; the day's budget (1.5x an honest run) may end the rest.
+    assert "timed out" in hung[0]["output"]
+    assert all("timed out" in t["output"] or "time budget ran out" in t["output"] for t in hung)
 
 
 def test_check_days_by_task_fills_only_the_days_functions():
@@ -560,18 +580,21 @@ def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
     assert done.returncode == 0 and f"pdm run test --week {plain.week} --day {plain.day}" in done.stdout
 
 
-# ---------------------------------------------------------------- the grader against a dishonest student (issue 11)
+# ---------------------------------------------------------------- the grader against a dishonest student (issues 11, 24)
 
 ATTACKS = REPO_ROOT / "tests" / "attacks"
-# attack -> the file its "needs review" reason must name (None: no finding; the limits end it)
+# attack -> the file the integrity report names (None: the scan finds nothing there; the sandbox stops it anyway)
 ATTACK_FILES = {
     "reexport": "src/tiny_llm/attention.py", "patch_outcome": "src/tiny_llm/speedups.py",
     "patch_outcome_module": "src/tiny_llm/basics.py", "forge_events": "src/tiny_llm/attention.py",
     "detached_rewrite": "src/tiny_llm/basics.py", "rewrite_tests": "src/tiny_llm/attention.py",
     "sitecustomize": "src/sitecustomize.py", "block_start": "src/tiny_llm/basics.py",
     "hang": None, "memory": None,
+    "reexport_dynamic": None, "patch_outcome_vars": "src/tiny_llm/basics.py",
+    "pickle_patch": "src/tiny_llm/basics.py", "proc_environ_key": "src/tiny_llm/attention.py",
+    "extra_helper": "src/tiny_llm/helpers.py", "models_symlink_write": "src/tiny_llm/basics.py", "sleep": None,
 }
-BUDGET = 60  # seconds for a whole grading run of day 1.1 (--budget); the run may take a little more to start
+ATTACK_ARGS = {"memory": ["--memory-mb", "2560"]}  # "sleep" and "hang" keep the default 60 s per test
 
 
 def attack_submission(tmp_path: Path, attack: str) -> Path:
@@ -584,18 +607,41 @@ def attack_submission(tmp_path: Path, attack: str) -> Path:
 
 
 def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """Grade day 1.1 of `submission`, with the grader's temporary files in a folder of their own."""
+    import os
     import time
 
     report = tmp_path / "results.json"
+    scratch = tmp_path / "grader-tmp"
+    scratch.mkdir(exist_ok=True)
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--json", str(report),
-                           "--budget", str(BUDGET), "--day-budget", "40", *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                           "--week", "1", "--day", "1", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     seconds = time.monotonic() - began
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(report.read_text())
     assert gradescope_problems(results) == []
+    assert list(scratch.iterdir()) == [], "the grader left files behind"
     return done, results, seconds
+
+
+def repository_state() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO_ROOT,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def honest_seconds(tmp_path_factory):
+    """The reference, submitted as a student's work: full marks; and the time an honest grading of day 1.1 takes."""
+    tmp_path = tmp_path_factory.mktemp("honest")
+    honest = tmp_path / "honest"
+    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", honest, ignore=shutil.ignore_patterns("__pycache__"))
+    done, results, seconds = grade_submission(tmp_path, honest)
+    assert results["score"] == 10 and results["extra_data"]["max_score"] == 10, done.stdout
+    assert results["extra_data"]["needs_review"] == {} and results["extra_data"]["integrity_flags"] == []
+    return seconds
 
 
 def test_every_attack_fixture_is_in_the_table_and_never_collected():
@@ -604,7 +650,7 @@ def test_every_attack_fixture_is_in_the_table_and_never_collected():
     assert not list(ATTACKS.rglob("conftest.py"))
 
 
-def test_integrity_scan_passes_the_reference_and_the_skeleton_and_flags_each_attack():
+def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_attack():
     from course.course_map import DAYS
     from course.integrity import scan_file
 
@@ -621,65 +667,83 @@ def test_integrity_scan_passes_the_reference_and_the_skeleton_and_flags_each_att
             assert any(f.path == named and f.line > 0 for f in findings), (attack, findings)
 
 
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 @pytest.mark.parametrize("attack", sorted(ATTACK_FILES))
-def test_grade_gives_no_marks_to_an_attack_and_says_why(tmp_path, attack):
-    extra = {"hang": ["--day-budget", "10"], "memory": ["--memory-mb", "2560"]}.get(attack, [])
+def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack, honest_seconds):
+    before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
-                                              "--week", "1", "--day", "1", "--timeout", "3", *extra)
-    assert results["score"] == 0 and results["extra_data"]["max_score"] == 10
-    assert seconds < BUDGET + 30, seconds
+                                              *ATTACK_ARGS.get(attack, []))
+    assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
+    assert results["extra_data"]["sandboxed"] is True
+    assert seconds <= 1.5 * honest_seconds + 5, (seconds, honest_seconds)  # 5 s: the machine's noise on a short run
+    assert repository_state() == before, "the attack changed the repository"
     named = ATTACK_FILES[attack]
-    reasons = [r for reasons in results["extra_data"]["needs_review"].values() for r in reasons]
-    if named is not None:
-        assert any(named in r for r in reasons), (reasons, done.stdout)
-        assert "NEEDS REVIEW" in done.stdout and named in done.stdout
-    if attack == "hang":
+    if named is not None:  # the integrity report names it, for the instructor
+        assert named in done.stdout and "Integrity report" in done.stdout
+    if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
-    if attack in ("sitecustomize", "patch_outcome"):  # the extra files are not graded: the day runs as the skeleton
-        assert "not implemented yet" in done.stdout and "not graded" in done.stdout
-        assert "GRADER PROBLEMS" not in done.stdout
 
 
-@pytest.mark.parametrize("attack, reason", [
-    ("forge_events", "did not write"),  # unsigned lines in the event stream
-    ("block_start", "stopped reporting"),  # the watchdog on the event stream
-])
-def test_grade_catches_an_attack_at_run_time_when_the_scan_is_overridden(tmp_path, attack, reason):
-    done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack), "--week", "1", "--day",
-                                              "1", "--timeout", "3", "--allow-flagged")
-    assert results["score"] == 0
-    assert any(reason in r for r in results["extra_data"]["needs_review"]["1.1"]), done.stdout
-    assert seconds < BUDGET + 30, seconds
-
-
-def test_grade_kills_a_detached_process_before_writing_the_report(tmp_path):
-    import os
-    import time
-
-    done, results, _ = grade_submission(tmp_path, attack_submission(tmp_path, "detached_rewrite"),
-                                        "--week", "1", "--day", "1", "--timeout", "3", "--allow-flagged")
-    pid_file = tmp_path / "results.json.attacker-pid"
-    assert pid_file.exists(), "the attack did not start: the test proves nothing"
-    time.sleep(1.0)  # the attacker rewrites within 50 ms, if it still lives
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["score"] == 0 and "total: 0 / 10" in done.stdout
-    try:
-        os.kill(int(pid_file.read_text()), 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    assert not alive, "the detached process outlived the grader"
-
-
-def test_grade_honest_and_untouched_submissions(tmp_path):
-    honest = tmp_path / "honest"
-    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", honest, ignore=shutil.ignore_patterns("__pycache__"))
-    done, results, _ = grade_submission(tmp_path, honest, "--week", "1", "--day", "1")
-    assert results["score"] == 10 and results["extra_data"]["max_score"] == 10, done.stdout
-    assert results["extra_data"]["needs_review"] == {} and results["extra_data"]["integrity_flags"] == []
-    done, results, _ = grade_submission(tmp_path, REPO_ROOT / "src" / "tiny_llm", "--week", "1", "--day", "1")
+def test_grade_untouched_skeleton_scores_zero(tmp_path):
+    done, results, _ = grade_submission(tmp_path, REPO_ROOT / "src" / "tiny_llm")
     assert results["score"] == 0 and results["extra_data"]["needs_review"] == {}
     assert all("not implemented yet" in t["output"] for t in results["tests"])
+
+
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+def test_the_sandbox_confines_the_submission(tmp_path):
+    """What the worker can see and do, asked from inside: nobody, no network, no answers, no grader, own /proc."""
+    from course.remote import RemoteGone
+    from course.sandbox import Worker, prepare_root
+
+    package = tmp_path / "package"
+    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "probe.py").write_text(textwrap.dedent('''
+        import os, socket
+
+        def look(repo):
+            found = {"uid": os.getuid(), "gid": os.getgid(), "pids": sorted(p for p in os.listdir("/proc") if p.isdigit())}
+            found["repo"] = os.path.exists(repo)
+            for name, path in (("grade", "/grade/src/tiny_llm/x"), ("scratch", "/tmp/x")):
+                try:
+                    open(path, "w").close()
+                    found[name] = True
+                except OSError:
+                    found[name] = False
+            try:
+                socket.create_connection(("1.1.1.1", 53), timeout=2)
+                found["network"] = True
+            except OSError:
+                found["network"] = False
+            with open("/grade/src_ref/tiny_llm_ref/basics.py") as f:
+                found["reference"] = f.read()
+            return found
+
+        def fork_bomb():
+            import time
+            for _ in range(500):
+                if os.fork() == 0:
+                    time.sleep(30)
+                    os._exit(0)
+            time.sleep(30)
+    '''))
+    root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
+    worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
+    try:
+        seen = worker.endpoint.request("getattr", 0, "probe").look(str(REPO_ROOT))
+    finally:
+        worker.stop()
+    worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
+    try:
+        with pytest.raises(RemoteGone, match="processes"):  # stopped by the limit on processes
+            worker.endpoint.request("getattr", 0, "probe").fork_bomb()
+    finally:
+        worker.stop()
+    assert (seen["uid"], seen["gid"]) == (65534, 65534)
+    assert len(seen["pids"]) <= 3, seen["pids"]  # its own PID namespace: bwrap's init and the worker
+    assert seen["repo"] is False and seen["grade"] is False and seen["scratch"] is True
+    assert seen["network"] is False
+    assert "not available while this day is graded" in seen["reference"] and "mx.exp" not in seen["reference"]
 
 
 def test_points_add_up_exactly_for_every_day():

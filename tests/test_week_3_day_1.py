@@ -5,7 +5,9 @@ sequence (tests/week3_fakes.py), for plans, budgets and outputs without a model;
 one request at a time, for the fused call's logits and the engine's greedy outputs; MLX's argmax
 and random draws for sampling; hand-made measurements for the budget policy.
 
-Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here.
+Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here. Task 2's tests take
+Task 5's sequence updates from the reference (`planner_engine`), so each task passes once it is written.
+Task 6 runs all of today's code together as one engine (tests/week3_stack.py).
 """
 
 import random
@@ -13,8 +15,9 @@ import random
 import mlx.core as mx
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
 from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=1)
 ref = reference()
@@ -35,6 +38,15 @@ def real(model32):
 def fake_engine(engine_module, **kwargs):
     engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), engine_module.EngineConfig(**kwargs))
     engine.runner = FakeRunner(engine)
+    return engine
+
+
+def planner_engine(**kwargs):
+    """An engine whose scheduler updates sequences with the reference's Task 5 (`update_from_output`,
+    `append_token`): the planner (Task 2) is tested before Task 5 is written."""
+    engine = fake_engine(sol.engine, **kwargs)
+    update = {name: vars(ref.scheduler.Scheduler)[name] for name in ("update_from_output", "append_token")}
+    engine.scheduler.__class__ = type("UpdatedByTheReference", (type(engine.scheduler),), update)
     return engine
 
 
@@ -87,8 +99,8 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
 
 @pytest.mark.parametrize("budget", [4, 5, 9, 16, 64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_task_2_budget_never_exceeded_decodes_never_starved(engine_module, budget, seed):
-    engine = fake_engine(engine_module, token_budget=budget, max_num_seqs=4, block_size=4)
+def test_task_2_budget_never_exceeded_decodes_never_starved(budget, seed):
+    engine = planner_engine(token_budget=budget, max_num_seqs=4, block_size=4)
     prompts = random_prompts(7, seed)
     rng = random.Random(seed)
     pending = list(enumerate(prompts))
@@ -111,8 +123,8 @@ def test_task_2_budget_never_exceeded_decodes_never_starved(engine_module, budge
         raise AssertionError(f"{seq} never ran")
 
 
-def test_task_2_fills_the_budget_with_several_prefills(engine_module):
-    engine = fake_engine(engine_module, token_budget=16, max_num_seqs=8, block_size=4)
+def test_task_2_fills_the_budget_with_several_prefills():
+    engine = planner_engine(token_budget=16, max_num_seqs=8, block_size=4)
     for i, n in enumerate([5, 6, 7]):
         engine.add_request(list(range(1, n + 1)), ref.sequence.SamplingParams(max_tokens=3), request_id=i)
     plan = engine.scheduler.schedule()
@@ -125,8 +137,8 @@ def test_task_2_fills_the_budget_with_several_prefills(engine_module):
     assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(2, 5, 2)]
 
 
-def test_task_2_respects_max_num_seqs(engine_module):
-    engine = fake_engine(engine_module, token_budget=64, max_num_seqs=2)
+def test_task_2_respects_max_num_seqs():
+    engine = planner_engine(token_budget=64, max_num_seqs=2)
     for i in range(4):
         engine.add_request([1, 2, 3], ref.sequence.SamplingParams(max_tokens=4), request_id=i)
     plan = engine.scheduler.schedule()
@@ -134,8 +146,8 @@ def test_task_2_respects_max_num_seqs(engine_module):
 
 
 @pytest.mark.parametrize("budget", [3, 8, 200])
-def test_task_2_outputs_equal_one_at_a_time(engine_module, budget):
-    engine = fake_engine(engine_module, token_budget=budget, max_num_seqs=3, block_size=2)
+def test_task_2_outputs_equal_one_at_a_time(budget):
+    engine = planner_engine(token_budget=budget, max_num_seqs=3, block_size=2)
     prompts = random_prompts(6, seed=budget)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=12)) for p in prompts]
     while engine.has_work():
@@ -362,3 +374,11 @@ def test_task_5_bad_requests_rejected_before_the_model_runs(engine_module):
     while engine.has_work():  # only the valid request runs
         engine.step()
     assert {c.seq.request_id for plan in engine.runner.plans for c in plan.chunks} == {"x"}
+
+
+# ---------------------------------------------------------------- Task 6: your stack so far
+
+
+def test_task_6_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=1), day=1)

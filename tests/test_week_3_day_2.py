@@ -6,7 +6,8 @@ simulates the pool slot by slot and checks every sampled sequence reads back its
 random workloads; mlx-lm's own Qwen2, one request at a time, for outputs with and without paging
 and with forced preemptions.
 
-Day 3.1's parts of scheduler.py (the planner) come from the reference here.
+Day 3.1's parts of scheduler.py (the planner) come from the reference here, except in Task 4, which
+runs days 3.1 and 3.2 of the student's code together as one engine (tests/week3_stack.py).
 """
 
 import random
@@ -16,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
 from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=2)
 ref = reference()
@@ -120,8 +122,13 @@ def test_task_2_pool_write_and_gather():
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 64])
-def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_module, block_size):
-    """block_size 64 holds every sequence in one contiguous block: no paging at all."""
+def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_module, block_size, monkeypatch):
+    """block_size 64 holds every sequence in one contiguous block: no paging at all.
+
+    The model and its runner read and write the KV cache through your `slot_mapping` and `KvPool`.
+    """
+    monkeypatch.setattr(ref.model_runner, "slot_mapping", sol.block_manager.slot_mapping)
+    monkeypatch.setattr(ref.qwen2_week3, "KvPool", sol.block_manager.KvPool)
     mlx_model, tokenizer = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     rng = random.Random(5)
@@ -220,3 +227,11 @@ def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths
     for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
         if seq.finish_reason != "abort":
             assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, max_tokens)
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=2), day=2)

@@ -4,7 +4,9 @@ The oracle is the engine without the cache: with the same prompts, greedy output
 token for token, whatever the shared prefix's length relative to a block (on a boundary, one token
 short, one token over), whether the sharers run at once or one after another, and under memory
 pressure that evicts cached blocks. Block accounting is checked directly: no block is reused while a
-sequence holds it, and the hit rate is counted exactly.
+sequence holds it, and the hit rate is counted exactly. Task 3's engines take Task 4's counting from
+the reference (`engine_before_task_4`); Task 5 runs the student's days 3.1-3.3 together with caching on
+(tests/week3_stack.py), whose hit rate must be the reference engine's on the same workload.
 """
 
 import hashlib
@@ -12,7 +14,8 @@ import random
 
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=3)
 ref = reference()
@@ -35,10 +38,9 @@ def week3_model(model32):
     return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer
 
 
-@pytest.fixture
-def engine_factory(week3_model, monkeypatch):
-    """Engines whose prefix cache is the solution's (the rest of the engine is the reference's)."""
-    monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
+def engines(week3_model, monkeypatch, manager_class):
+    """Engines whose prefix cache is `manager_class` (the rest of the engine is the reference's)."""
+    monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", manager_class)
     model, tokenizer = week3_model
 
     def make(enable_prefix_caching=True, **kwargs):
@@ -48,6 +50,21 @@ def engine_factory(week3_model, monkeypatch):
         return sol.engine.LLMEngine(model, tokenizer, config)
 
     return make
+
+
+@pytest.fixture
+def engine_factory(week3_model, monkeypatch):
+    """Engines whose prefix cache is the solution's."""
+    return engines(week3_model, monkeypatch, sol.prefix_cache.PrefixCachingBlockManager)
+
+
+@pytest.fixture
+def engine_before_task_4(week3_model, monkeypatch):
+    """Engines whose prefix cache is the solution's but for Task 4's counting (the reference's `record_lookup`
+    and `hit_rate`, which the engine calls): Task 3 is tested before Task 4 is written."""
+    counting = {name: vars(ref.prefix_cache.PrefixCachingBlockManager)[name] for name in ("record_lookup", "hit_rate")}
+    counted = type("CountedByTheReference", (sol.prefix_cache.PrefixCachingBlockManager,), counting)
+    return engines(week3_model, monkeypatch, counted)
 
 
 def run(engine, prompts, max_tokens=6, one_at_a_time=False):
@@ -169,11 +186,11 @@ def test_task_2_unnamed_free_blocks_are_taken_before_cached_ones():
 
 
 @pytest.mark.parametrize("prefix_len", [2 * BLOCK, 2 * BLOCK - 1, 2 * BLOCK + 1, 3 * BLOCK])
-def test_task_3_outputs_identical_with_and_without_cache(engine_factory, prefix_len):
+def test_task_3_outputs_identical_with_and_without_cache(engine_before_task_4, prefix_len):
     shared = tokens(prefix_len, 10)
     prompts = [shared + tokens(3, 20 + i) for i in range(3)] + [shared]  # the last one is the prefix alone
-    plain = run(engine_factory(enable_prefix_caching=False), prompts, one_at_a_time=True)
-    engine = engine_factory()
+    plain = run(engine_before_task_4(enable_prefix_caching=False), prompts, one_at_a_time=True)
+    engine = engine_before_task_4()
     cached = run(engine, prompts, one_at_a_time=True)
     assert cached == plain
     blocks = prefix_len // BLOCK
@@ -184,9 +201,9 @@ def test_task_3_outputs_identical_with_and_without_cache(engine_factory, prefix_
     assert bm.num_free_blocks == bm.num_blocks and all(count == 0 for count in bm.ref_counts)
 
 
-def test_task_3_whole_prompt_cached_still_computes_its_last_token(engine_factory):
+def test_task_3_whole_prompt_cached_still_computes_its_last_token(engine_before_task_4):
     prompt = tokens(3 * BLOCK, 11)
-    engine = engine_factory()
+    engine = engine_before_task_4()
     first = run(engine, [prompt], one_at_a_time=True)
     seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=6), request_id="again")
     while engine.has_work():
@@ -195,11 +212,11 @@ def test_task_3_whole_prompt_cached_still_computes_its_last_token(engine_factory
     assert engine.block_manager.hit_tokens == 2 * BLOCK
 
 
-def test_task_3_concurrent_requests_share_blocks(engine_factory):
+def test_task_3_concurrent_requests_share_blocks(engine_before_task_4):
     shared = tokens(3 * BLOCK, 12)
     prompts = [shared + tokens(2 + i, 30 + i) for i in range(4)]
-    plain = run(engine_factory(enable_prefix_caching=False), prompts, max_tokens=8)
-    engine = engine_factory(token_budget=32)
+    plain = run(engine_before_task_4(enable_prefix_caching=False), prompts, max_tokens=8)
+    engine = engine_before_task_4(token_budget=32)
     params = ref.sequence.SamplingParams(max_tokens=8)
     first = engine.add_request(prompts[0], params, request_id=0)
     engine.step()  # the first prompt is computed; its three full blocks are named
@@ -218,16 +235,16 @@ def test_task_3_concurrent_requests_share_blocks(engine_factory):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_task_3_eviction_under_memory_pressure(engine_factory):
+def test_task_3_eviction_under_memory_pressure(engine_before_task_4):
     # Four prefixes, each used twice, three other requests in between. Each request holds 5 blocks:
     # a pool of 64 keeps every prefix cached, a pool of 12 must evict cached blocks to go on.
     prefixes = [tokens(2 * BLOCK, 40 + i) for i in range(4)]
     prompts = [prefixes[i % 4] + tokens(5, 50 + i) for i in range(8)]
-    plain = run(engine_factory(enable_prefix_caching=False, num_blocks=12), prompts, one_at_a_time=True)
-    roomy = engine_factory(num_blocks=64)
+    plain = run(engine_before_task_4(enable_prefix_caching=False, num_blocks=12), prompts, one_at_a_time=True)
+    roomy = engine_before_task_4(num_blocks=64)
     assert run(roomy, prompts, one_at_a_time=True) == plain
     assert roomy.block_manager.hit_tokens == 4 * 2 * BLOCK
-    engine = engine_factory(num_blocks=12)
+    engine = engine_before_task_4(num_blocks=12)
     assert run(engine, prompts, one_at_a_time=True) == plain
     bm = engine.block_manager
     assert bm.hit_tokens < 4 * 2 * BLOCK, "with 12 blocks some prefixes must have been evicted"
@@ -236,10 +253,10 @@ def test_task_3_eviction_under_memory_pressure(engine_factory):
     assert bm.num_free_blocks == 12 and all(count == 0 for count in bm.ref_counts)
 
 
-def test_task_3_preempted_requests_resume_identically_with_cache(engine_factory):
+def test_task_3_preempted_requests_resume_identically_with_cache(engine_before_task_4):
     prompts = [tokens(2 * BLOCK, 60) + tokens(3, 61 + i) for i in range(4)]
-    plain = run(engine_factory(enable_prefix_caching=False), prompts, max_tokens=10)
-    engine = engine_factory(num_blocks=10)  # too small for all four to decode: preemption by recompute
+    plain = run(engine_before_task_4(enable_prefix_caching=False), prompts, max_tokens=10)
+    engine = engine_before_task_4(num_blocks=10)  # too small for all four to decode: preemption by recompute
     assert run(engine, prompts, max_tokens=10) == plain
     assert engine.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == 10
@@ -293,3 +310,11 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
     engine.step()
     assert engine.prefix_cache_hit_rate == pytest.approx(8 / 18)
     assert any("prefix cache hit rate 44.4%" in line for line in lines), lines
+
+
+# ---------------------------------------------------------------- Task 5: your stack so far
+
+
+def test_task_5_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=3), day=3)

@@ -3,13 +3,16 @@
 Time is counted in engine steps (an injected clock that ticks once per step), never in seconds.
 Oracles: the same requests under first-come-first-served give the same greedy tokens (preemption by
 recompute changes when a token comes, never which); every block is back in the pool at the end.
+Task 2's planner takes Task 3's `make_room`/`can_admit` from the reference (`planner_before_task_3`);
+Task 4 runs the student's days 3.1-3.4 together with priorities and caching on (tests/week3_stack.py).
 """
 
 import random
 
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=4)
 ref = reference()
@@ -20,11 +23,19 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 150_000) for _ in range(n)]
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000):
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, scheduler_class=None):
     """Day 3.1's one planner with the solution's priority policy plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
     order = sol.priority_scheduler.PriorityPolicy(aging_steps=aging_steps)
-    return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
+    scheduler_class = scheduler_class or sol.scheduler.Scheduler
+    return scheduler_class(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
+
+
+def planner_before_task_3(**kwargs):
+    """The planner with Task 3's preemption (`make_room`, `can_admit`) from the reference: `schedule` calls
+    `make_room`, and Task 2 is tested before Task 3 is written."""
+    room = {name: vars(ref.scheduler.Scheduler)[name] for name in ("make_room", "can_admit")}
+    return make_scheduler(**kwargs, scheduler_class=type("RoomByTheReference", (sol.scheduler.Scheduler,), room))
 
 
 def seq(request_id, n, priority=0, seed=0):
@@ -115,7 +126,7 @@ def test_task_2_order_and_outranks():
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():
-    s = make_scheduler(budget=32)
+    s = planner_before_task_3(budget=32)
     batch = seq("batch", 100, priority=0)
     s.add(batch)
     complete(s.schedule())  # the long batch prompt is part-way through
@@ -128,7 +139,7 @@ def test_task_2_urgent_prefill_goes_first_in_the_budget():
 
 
 def test_task_2_waiting_queue_served_by_priority():
-    s = make_scheduler(budget=16, max_num_seqs=4)
+    s = planner_before_task_3(budget=16, max_num_seqs=4)
     for i, p in enumerate([0, 2, 1]):
         s.add(seq(f"p{p}", 16, priority=p, seed=i))
     order = []
@@ -140,7 +151,7 @@ def test_task_2_waiting_queue_served_by_priority():
 
 
 def test_task_2_decodes_in_priority_order():
-    s = make_scheduler(budget=32)
+    s = planner_before_task_3(budget=32)
     s.add(seq("p0", 4, priority=0))
     complete(s.schedule())  # p0 is admitted first...
     for i, p in enumerate([3, 1], start=1):
@@ -236,3 +247,11 @@ def test_task_3_aging_bounds_starvation(engine_factory):
     low = engine.metrics.requests["low"]
     assert seqs["low"].finish_reason == "length"
     assert low.finish < 40, "aging lets it through long before the urgent stream ends"
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far():
+    """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=4), day=4)

@@ -1,0 +1,162 @@
+"""Running a program on N ranks with `mlx.launch`, bounded and cleaned up (tests, benchmarks, serve).
+
+The parent side, `launch(...)`, starts `mlx.launch --backend ring` in a process group of its own,
+waits at most `timeout` seconds, and then kills the whole group, whatever happened: no rank outlives
+the call. `mlx.launch` stops the other ranks when one exits with an error, but its own exit status
+stays 0, so a run counts as finished only for the ranks that wrote their result file.
+
+The rank side, `join()`, is `mx.distributed.init(strict=True)` with a one-line error when the
+program was not started by `mlx.launch`; `write_result` leaves the rank's JSON where the parent reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULT_NAME = "rank{rank}.json"
+GROUP_EXIT_WAIT = 5.0  # seconds
+
+
+@dataclass
+class RankRun:
+    """What a launch left: each rank's result (None for a rank that did not finish) and the output."""
+
+    results: list[dict | None]
+    output: str  # every rank's stdout and stderr, and mlx.launch's own warnings
+    timed_out: bool
+
+    def failure(self) -> str | None:
+        """One paragraph saying which ranks did not finish and why, or None when all did."""
+        missing = [rank for rank, result in enumerate(self.results) if result is None]
+        if not missing:
+            return None
+        why = "killed after the time limit" if self.timed_out else "exited without a result"
+        tail = "\n".join(self.output.strip().splitlines()[-15:])
+        return f"rank(s) {', '.join(map(str, missing))} {why}; the ranks' last output:\n{tail}"
+
+
+def mlx_launch_command() -> list[str]:
+    """The `mlx.launch` of this Python environment (installed with MLX beside the interpreter)."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        raise FileNotFoundError(f"mlx.launch is not installed beside {sys.executable} (it comes with the mlx package)")
+    return [str(launcher)]
+
+
+def free_ports(count: int, attempts: int = 20) -> int:
+    """A port p such that p .. p + count - 1 are free now (the ring backend listens on one port per rank)."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            start = probe.getsockname()[1]
+        if start + count < 65536 and all(_port_is_free(start + i) for i in range(count)):
+            return start
+    raise RuntimeError(f"found no {count} consecutive free ports on 127.0.0.1")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, env: dict | None = None,
+           hostfile: str | None = None, threads_per_rank: int | None = 1) -> RankRun:
+    """Run `program` (an executable and its arguments) on `world_size` local ranks, or on `hostfile`'s hosts.
+
+    With a hostfile, launch from its first host: rank 0 writes its result there.
+
+    The ranks find `out_dir` in `TINY_LLM_RANK_DIR`. `threads_per_rank` caps each rank's BLAS threads
+    (two ranks on two cores with two threads each would fight over them); None leaves them alone.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}
+    if threads_per_rank is not None:
+        for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            rank_env[name] = str(threads_per_rank)
+    if world_size == 1 and not hostfile:
+        command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
+    elif hostfile:
+        # Ranks on other hosts start through ssh with only the variables named here.
+        forwarded = [arg for name, value in rank_env.items() for arg in ("--env", f"{name}={value}")]
+        command = [*mlx_launch_command(), "--backend", "ring", "--hostfile", hostfile, *forwarded, "--", *program]
+    else:
+        ports = ["--starting-port", str(free_ports(world_size))]
+        command = [*mlx_launch_command(), "--backend", "ring", "-n", str(world_size), *ports, "--", *program]
+    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
+    import_paths = os.pathsep.join(path for path in sys.path if path)
+    child_env = {**os.environ, "PYTHONPATH": import_paths, **rank_env}
+    with tempfile.TemporaryFile() as log:
+        # stdin a pipe we never write to: mlx.launch polls its stdin, and /dev/null would make it spin.
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                   env=child_env, start_new_session=True)
+        timed_out = False
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_group(process)
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """Kill the launcher and every rank it started (they share its process group), and reap the launcher."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if process.stdin:
+        process.stdin.close()
+    process.wait()
+    # The ranks die a moment after the signal; wait (a few seconds at most) until none of the group is left.
+    deadline = time.monotonic() + GROUP_EXIT_WAIT
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+
+
+def read_result(out_dir: Path, rank: int) -> dict | None:
+    path = out_dir / RESULT_NAME.format(rank=rank)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---------------------------------------------------------------------------------------- rank side
+
+
+def join():
+    """This rank's `mx.distributed` group; exits with one line when not started by `mlx.launch`."""
+    import mlx.core as mx
+
+    try:
+        return mx.distributed.init(strict=True)
+    except RuntimeError as error:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: no distributed backend ({error}); "
+                         "start the ranks with mlx.launch") from None
+
+
+def write_result(rank: int, result: dict) -> None:
+    """Leave this rank's result for the parent, whole or not at all (written aside, then renamed)."""
+    out_dir = Path(os.environ["TINY_LLM_RANK_DIR"])
+    path = out_dir / RESULT_NAME.format(rank=rank)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(result))
+    partial.rename(path)
+

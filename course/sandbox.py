@@ -1,0 +1,354 @@
+"""The submission's code runs here: a worker process in an OS sandbox, reached through course/remote.py.
+
+The grader (scripts/grade.py) prepares, for each day, a sandbox root holding only what the student's
+code needs (`prepare_root`): the package being graded, a copy of the reference with the graded day's
+task bodies removed (the selector fills the other days' tasks from it, function by function), and the
+few tooling files the worker runs (this module's worker, course/remote.py, course/selector.py and what
+they import). The grader's own code, the tests and their expected values are not in it.
+
+In the trusted pytest process, `solution(week, day)` (tests/harness.py) returns `RemoteSelection`,
+which starts the worker on first use (`start_worker`):
+
+    bwrap --unshare-all --uid 65534 --gid 65534 --die-with-parent --new-session --clearenv
+          --ro-bind <system and Python directories> --ro-bind <sandbox root> /grade
+          --tmpfs /tmp (the scratch directory, thrown away) --proc /proc --dev /dev
+          python -m course.sandbox <pipe fds> <week> <day>
+
+as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
+files except its private /tmp, and limits on CPU time, address space, file size and open files, and on
+processes (RLIMIT_NPROC, or where the kernel exempts root from it, a watchdog of the trusted side). Its
+output goes to a file of the trusted side, cut off at the file-size limit.
+
+Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
+process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
+says what that means; the trusted side still makes every verdict.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from course import remote
+
+BWRAP = "/usr/bin/bwrap"
+NOBODY = 65534
+SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
+LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
+LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the grader removes it)
+UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
+WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
+MAX_OUTPUT_BYTES = 16 << 20
+MAX_PROCESSES = 64
+MAX_OPEN_FILES = 256
+SCRATCH_BYTES = 256 << 20
+INSIDE = "/grade"
+
+
+def bwrap_path() -> str | None:
+    """bubblewrap, where it is installed and can start a sandbox (a container may forbid namespaces)."""
+    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux"):
+        return None
+    found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
+    if found and found not in _working:
+        probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
+                                str(NOBODY), "true"], capture_output=True)
+        if probe.returncode != 0:
+            os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
+            return None
+        _working.add(found)
+    return found
+
+
+_working: set[str] = set()
+
+
+def unsandboxed_warning() -> str | None:
+    """None where the sandbox is used; otherwise what running without it means, and how to get it."""
+    if bwrap_path():
+        return None
+    broken = os.environ.get(UNSANDBOXED_VARIABLE)
+    what = ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
+            "network; results are still decided outside its process, but a submission could read the "
+            "reference or change files. Fine for grading your own work; not for grading someone else's.")
+    if sys.platform == "darwin":
+        return what + " (macOS has no bubblewrap; grade on Linux for a sandboxed grade.)"
+    if broken:
+        return what + f" bubblewrap is installed but cannot start a sandbox here ({broken}): user namespaces " \
+                      "may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)."
+    return what + " Install bubblewrap for the sandbox: `sudo apt-get install bubblewrap` (Debian/Ubuntu)."
+
+
+# ---------------------------------------------------------------- the sandbox root (prepared by the grader)
+
+def strip_task_bodies(source: str, functions: set[str]) -> str:
+    """`source` with the bodies of the named functions (qualified names) replaced by a raise."""
+    from course.selector import definitions
+
+    lines = source.splitlines(keepends=True)
+    spans = []
+    for name, node in definitions(ast.parse(source)).items():
+        if name in functions:
+            first = node.body[0]
+            spans.append((first.lineno, node.end_lineno, first.col_offset))
+    for start, end, indent in sorted(spans, reverse=True):
+        lines[start - 1:end] = [" " * indent + 'raise NotImplementedError("not available while this day is graded")\n']
+    return "".join(lines)
+
+
+def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week: int, day: int) -> Path:
+    """The sandbox's read-only view: the graded package, the reference without day W.D's tasks, the worker."""
+    from course.selector import task_table
+
+    graded = {}
+    for module, names in task_table().items():
+        graded[module] = {name for name, task in names.items() if task is not None and task.day_key == (week, day)}
+    (dest / "course").mkdir(parents=True)
+    for name in WORKER_FILES:
+        shutil.copyfile(course / name, dest / "course" / name)
+    shutil.copytree(package, dest / "src" / "tiny_llm", ignore=shutil.ignore_patterns("__pycache__"))
+    target = dest / "src_ref" / reference.name
+    target.mkdir(parents=True)
+    for path in sorted(reference.glob("*.py")):
+        text = path.read_text()
+        if graded.get(path.stem):
+            text = strip_task_bodies(text, graded[path.stem])
+        (target / path.name).write_text(text)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    return dest
+
+
+# ---------------------------------------------------------------- starting the worker (trusted side)
+
+def _python_dirs() -> list[str]:
+    """What the interpreter needs to run, read-only: its installation and the virtual environment."""
+    dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    dirs |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
+    return sorted(dirs)
+
+
+def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
+    command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
+               "--gid", str(NOBODY), "--clearenv", "--proc", "/proc", "--dev", "/dev",
+               "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    for system in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives"):
+        if os.path.exists(system):
+            command += ["--ro-bind", system, system]
+    for directory in _python_dirs():
+        command += ["--ro-bind", directory, directory]
+    command += ["--ro-bind", str(root), INSIDE]
+    environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0"}
+    for name, value in environment.items():
+        command += ["--setenv", name, value]
+    return command + ["--chdir", "/tmp", *inner]
+
+
+def _processes_of_this_user() -> int:
+    uid, count = os.getuid(), 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:
+            pass
+    return count
+
+
+def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None):
+    def apply() -> None:  # in the child, between fork and exec: inherited by bwrap and the worker
+        import resource
+
+        limits = [(resource.RLIMIT_FSIZE, MAX_OUTPUT_BYTES), (resource.RLIMIT_CORE, 0),
+                  (resource.RLIMIT_NOFILE, MAX_OPEN_FILES)]
+        if cpu_seconds:
+            limits.append((resource.RLIMIT_CPU, int(cpu_seconds) + 1))
+        if memory_mb:
+            limits.append((resource.RLIMIT_AS, memory_mb << 20))
+        if processes:
+            limits.append((resource.RLIMIT_NPROC, processes))
+        for which, value in limits:
+            try:
+                resource.setrlimit(which, (value, value))
+            except (ValueError, OSError):
+                pass
+        os.setsid()
+
+    return apply
+
+
+class Worker:
+    """One sandboxed worker process and the endpoint that talks to it."""
+
+    def __init__(self, root: Path, week: int, day: int, cpu_seconds: float | None, memory_mb: int | None):
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
+        inner = [inner_python, "-s", "-m", "course.sandbox", str(to_worker_r), str(from_worker_w),
+                 str(week), str(day)]
+        # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
+        # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
+        counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
+        processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
+        self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
+                                               dir=os.environ.get(LOGS_VARIABLE) or None)
+        if bwrap_path():
+            command, cwd, env = _bwrap_command(root, inner), "/", {}
+        else:
+            command, cwd = inner, str(root)
+            env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."]),
+                   "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
+        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                        stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
+                                        preexec_fn=_limits(cpu_seconds, memory_mb, processes))
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+        self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy()).start()
+        self.endpoint.explain_loss = self._why_it_ended
+        self.fds = (from_worker_r, to_worker_w)
+        self.too_many: int | None = None
+        threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
+
+    def _count_processes(self) -> None:
+        """Stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root, as in CI)."""
+        from course.isolated_pytest import _descendants
+
+        while self.process.poll() is None:
+            count = len(_descendants(self.process.pid))
+            if count > MAX_PROCESSES:
+                self.too_many = count
+                try:
+                    os.killpg(self.process.pid, 9)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
+            time.sleep(0.1)
+
+    def _why_it_ended(self) -> str:
+        try:
+            status = self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return ""
+        how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+        if self.too_many:
+            how = f"stopped: it ran {self.too_many} processes, more than {MAX_PROCESSES}"
+        return (f": the submission's process ended ({how}: a crash, an abort, an exit of the interpreter, or a "
+                f"limit on memory, CPU time or output). The end of its output:\n{self.output_tail(1500)}")
+
+    def output_tail(self, limit: int = 3000) -> str:
+        try:
+            with open(self.log.name, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Close the pipes so the worker ends on its own (and is counted in CPU time); kill it if it does not."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.process.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.process.wait()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+class RemoteSelection:
+    """`solution(week, day)` while grading: the day's package, in the sandboxed worker.
+
+    `sol.basics` asks the current worker for its module; a worker that died or was stopped at a time
+    limit is replaced on the next use, so a module-level `sol = solution(...)` survives it.
+    """
+
+    _workers: dict[tuple[int, int], Worker] = {}
+    _restart_needed = {"flag": False}
+
+    def __init__(self, week: int, day: int):
+        self._key = (week, day)
+        _forward_seeds()
+
+    def _worker(self) -> Worker:
+        worker = self._workers.get(self._key)
+        if worker is not None and worker.endpoint.broken:
+            RemoteSelection._restart_needed["flag"] = True
+            worker.stop()
+            worker = None
+        if worker is None:
+            cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
+            if not self._workers:
+                atexit.register(stop_workers)  # the workers' output files go with them
+            worker = Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), *self._key, float(cpu or 0) or None,
+                            int(memory or 0) or None)
+            self._workers[self._key] = worker
+        return worker
+
+    def __getattr__(self, module: str):
+        if module.startswith("_"):
+            raise AttributeError(module)
+        return self._worker().endpoint.request("getattr", 0, module)
+
+
+def _forward_seeds() -> None:
+    """`mx.random.seed(n)` in a test seeds the worker too, before its next call: seeded draws repeat."""
+    import mlx.core as mx
+
+    seed = mx.random.seed
+    if getattr(seed, "forwards_to_the_worker", False):
+        return
+
+    def seed_both(value) -> None:
+        seed(value)
+        for worker in RemoteSelection._workers.values():
+            worker.endpoint.pending_seed = int(value)
+
+    seed_both.forwards_to_the_worker = True
+    mx.random.seed = seed_both
+
+
+def needs_restart() -> bool:
+    """Whether a worker broke during the test that just finished (its objects are gone: start afresh)."""
+    broken = any(w.endpoint.broken for w in RemoteSelection._workers.values())
+    return broken or RemoteSelection._restart_needed["flag"]
+
+
+def stop_workers() -> None:
+    for worker in RemoteSelection._workers.values():
+        worker.stop()
+    RemoteSelection._workers.clear()
+
+
+# ---------------------------------------------------------------- the worker (inside the sandbox)
+
+def _worker_main(argv: list[str]) -> None:
+    read_fd, write_fd, week, day = (int(a) for a in argv)
+    from course import fast_mlx
+
+    fast_mlx.setup(quiet=True)
+    from course import selector
+
+    endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selector.for_day(week, day))
+    endpoint.read_forever()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

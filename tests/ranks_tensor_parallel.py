@@ -1,0 +1,147 @@
+"""What each rank runs for day 4.3's tests: `python -m tests.ranks_tensor_parallel [--die-rank R]` under mlx.launch.
+
+Every rank builds the code under test the way the tests do (`solution(4, 3)`: the student's code
+for day 4.3's tasks), runs the checks below on the embedded model, and writes what it saw to
+`rank<r>.json` (course/ranks.py). The oracle is mlx-lm's own Qwen2 on the same weights, run whole in
+each rank. A check that raises is recorded, not fatal, so one unwritten task does not hide another.
+With `--die-rank R`, rank R exits just before the tensor-parallel model's first forward pass: the
+others must then fail, not wait forever.
+"""
+
+from course import fast_mlx
+
+fast_mlx.setup(quiet=True)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import traceback  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from course import ranks  # noqa: E402
+from course.models import load_model  # noqa: E402
+from tests.harness import solution  # noqa: E402
+
+TOKENS = 12  # rows of the prefill the checks run
+GREEDY_PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5], [151000, 12]]
+GREEDY_TOKENS = 8
+DIED = 3  # the exit status of a rank told to die
+
+
+def prefill(sol, tokens: list[int], dtype) -> object:
+    """A RaggedBatch of one sequence's whole prompt from position 0, every row sampled."""
+    t = len(tokens)
+    chunk = sol.qwen2_week3.PrefillChunk(t, mx.arange(t), sol.attention.causal_mask(t, t, dtype))
+    return sol.qwen2_week3.RaggedBatch(
+        token_ids=mx.array(tokens), positions=mx.arange(t), write_slots=mx.arange(t), num_decodes=0,
+        decode_key_slots=None, decode_mask=None, chunks=[chunk], sample_rows=mx.arange(t),
+    )
+
+
+def rope_angles(model, positions: mx.array) -> tuple[mx.array, mx.array]:
+    """cos and sin of the week-3 model's RoPE at `positions` (`T x 1 x D/2`), as its forward pass makes them."""
+    angles = positions.astype(mx.float32)[:, None] * model.inv_freq
+    return mx.cos(angles)[:, None, :], mx.sin(angles)[:, None, :]
+
+
+def difference(got: mx.array, expected: mx.array) -> dict:
+    return {"shape": list(got.shape), "expected_shape": list(expected.shape),
+            "max_abs_diff": mx.abs(got - expected).max().item() if got.shape == expected.shape else None,
+            "scale": mx.abs(expected).max().item()}
+
+
+def check_mlp(sol, group, full, mlx_model) -> dict:
+    x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(1))
+    sharded = sol.tensor_parallel.ShardedMLP(full.layers[0].mlp, group)
+    return difference(sharded(x), mlx_model.model.layers[0].mlp(x))
+
+
+def check_attention(sol, group, full, mlx_model) -> dict:
+    x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(2))
+    sharded = sol.tensor_parallel.ShardedAttention(full.layers[0].self_attn, group)
+    pool = sol.block_manager.KvPool(1, 4, 16, sharded.local.num_kv_heads, full.head_dim, full.dtype)
+    cos, sin = rope_angles(full, mx.arange(TOKENS))
+    got = sharded(x, prefill(sol, list(range(TOKENS)), full.dtype), cos, sin, pool, 0)
+    expected = mlx_model.model.layers[0].self_attn(x[None], mask="causal")[0]
+    return {**difference(got, expected), "heads": sharded.local.num_heads, "kv_heads": sharded.local.num_kv_heads}
+
+
+def check_model(sol, group, full, mlx_model, tokenizer, die_rank: int | None) -> dict:
+    tp = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
+    if group.rank() == die_rank:
+        os._exit(DIED)
+    pool = tp.make_kv_pool(4, 16)
+    tokens = GREEDY_PROMPTS[1] + GREEDY_PROMPTS[0]
+    logits = tp(prefill(sol, tokens, tp.dtype), pool)
+    expected = mlx_model(mx.array([tokens]))[0]
+    layer_bytes = sum(a.nbytes for block in full.layers
+                      for a in (block.self_attn.wq, block.self_attn.wk, block.self_attn.wv, block.self_attn.wo,
+                                block.self_attn.bq, block.self_attn.bk, block.self_attn.bv,
+                                block.mlp.w_gate, block.mlp.w_up, block.mlp.w_down) if a is not None)
+    return {**difference(logits, expected), "logits_checksum": [mx.sum(logits).item(), mx.sum(logits[:, ::97] ** 2).item()],
+            "weight_bytes": tp.weight_bytes(), "full_layer_bytes": layer_bytes,
+            "pool_kv_heads": pool.keys[0].shape[1], "model_kv_heads": full.num_kv_heads,
+            "greedy": greedy_outputs(sol, tp, mlx_model, tokenizer)}
+
+
+def make_engine(sol, model, tokenizer):
+    """The week-3 engine on `model` (the one place this file builds one)."""
+    config = sol.engine.EngineConfig(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=32)
+    return sol.engine.LLMEngine(model, tokenizer, config)
+
+
+def greedy_outputs(sol, tp, mlx_model, tokenizer) -> dict:
+    """Greedy tokens of GREEDY_PROMPTS through week 3's engine on the sharded model, and mlx-lm's."""
+    engine = make_engine(sol, tp, tokenizer)
+    seqs = [engine.add_request(prompt, sol.sequence.SamplingParams(max_tokens=GREEDY_TOKENS)) for prompt in GREEDY_PROMPTS]
+    for _ in range(10 * GREEDY_TOKENS * len(GREEDY_PROMPTS)):
+        if not engine.has_work():
+            break
+        engine.step()
+    return {"got": [seq.output_token_ids for seq in seqs], "expected": [mlx_lm_greedy(mlx_model, p) for p in GREEDY_PROMPTS],
+            "unfinished": engine.has_work()}
+
+
+def mlx_lm_greedy(mlx_model, prompt: list[int]) -> list[int]:
+    """mlx-lm's model, whole, every token recomputed: the single-process oracle."""
+    tokens = list(prompt)
+    for _ in range(GREEDY_TOKENS):
+        tokens.append(mx.argmax(mlx_model(mx.array([tokens]))[0, -1]).item())
+    return tokens[len(prompt):]
+
+
+def attempt(check, *args) -> dict:
+    """Run one check; a failure is recorded with its message (a skeleton's NotImplementedError apart)."""
+    try:
+        return check(*args)
+    except NotImplementedError as error:
+        return {"not_implemented": str(error)}
+    except RuntimeError as error:
+        if "[ring]" in str(error):  # a peer died mid-collective: nothing after this can work
+            raise
+        return {"error": "".join(traceback.format_exception_only(error)).strip()}
+    except Exception as error:  # noqa: BLE001 - the student's code may raise anything; the test reports it
+        return {"error": "".join(traceback.format_exception_only(error)).strip()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--die-rank", type=int, default=None)
+    args = parser.parse_args()
+    group = ranks.join()
+    sol = solution(4, 3)
+    mlx_model, tokenizer = load_model("embedded")
+    full = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    try:
+        result = {
+            "mlp": attempt(check_mlp, sol, group, full, mlx_model),
+            "attention": attempt(check_attention, sol, group, full, mlx_model),
+            "model": attempt(check_model, sol, group, full, mlx_model, tokenizer, args.die_rank),
+        }
+    except RuntimeError as error:
+        raise SystemExit(f"rank {group.rank()}: lost a peer in a collective: {error}") from None
+    ranks.write_result(group.rank(), result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Your stack so far: the workloads a server meets, run on the week-3 engine a student will serve with.
+
+Each week-3 day ends with a "Your stack so far" task whose test calls `check_stack(stack(week=3, day=D), D)`:
+the student's own code for day D and every earlier week-3 day, together (course/selector.py's
+`for_stack`), driven only through the public engine API: `LLMEngine`, `add_request`, `step`, `abort`,
+the `StepOutput`s, `summary()` and the block manager's free-block count.
+
+The model is a tiny random Qwen2 (mlx-lm's own class, 64 tokens of vocabulary), so a step takes
+milliseconds; the oracle for every output is mlx-lm's model run on one request alone (greedy, or with
+the course's seed rule). A probe around the student's model counts each call's tokens, advances a fake
+clock by a fixed cost model (the adaptive budget's measurements), and raises at a chosen call.
+
+Every workload ends with every block back in the pool and nothing waiting or running; every loop is
+bounded by a step limit that fails with a message. `check_stack` runs them all and fails once, listing
+every workload that broke, so a student sees the whole picture.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import traceback
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import qwen2 as mlx_qwen2
+from mlx_lm.models.cache import make_prompt_cache
+
+from tests.harness import reference
+
+VOCAB = 64
+EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
+STEP_LIMIT = 400  # no workload here needs more than about 100 steps; more means the engine stopped progressing
+ref = reference()
+
+
+class ModelFailure(Exception):
+    """What the probe raises on its chosen call: the model failed mid-step."""
+
+
+@functools.cache
+def tiny_mlx_model():
+    """mlx-lm's Qwen2 with random weights: 2 layers, 64 hidden, 4 heads over 2 KV heads, 64 tokens.
+
+    Every weight matrix is scaled up 5x: at mlx-lm's initial scale a random model repeats one token
+    forever, and a lost or repeated token would go unseen. Scaled, each token depends on the whole history.
+    """
+    args = mlx_qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                               max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(20260)
+    model = mlx_qwen2.Model(args)
+    model.update(tree_map(lambda p: p * 5 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class Tokenizer:
+    """What the engine needs of a tokenizer when prompts are token ids: the EOS ids."""
+
+    eos_token_ids = {EOS}
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
+
+
+class ModelProbe:
+    """The student's week-3 model, watched: tokens per call, a fake clock, a failure on a chosen call."""
+
+    def __init__(self, model, fail_on_call: int | None = None, base_seconds=0.002, seconds_per_token=0.00025):
+        self.model = model
+        self.fail_on_call = fail_on_call
+        self.base_seconds, self.seconds_per_token = base_seconds, seconds_per_token
+        self.now = 0.0
+        self.calls: list[tuple[int, int, float]] = []  # (tokens, decode tokens, seconds on the fake clock)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)  # args, max_position, dtype, make_kv_pool, ...
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, batch, pool):
+        if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
+            self.calls.append((0, 0, 0.0))
+            raise ModelFailure(f"the model failed on call {self.fail_on_call}, on purpose")
+        num_tokens = batch.token_ids.shape[0]
+        seconds = self.base_seconds + self.seconds_per_token * (num_tokens - batch.num_decodes)
+        self.now += seconds
+        self.calls.append((num_tokens, batch.num_decodes, seconds))
+        return self.model(batch, pool)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    arrive: int = 0  # the step before which it is added
+    abort: int | None = None  # the step before which it is aborted
+    priority: int = 0
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed
+
+    def params(self):
+        return ref.sequence.SamplingParams(max_tokens=self.max_tokens, **self.sampling)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, VOCAB) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- the oracle: mlx-lm, one request alone
+
+
+@functools.cache
+def _alone(prompt: tuple, max_tokens: int, sampling: tuple) -> tuple[tuple, str]:
+    model, options = tiny_mlx_model(), dict(sampling)
+    cache, history, output = make_prompt_cache(model), list(prompt), []
+    sampler = None
+    if options.get("temperature", 0) > 0:  # what the runner passes to make_sampler: None for a filter that is off
+        sampler = ref.sampler.make_sampler(options["temperature"], options.get("top_p", 1.0) if
+                                           options.get("top_p", 1.0) < 1 else None, options.get("top_k", 0) or None)
+    while len(output) < max_tokens:
+        logits = model(mx.array([history]), cache=cache)[0, -1:].astype(mx.float32)
+        if sampler is None:
+            token = mx.argmax(logits, axis=-1).item()
+        else:
+            if "seed" in options:
+                mx.random.seed(options["seed"] + len(output))  # the seed rule: seed plus tokens generated so far
+            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
+        if token == EOS:
+            return tuple(output), "stop"
+        output.append(token)
+        history = [token]
+    return tuple(output), "length"
+
+
+def expected(request: Request) -> tuple[list[int], str]:
+    """(tokens, finish reason) of `request` generated alone by mlx-lm's model."""
+    output, reason = _alone(tuple(request.prompt), request.max_tokens, tuple(sorted(request.sampling.items())))
+    return list(output), reason
+
+
+# ---------------------------------------------------------------- driving an engine
+
+
+class Run:
+    """One workload on one engine: every StepOutput, by request, and the steps they came in."""
+
+    def __init__(self, engine, probe: ModelProbe, requests: list[Request], max_num_seqs: int):
+        self.engine, self.probe, self.requests, self.max_num_seqs = engine, probe, requests, max_num_seqs
+        self.streams: dict[str, list] = {r.request_id: [] for r in requests}  # (step, StepOutput)
+        self.aborted: set[str] = set()
+        self.step_index = 0
+        self.refusals = 0  # steps ending with a sequence waiting although a sequence slot was free
+
+    def drive(self, until_done=True):
+        pending = sorted(self.requests, key=lambda r: r.arrive)
+        while pending or self.engine.has_work() or any(r.abort is not None and r.abort >= self.step_index
+                                                        for r in self.requests):
+            if self.step_index >= STEP_LIMIT:
+                raise AssertionError(f"no end after {STEP_LIMIT} steps: {self.engine.num_running} running, "
+                                     f"{self.engine.num_waiting} waiting (the engine stopped making progress)")
+            while pending and pending[0].arrive <= self.step_index:
+                request = pending.pop(0)
+                self.engine.add_request(request.prompt, request.params(), request_id=request.request_id,
+                                        priority=request.priority)
+            for request in self.requests:
+                if request.abort == self.step_index:
+                    self.engine.abort(request.request_id)
+                    self.aborted.add(request.request_id)
+            self.record(self.engine.step())
+            if self.engine.num_waiting and self.engine.num_running < self.max_num_seqs:
+                self.refusals += 1
+            self.step_index += 1
+            if not until_done:
+                return
+
+    def record(self, outputs):
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            assert stream is not None, f"step {self.step_index}: a StepOutput for unknown request {output.request_id!r}"
+            assert not (stream and stream[-1][1].finished), \
+                f"step {self.step_index}: request {output.request_id!r} got a StepOutput after it finished"
+            assert output.request_id not in self.aborted, \
+                f"step {self.step_index}: request {output.request_id!r} got a StepOutput after it was aborted"
+            stream.append((self.step_index, output))
+
+    def tokens_of(self, request_id) -> list[int]:
+        return [o.token for _, o in self.streams[request_id] if o.token is not None]
+
+    def first_output_step(self, request_id) -> int:
+        """The step of the request's first StepOutput (its first token, or its EOS); STEP_LIMIT if none."""
+        return next((step for step, _ in self.streams[request_id]), STEP_LIMIT)
+
+    def check_outputs(self):
+        """Every stream equals one-at-a-time generation: no token twice, none lost, the right ending."""
+        for request in self.requests:
+            want, reason = expected(request)
+            got, stream = self.tokens_of(request.request_id), self.streams[request.request_id]
+            if request.request_id in self.aborted:
+                assert got == want[: len(got)], f"request {request.request_id!r} (aborted) streamed {got}, " \
+                                                f"alone it generates {want}"
+                continue
+            assert got == want, f"request {request.request_id!r} streamed {got}; alone it generates {want} " \
+                                f"(a token twice, a token lost, or the wrong token)"
+            assert stream and stream[-1][1].finished, f"request {request.request_id!r} never finished"
+            assert stream[-1][1].finish_reason == reason, \
+                f"request {request.request_id!r} finished by {stream[-1][1].finish_reason!r}, expected {reason!r}"
+            if reason == "stop":
+                assert stream[-1][1].token is None, f"request {request.request_id!r}: EOS is not an output token"
+
+    def check_clean(self):
+        """After the run: every block back in the pool, nothing waiting or running."""
+        engine = self.engine
+        manager = engine.block_manager
+        assert not engine.has_work() and engine.num_running == 0 and engine.num_waiting == 0, \
+            f"after the run: {engine.num_running} running, {engine.num_waiting} waiting"
+        assert manager.num_free_blocks == manager.num_blocks, \
+            f"after the run {manager.num_blocks - manager.num_free_blocks} of {manager.num_blocks} blocks are not free"
+
+    def check_budget(self, budget):
+        for index, (num_tokens, _, _) in enumerate(self.probe.calls):
+            assert num_tokens <= budget, f"model call {index + 1} ran {num_tokens} tokens, over the budget of {budget}"
+
+
+def engine_options(day: int) -> dict:
+    """The engine a student serves with on day D: prefix caching from 3.3, priorities from 3.4."""
+    return dict(enable_prefix_caching=day >= 3, scheduling_policy="priority" if day >= 4 else "fcfs")
+
+
+def make_engine(package, probe: ModelProbe, **options):
+    """The one place an engine is built here: `options` are `EngineConfig`'s fields."""
+    return package.engine.LLMEngine(probe, Tokenizer(), package.engine.EngineConfig(**options), clock=probe.clock)
+
+
+def new_probe(package, **kwargs) -> ModelProbe:
+    return ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(tiny_mlx_model()), **kwargs)
+
+
+def run(package, day, requests, probe=None, **options) -> Run:
+    probe = probe or new_probe(package)
+    merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **engine_options(day))
+    merged.update(options)
+    result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"])
+    result.drive()
+    return result
+
+
+# ---------------------------------------------------------------- the workloads
+
+
+def pressure_requests(day: int) -> list[Request]:
+    """Nine requests arriving over time, more than the pool holds: ends by EOS, by length and by abort."""
+    shared = tokens(8, 1)  # two full blocks some prompts share (prefix caching, from day 3.3)
+    requests = [Request(f"r{i}", (shared if i % 3 == 0 else []) + tokens(3 + 4 * i % 17, 10 + i),
+                        max_tokens=6 + (i * 5) % 9, arrive=(i * 3) % 7) for i in range(9)]
+    requests[2].abort = requests[2].arrive + 1  # aborted while waiting or prefilling
+    requests[5].abort = 9  # aborted while decoding
+    requests[1].abort = 40  # long finished: aborting it does nothing
+    if day >= 4:
+        for request, priority in zip(requests, [0, 1, 0, 2, 0, 1, 0, 0, 3]):
+            request.priority = priority
+    return requests
+
+
+def workload_pressure(package, day):
+    """A pool too small for the load: admission refusals and preemptions; streams equal one-at-a-time."""
+    result = run(package, day, pressure_requests(day), token_budget=16, num_blocks=14)
+    result.check_outputs()
+    result.check_budget(16)
+    result.check_clean()
+    reasons = {o.finish_reason for s in result.streams.values() for _, o in s if o.finished}
+    assert {"stop", "length"} <= reasons, f"the workload should end by EOS and by length, ended by {reasons}"
+    assert result.engine.summary()["num_preemptions"] > 0, "a pool of 14 blocks must force preemptions"
+    assert result.refusals > 0, "a pool of 14 blocks must refuse some admissions"
+
+
+def workload_model_failure(package, day):
+    """A model that raises mid-run: the error reaches the caller, nothing leaks, and a clean run is identical."""
+    requests = pressure_requests(day)[:6]
+    probe = new_probe(package, fail_on_call=6)
+    engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14,
+                         **engine_options(day))
+    failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4)
+    with pytest.raises(ModelFailure):
+        failing.drive()
+    failing.check_clean()
+    again = [Request(f"again-{r.request_id}", r.prompt, r.max_tokens, arrive=r.arrive, priority=r.priority)
+             for r in requests]
+    clean = Run(engine, probe, again, 4)
+    clean.step_index = failing.step_index
+    for request in again:
+        request.arrive += clean.step_index
+    clean.drive()
+    clean.check_outputs()
+    clean.check_clean()
+
+
+def workload_adaptive_budget(package, day):
+    """The adaptive budget through the engine: a long prompt spread over decode steps held to the target."""
+    # The probe charges 2 ms a step and 0.25 ms a prefill token: 32 prefill tokens fit beside a decode in 10.1 ms.
+    target = 0.0101
+    requests = [Request("chat", tokens(4, 30), max_tokens=30), Request("long", tokens(160, 31), max_tokens=3, arrive=2)]
+    result = run(package, day, requests, adaptive_budget=True, target_itl=target, token_budget=64, num_blocks=64)
+    result.check_outputs()
+    result.check_clean()
+    mixed = [(index, call) for index, call in enumerate(result.probe.calls) if 0 < call[1] < call[0]]
+    assert mixed, "the long prompt never shared a step with the chat's decode"
+    for index, (num_tokens, decodes, seconds) in mixed[1:]:  # the first one measures the cost of a prefill token
+        assert seconds <= target + 1e-9, f"model call {index + 1}: {decodes} decode(s) and " \
+            f"{num_tokens - decodes} prefill tokens took {seconds * 1000:.2f} ms, over the {target * 1000:.1f} ms target"
+    first = result.first_output_step("long")
+    assert first <= 2 + 10, \
+        f"the 160-token prompt arriving at step 2 got its first output at step {first}: with the budget adapted " \
+        f"to the measured costs (32 prefill tokens a step beside the decode) it needs 5 steps"
+
+
+def workload_seeded_sampling(package, day):
+    """Seeded sampling under preemption: every draw as the seed rule says, whatever shares the batch."""
+    requests = [Request(f"s{i}", tokens(5 + 3 * i, 40 + i), max_tokens=10, arrive=i,
+                        sampling=dict(temperature=1.0, seed=100 + i, **({"top_k": 20} if i % 2 else {"top_p": 0.9})))
+                for i in range(4)]
+    requests.append(Request("greedy", tokens(9, 49), max_tokens=10))
+    result = run(package, day, requests, token_budget=16, num_blocks=10)
+    result.check_outputs()
+    result.check_clean()
+    assert result.engine.summary()["num_preemptions"] > 0, "a pool of 10 blocks must force preemptions"
+
+
+def workload_prefix_cache(package, day):
+    """Day 3.3: prompts sharing a long prefix, under pressure: the reference's hit rate, the right tokens."""
+    shared = tokens(12, 50)
+    requests = [Request(f"p{i}", shared + tokens(1 + i, 51 + i), max_tokens=5, arrive=0 if i < 2 else 6 + i)
+                for i in range(6)]
+    requests.append(Request("other", tokens(10, 59), max_tokens=5, arrive=7))
+    options = dict(token_budget=16, num_blocks=16)
+    result = run(package, day, requests, **options)
+    result.check_outputs()
+    result.check_clean()
+    reference_run = run(ref, day, [Request(**vars(r)) for r in requests], **options)
+    got, want = result.engine.summary()["prefix_cache_hit_rate"], reference_run.engine.summary()["prefix_cache_hit_rate"]
+    assert want > 0.3, f"the workload must share prefixes (the reference's hit rate is {want:.3f})"
+    assert got == pytest.approx(want, abs=1e-9), f"prefix cache hit rate {got:.3f}, the reference's {want:.3f}"
+
+
+def workload_priorities(package, day):
+    """Day 3.4: priorities reorder service; an urgent request is served at once however busy the engine."""
+    queued = [Request(f"q{p}", tokens(6, 60 + p), max_tokens=3, priority=p) for p in (0, 2, 1, 3)]
+    result = run(package, day, queued, max_num_seqs=1)
+    result.check_outputs()
+    result.check_clean()
+    served = sorted(queued, key=lambda r: result.first_output_step(r.request_id))
+    assert [r.priority for r in served] == [3, 2, 1, 0], \
+        f"one sequence slot: the most important first; served priorities {[r.priority for r in served]}"
+    preemptions = result.engine.summary()["num_preemptions"]
+    assert preemptions == 0, f"one sequence slot, the most important request running: {preemptions} preemption(s), " \
+                             "but nobody may be preempted for a less important request"
+    busy = [Request(f"low{i}", tokens(20, 70 + i), max_tokens=12) for i in range(4)]
+    busy.append(Request("urgent", tokens(6, 79), max_tokens=4, arrive=3, priority=5))
+    result = run(package, day, busy, max_num_seqs=2, num_blocks=14)
+    result.check_outputs()
+    result.check_clean()
+    assert result.first_output_step("urgent") == 3, \
+        f"the urgent request arrived at step 3 and got its first output at step {result.first_output_step('urgent')}: " \
+        "less important sequences must make room for it (slots and blocks)"
+
+
+WORKLOADS = [  # (first day it runs on, workload)
+    (1, workload_pressure), (1, workload_model_failure), (1, workload_adaptive_budget), (1, workload_seeded_sampling),
+    (3, workload_prefix_cache), (4, workload_priorities),
+]
+
+
+def check_stack(package, day: int) -> None:
+    """Run every workload of days 3.1 .. 3.D on `package`; fail once, naming each workload that broke."""
+    failures = []
+    workloads = [w for first, w in WORKLOADS if first <= day]
+    for workload in workloads:
+        try:
+            workload(package, day)
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001: a student's engine may fail in any way; report them all
+            failures.append(f"{workload.__name__.removeprefix('workload_')}: {type(error).__name__}: {error}"
+                            f"{where_in_student_code(error)}")
+    if failures:
+        borrowed = getattr(package, "describe", lambda: "")()
+        pytest.fail(f"your stack so far fails {len(failures)} of {len(workloads)} workloads"
+                    + (f" ({borrowed})" if borrowed else "") + ":\n  " + "\n  ".join(failures), pytrace=False)
+
+
+def where_in_student_code(error: BaseException) -> str:
+    """' (at src/tiny_llm/x.py:N in f)' for the innermost frame of the student's package, if any."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/src/tiny_llm/" in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at src/tiny_llm/{frame.filename.replace(chr(92), '/').rsplit('/src/tiny_llm/', 1)[1]}:{frame.lineno} " \
+           f"in {frame.name})"
