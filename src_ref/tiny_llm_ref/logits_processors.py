@@ -35,9 +35,8 @@ def apply_logit_bias(row: mx.array, logit_bias: dict[int, float]) -> mx.array:
 def apply_repetition_penalty(row: mx.array, seen: list[int], penalty: float) -> mx.array:
     """`row` with every token in `seen` made less likely: a positive logit / penalty, a negative one x penalty."""
     tokens = mx.array(sorted(set(seen)), dtype=mx.int32)
-    logits = row[tokens]
-    row[tokens] = mx.where(logits > 0, logits / penalty, logits * penalty)
-    return row
+    factors = mx.where(row[tokens] > 0, 1 / penalty, penalty).astype(row.dtype)
+    return row.at[tokens].multiply(factors)
 
 
 def apply_presence_frequency(row: mx.array, output: list[int], presence: float, frequency: float) -> mx.array:
