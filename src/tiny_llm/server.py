@@ -39,8 +39,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
-                         check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids, install_http_extras, logprobs_field,
-                         max_tokens_for, merge, model_card, object_kind, parse_body, prompt_size, usage)
+                         check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids,
+                         install_http_extras, logprobs_field, max_tokens_for, merge, model_card, object_kind,
+                         parse_body, prompt_size, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
@@ -509,7 +510,8 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
 
         def total_usage() -> dict:
             completion = sum(g.completion_tokens for g in generations)
-            return usage(sum(len(prompt) for prompt in prompts), completion, sum(g.cached_tokens for g in generations))
+            cached = sum(g.cached_tokens for g in generations)
+            return usage(sum(len(prompt) for prompt in prompts), completion, cached)
 
         def logprobs_of(generation: Generation, entries: list | None) -> dict | None:
             """A choice's `logprobs` for `entries`, in the response's shape; offsets go on from the last chunk's."""
@@ -522,7 +524,8 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
             texts = await collect_all(streams, watcher)
             if any(g.finish_reason is None for g in generations):
                 raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
-            choices = [choice(chat, i, text, g.finish_reason, streaming=False, logprobs=logprobs_of(g, g.take_logprobs()))
+            choices = [choice(chat, i, text, g.finish_reason, streaming=False,
+                              logprobs=logprobs_of(g, g.take_logprobs()))
                        for i, (text, g) in enumerate(zip(texts, generations))]
             return JSONResponse({**head, "object": object_kind(chat, False), "choices": choices,
                                  "usage": total_usage()})
@@ -553,7 +556,8 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     async def chat_completions(request: Request):
         arrival = clock()
         body = parse_body(ChatCompletionRequest, await request.body(), model_name)
-        prompt = await tokenize(sum(len(m.text()) for m in body.messages), chat_prompt_ids, tokenizer, body.messages)
+        size = sum(len(message.text()) for message in body.messages)
+        prompt = await tokenize(size, chat_prompt_ids, tokenizer, body.messages)
         return await respond(request, body, [prompt], chat=True, arrival=arrival)
 
     @app.post("/v1/completions")
