@@ -398,6 +398,39 @@ def test_task_5_eos_ends_a_sequence_without_a_token(engine_module):
     assert (outputs[-1].token, outputs[-1].finished, outputs[-1].finish_reason) == (None, True, "stop")
 
 
+def test_task_5_ignore_eos_runs_past_eos(engine_module):
+    """A request with `ignore_eos` keeps EOS as an output token and runs to max_tokens (the scheduler's ends_at_eos)."""
+    engine = fake_engine(engine_module)
+    for i in range(40):  # a prompt whose generation meets EOS
+        prompt = [i, i + 1]
+        expected, reason = fake_expected(prompt, 30)
+        if reason == "stop":
+            break
+    seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=30, ignore_eos=True))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 30
+    assert seq.output_token_ids[len(expected)] == EOS, "EOS is an output token of a request that ignores it"
+    assert [o.token for o in outputs] == seq.output_token_ids
+
+
+def test_task_4_sampled_and_greedy_rows_see_the_logits_processing(engine_module, real):
+    """A logit_bias of 100 on one token makes it every token, greedy or sampled: `sample` picks from the processed logits."""
+    model, _, tokenizer = real
+    engine = engine_module.LLMEngine(model, tokenizer, engine_module.EngineConfig(token_budget=64, block_size=4))
+    forced = {1234: 100.0}
+    seqs = [engine.add_request([5, 6, 7], ref.sequence.SamplingParams(max_tokens=4, logit_bias=forced, **extra))
+            for extra in ({}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.7, "top_p": 0.5})]
+    plain = engine.add_request([5, 6, 7], ref.sequence.SamplingParams(max_tokens=4))
+    for _ in range(50):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert [seq.output_token_ids for seq in seqs] == [[1234] * 4] * 3
+    assert plain.output_token_ids != [1234] * 4, "a request without a bias is not biased"
+
+
 def test_task_5_bad_requests_rejected_before_the_model_runs(engine_module):
     engine = fake_engine(engine_module, num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="prompt"):

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.harness import reference, solution
+from tests.sampling_oracles import penalized, raw_logprobs
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
 
 sol = solution(week=3, day=5)
@@ -383,8 +384,23 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "priority": "high"}, 400, "priority"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    # The served sampling extensions, outside the engine's ranges (sequence.py; the chapter's table).
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs"),  # needs logprobs: true
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": NaN}', 400,
+     "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 2.5}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "no_such_field": 1}, 400, "no_such_field"),
     # The issue's table: each of these used to kill the engine thread or answer 500.
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
@@ -617,4 +633,194 @@ def test_task_4_fuzzed_requests_never_500(model):
 
     with running_server(app) as url:
         one_request()
+        assert_still_serving(url, model, engine)
+
+
+# ---------------------------------------------------------------- the sampling extensions, over HTTP
+#
+# The logits processing itself (logits_processors.py) is provided and tested in test_logits_processors.py;
+# these check that the server (the engine thread, the stream, the responses) carries each field end to
+# end, against mlx-lm's own model and logits processors.
+
+
+def mlx_lm_greedy(model32, prompt: list[int], max_tokens: int, processors=None) -> list[tuple[int, "np.ndarray"]]:
+    """mlx-lm's own greedy generation: (token, the raw log-probabilities it came from) per step, up to EOS."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    mlx_model, tokenizer = model32
+    steps = []
+    for (token, logprobs), _ in zip(generate_step(mx.array(prompt), mlx_model, max_tokens=max_tokens,
+                                                  logits_processors=processors), range(max_tokens)):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        steps.append((int(token), np.array(logprobs.astype(mx.float32)).reshape(-1)))
+    return steps
+
+
+def test_task_4_logprobs_match_mlx_lm(model, tokenizer, model32):
+    """Completions' `logprobs` and chat's `logprobs`/`top_logprobs` (streamed, read by the openai client)
+    are mlx-lm's log-softmax of the chosen token and of the most likely ones."""
+    from openai import OpenAI
+
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    prompt_text = "The capital of France is"
+    content = "Name a colour."
+    completion_oracle = mlx_lm_greedy(model32, tokenizer.encode(prompt_text, add_special_tokens=False), 6)
+    chat_oracle = mlx_lm_greedy(model32, tokenizer.encode(chat_text(tokenizer, content), add_special_tokens=False), 6)
+    with running_server(app) as url:
+        body = {"model": MODEL, "prompt": prompt_text, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                     max_tokens=6, temperature=0, stream=True, logprobs=True,
+                                                     top_logprobs=2))
+        plain = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    logprobs = whole["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == whole["usage"]["completion_tokens"] == len(completion_oracle)
+    assert "".join(logprobs["tokens"]) == whole["choices"][0]["text"]
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    for (token, oracle), chosen, top in zip(completion_oracle, logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert chosen == pytest.approx(oracle[token], abs=2e-3)
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(oracle)[::-1][:3], abs=2e-3)
+    assert plain["choices"][0]["logprobs"] is None, "a request that asks for none gets none"
+
+    entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    for chunk in chunks:  # a chunk carries the entries of its own tokens, not all of them at the end
+        if chunk.choices and chunk.choices[0].delta.content:
+            assert "".join(e.token for e in chunk.choices[0].logprobs.content) == chunk.choices[0].delta.content
+    assert len(entries) == len(chat_oracle), "one logprobs entry per generated token, across the chunks"
+    for (token, oracle), entry in zip(chat_oracle, entries):
+        assert entry.token == tokenizer.decode([token])
+        assert entry.logprob == pytest.approx(oracle[token], abs=2e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(sorted(oracle)[::-1][:2], abs=2e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen one is the most likely
+
+
+def test_task_4_penalties_and_logit_bias_match_mlx_lm(model, tokenizer, model32):
+    """Greedy with a logit_bias that makes a token repeat: with repetition_penalty, mlx-lm's own processors give
+    the same tokens; with presence and frequency penalties, mlx-lm's model with the penalties by definition does."""
+    prompt_text = "one two one two one two"  # short: prompt and output stay within mlx-lm's 20-token window
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    # The runner-up of the first step, raised by 10: greedy then repeats it (this model never repeats by itself).
+    bias = {int(raw_logprobs(model32, prompt)[-1].argsort()[-2]): 10.0}
+
+    def by_definition(presence: float, frequency: float) -> list[int]:
+        output: list[int] = []
+        for _ in range(8):
+            row = penalized(raw_logprobs(model32, prompt + output)[-1], prompt, output, presence, frequency, bias=bias)
+            if int(row.argmax()) in tokenizer.eos_token_ids:
+                break
+            output.append(int(row.argmax()))
+        return output
+
+    from mlx_lm.sample_utils import make_logits_processors
+
+    repeating = by_definition(0.0, 0.0)
+    assert repeating[:3] == [next(iter(bias))] * 3, "the bias alone must make a token repeat"
+    oracle_repetition = [t for t, _ in mlx_lm_greedy(model32, prompt, 8, make_logits_processors(
+        logit_bias=bias, repetition_penalty=1.8))]
+    oracle_counts = by_definition(presence=0.7, frequency=0.9)
+    assert repeating != oracle_repetition and repeating != oracle_counts, "each penalty must change this output"
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    with running_server(app) as url:
+        body = {"model": MODEL, "prompt": prompt_text, "max_tokens": 8, "temperature": 0,
+                "logit_bias": {str(t): v for t, v in bias.items()}}
+        biased = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        repetition = httpx.post(f"{url}/v1/completions", json={**body, "repetition_penalty": 1.8}, timeout=60).json()
+        counted = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            **body, "presence_penalty": 0.7, "frequency_penalty": 0.9, "stream": True})
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in counted.text.splitlines()
+                           if line.startswith("data: {"))
+        assert_still_serving(url, model, engine)
+    assert biased["choices"][0]["text"] == tokenizer.decode(repeating)
+    assert repetition["choices"][0]["text"] == tokenizer.decode(oracle_repetition)
+    assert streamed == tokenizer.decode(oracle_counts)
+
+
+def test_task_4_ignore_eos_runs_to_max_tokens(model, tokenizer):
+    """With EOS forced (logit_bias), a request ends at once with "stop"; with ignore_eos it runs to max_tokens."""
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    eos = next(iter(tokenizer.eos_token_ids))
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100}}
+    with running_server(app) as url:
+        stops = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        runs_on = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60).json()
+        assert_still_serving(url, model, engine)
+    assert stops["choices"][0]["finish_reason"] == "stop" and stops["usage"]["completion_tokens"] == 0
+    assert runs_on["choices"][0]["finish_reason"] == "length"
+    assert runs_on["usage"]["completion_tokens"] == 5, "every EOS past the first is an output token"
+
+
+def test_task_4_cached_tokens_in_usage(model, tokenizer):
+    """`usage.prompt_tokens_details.cached_tokens`: 0 the first time, the shared full blocks the second."""
+    engine = ref.engine.LLMEngine(model[0], tokenizer, ref.engine.EngineConfig(
+        token_budget=64, max_num_seqs=16, block_size=8, enable_prefix_caching=True))
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    with running_server(app) as url:
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        second = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        stream = httpx.post(f"{url}/v1/completions", timeout=60,
+                            json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    cached = (prompt_tokens - 1) // 8 * 8  # every full block but one that holds the last prompt token
+    assert cached >= 16
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+class SlowTokenizer:
+    """The real tokenizer, but encoding a long text waits until the test says so (and says when it started)."""
+
+    def __init__(self, tokenizer):
+        import threading
+
+        self.tokenizer = tokenizer
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text, *args, **kwargs):
+        if len(text) > 100_000:
+            self.started.set()
+            self.release.wait(timeout=60)  # a step limit: never hangs the server for good
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
+    """A ~2 MB prompt: while it is tokenized, /health and another request are served; then it gets a 400."""
+    import threading
+
+    engine = make_engine(model)
+    slow = SlowTokenizer(tokenizer)
+    app = sol.server.create_app(engine, slow, MODEL)
+    huge = {"model": MODEL, "prompt": "word " * 400_000, "max_tokens": 2}
+    answers = {}
+    with running_server(app) as url:
+        sender = threading.Thread(target=lambda: answers.update(huge=send(url, "/v1/completions", huge)))
+        sender.start()
+        assert slow.started.wait(timeout=60), "the huge prompt never reached the tokenizer"
+        try:
+            answers["health"] = httpx.get(f"{url}/health", timeout=10)
+            answers["small"] = send(url, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 4,
+                                                             "temperature": 0})
+        except httpx.TimeoutException:
+            pytest.fail("the server did not answer while a prompt was being tokenized: tokenize off the event loop")
+        finally:
+            slow.release.set()
+            sender.join(timeout=120)
+        assert answers["health"].json() == {"status": "ok"}
+        assert answers["small"].json()["choices"][0]["text"] == in_process(model, "fine", 4)
+        error = answers["huge"].json()["error"]
+        assert answers["huge"].status_code == 400 and error["code"] == "context_length_exceeded", error
         assert_still_serving(url, model, engine)

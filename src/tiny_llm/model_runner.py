@@ -4,7 +4,8 @@ It owns the paged KV pool. For a plan it lays every chunk's tokens end to end (d
 prefill chunks), works out for each token its position and its slot in the pool (through the
 sequence's block table), and for each sequence which slots hold its keys; that is the
 `RaggedBatch` the model runs. Then it samples: greedy rows all at once, the others each with its
-own sampler (temperature, top-k, top-p, seed), using week 1's `make_sampler`.
+own sampler (temperature, top-k, top-p, seed), using week 1's `make_sampler`, after the logits
+processing a request asks for (penalties, min_p, logit_bias: logits_processors.py, provided).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import mlx.core as mx
 
 from .attention import causal_mask
 from .block_manager import slot_mapping
+from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .quantized_kv import make_kv_pool
 from .qwen2_week3 import PrefillChunk, RaggedBatch
 from .sampler import make_sampler
@@ -28,6 +30,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.pool = make_kv_pool(model, num_blocks, block_size, kv_bits)
+        self.logprobs: dict[object, TokenLogprobs] = {}  # the last step's, by request id (requests that asked)
 
     def run(self, plan: StepPlan) -> list[int]:
         """Run the plan in one model call; return the next token of each chunk that samples, in plan order."""
@@ -36,7 +39,11 @@ class ModelRunner:
         logits = self.model(batch, self.pool)
         # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up.
         mx.eval(logits, *self.pool.arrays())
-        return self.sample(logits, [chunk.seq for chunk in sampling])
+        seqs = [chunk.seq for chunk in sampling]
+        # A request's penalties, min_p and logit_bias (none asked: the logits themselves, at no cost).
+        tokens = self.sample(process_logits(logits, seqs), seqs)
+        self.logprobs = token_logprobs(logits, seqs, tokens)  # only for the requests that ask
+        return tokens
 
     def prepare(self, plan: StepPlan) -> RaggedBatch:
         """The plan as a `RaggedBatch`: token ids, positions, pool slots, attention views, sampling rows."""

@@ -102,6 +102,8 @@ class StepOutput:
     token: int | None
     finished: bool
     finish_reason: str | None  # one of FINISH_REASONS once finished
+    logprobs: object = None  # the token's TokenLogprobs, for a request that asked (set by the engine)
+    num_cached_tokens: int | None = None  # on the finished output: prompt tokens the prefix cache served
 
 
 class FirstComeFirstServed:
@@ -232,6 +234,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             return 0
         self.block_manager.record_lookup(seq, cached)
+        if seq.num_cached_tokens is None:  # the first admission's hits are the request's cached tokens
+            seq.num_cached_tokens = cached
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -280,8 +284,12 @@ class Scheduler:
 
     def append_token(self, seq: Sequence, token: int) -> StepOutput:
         """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""
-        # TODO: EOS: finish 'stop', token None; else append; finish 'length' at max_tokens
+        # TODO: EOS (ends_at_eos): finish 'stop', token None; else append; finish 'length' at max_tokens
         raise NotImplementedError("Week 3 Day 1 Task 5 (book/src/week3-01-token-budget.md): record a sampled token")
+
+    def ends_at_eos(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` is an EOS that ends `seq`: not for a request that asked to `ignore_eos` (provided)."""
+        return token in self.eos_token_ids and not seq.sampling.ignore_eos
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` ("stop", "length" or "abort"): free its blocks and drop it from the queues (provided)."""

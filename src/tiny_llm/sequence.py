@@ -19,9 +19,16 @@ import enum
 import math
 from dataclasses import dataclass
 
+from .validation import check_int, check_number
+
 # Seeds in 0 .. 2**63 - 1: `mx.random.seed` takes 0 .. 2**64 - 1, and the runner adds the number of
 # tokens generated so far, so every seed it derives stays in MLX's range. The server takes the same range.
 MAX_SEED = 2**63 - 1
+# The ranges of the per-request logits processing (logits_processors.py), as OpenAI's and vLLM's APIs take them.
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI)
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty in (0, 2] (vLLM/HF's multiplicative one; 1 is off)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # each logit_bias value (OpenAI)
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs, vLLM's max_logprobs)
 
 
 class SequenceStatus(enum.Enum):
@@ -37,7 +44,8 @@ class SamplingParams:
     """How to pick each next token: temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off.
 
     `max_tokens` bounds the output; `seed` makes a sampled sequence reproducible on its own,
-    whatever else runs in the same batch.
+    whatever else runs in the same batch. The penalties, `min_p` and `logit_bias` change the logits
+    before a token is picked (logits_processors.py); `logprobs` asks for log-probabilities back.
     """
 
     temperature: float = 0.0
@@ -45,6 +53,13 @@ class SamplingParams:
     top_k: int = 0
     max_tokens: int = 16
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides a positive (multiplies a negative) logit of a prompt or output token
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after temperature)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    ignore_eos: bool = False  # EOS does not end the sequence: it runs to max_tokens
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
 
     def __post_init__(self):
         """Reject values no sampler can use, naming the field."""
@@ -61,6 +76,26 @@ class SamplingParams:
             raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in 0 .. 2**63 - 1, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_number(name, getattr(self, name), *PENALTY_RANGE)
+        check_number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        check_number("min_p", self.min_p, 0.0, 1.0)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                check_int("a logit_bias token id", token, 0)
+                check_number(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a penalty, min_p or logit_bias changes the logits before the token is picked."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.min_p or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +126,7 @@ class Sequence:
         self.block_table: list[int] = []  # block ids of the KV pool, in position order
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) | "length" | "abort"
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     @property
     def token_ids(self) -> list[int]:

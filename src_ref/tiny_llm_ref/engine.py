@@ -170,6 +170,8 @@ class LLMEngine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"prompt has token ids outside 0 .. {vocab - 1}")
+        if sampling.logit_bias and max(sampling.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias has token ids outside 0 .. {vocab - 1}")
         if request_id is None:
             request_id = self.num_requests_added()
         if request_id in self.sequences:
@@ -210,6 +212,11 @@ class LLMEngine:
             return []
         tokens = self.run(plan)
         outputs = self.scheduler.update_from_output(plan, tokens)
+        logprobs = getattr(self.runner, "logprobs", None)  # the step's, for requests that asked (a stand-in runner has none)
+        if logprobs:
+            for output in outputs:
+                if output.token is not None:
+                    output.logprobs = logprobs.get(output.request_id)
         self.record(plan, outputs)
         return outputs
 
@@ -234,7 +241,9 @@ class LLMEngine:
                 self.generation_tokens_total += 1
                 self.metrics.token(output.request_id)
             if output.finished:
-                self.sequences.pop(output.request_id, None)
+                seq = self.sequences.pop(output.request_id, None)
+                if seq is not None:
+                    output.num_cached_tokens = seq.num_cached_tokens or 0
                 self.metrics.finish(output.request_id)
 
     def release_all(self) -> None:

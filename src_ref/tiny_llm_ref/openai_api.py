@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .sequence import MAX_SEED, SamplingParams
+from .sequence import (LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, PENALTY_RANGE,
+                       SamplingParams)
 
 logger = logging.getLogger("tiny_llm.server")
 access_logger = logging.getLogger("tiny_llm.access")
@@ -64,9 +65,7 @@ def validation_error(error: ValidationError) -> APIError:
 # Fields of OpenAI's (and vLLM's) schemas this server does not serve, with the value that means "not
 # used": a request that sets one to anything else gets a 400 naming it.
 NOT_SERVED: dict[str, Any] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "ignore_eos": (None, False),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -76,6 +75,12 @@ MAX_CHOICES = 128  # OpenAI's most `n`; here also the most prompts x n of one re
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]  # the engine's range (sequence.MAX_SEED): see the chapter
 StopStrings = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+# The engine's ranges (sequence.py), stated once in the chapter.
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# OpenAI's logit_bias: {"token id as a string": bias}.
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                 Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]
 
 
 class StreamOptions(BaseModel):
@@ -104,15 +109,13 @@ class SamplingRequest(BaseModel):
     priority: int = 0  # vLLM's extension, used by --scheduling-policy priority (lower first)
     service_tier: Literal["auto", "default"] | None = None
     metadata: dict[str, str] | None = None  # OpenAI's stored-completion tags: accepted, not stored
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's extension; 1: off
+    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension; 0: off
+    logit_bias: LogitBias | None = None
+    ignore_eos: bool = False  # vLLM's extension
     # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    ignore_eos: Any = None
     response_format: Any = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt: one engine request each
     store: Any = None
@@ -134,8 +137,17 @@ class SamplingRequest(BaseModel):
         choices differ and each is reproducible.
         """
         seed = None if self.seed is None else (self.seed + choice_index) % (MAX_SEED + 1)
+        logit_bias = {int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, seed=seed)
+                              max_tokens=max_tokens, seed=seed, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, logit_bias=logit_bias, ignore_eos=self.ignore_eos,
+                              logprobs=self.num_logprobs())
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token the response reports (None: no log-probabilities); each endpoint
+        names the field its own way."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -151,9 +163,13 @@ class CompletionRequest(SamplingRequest):
 
     prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
+    logprobs: NumLogprobs | None = None  # the chosen token's and this many alternatives' log-probabilities
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -181,6 +197,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name: wins over max_tokens
+    logprobs: bool = False  # the chosen tokens' log-probabilities
+    top_logprobs: NumLogprobs | None = None  # and this many alternatives' (needs logprobs)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -191,6 +209,11 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_body(kind: type[SamplingRequest], raw: bytes, model_name: str) -> SamplingRequest:
@@ -241,6 +264,19 @@ def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[list[int]]
     return ids
 
 
+def prompt_size(prompt) -> int:
+    """How big /v1/completions' `prompt` is: its characters (a string or strings) or token ids."""
+    prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    return sum(len(p) for p in prompts)
+
+
+def check_logit_bias(body: SamplingRequest, vocab_size: int) -> None:
+    """Every token `logit_bias` names must be in the vocabulary."""
+    if body.logit_bias and max(int(token) for token in body.logit_bias) >= vocab_size:
+        raise APIError(400, f"'logit_bias' names a token id outside the vocabulary (0 .. {vocab_size - 1})",
+                       param="logit_bias")
+
+
 def check_choices(num_prompts: int, n: int) -> None:
     """Every prompt times `n` is one engine request: at most MAX_CHOICES of them."""
     if num_prompts * n > MAX_CHOICES:
@@ -250,25 +286,49 @@ def check_choices(num_prompts: int, n: int) -> None:
 # ---------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """A response's `usage`: token counts (and `prompt_tokens_details.cached_tokens` when known)."""
-    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens is not None:
-        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return body
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """A response's `usage`: token counts, and how many prompt tokens the prefix cache served."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def logprobs_field(chat: bool, entries: list, decode, text_offset: int = 0) -> dict | None:
+    """A choice's `logprobs` for the tokens' `TokenLogprobs` (None when the request asked for none).
+
+    Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`; completions:
+    `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`, offsets counted from `text_offset`.
+    `decode(token_id)` is a token's text.
+    """
+    if entries is None:
+        return None
+
+    def named(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    if chat:
+        return {"content": [{**named(e.token, e.logprob), "top_logprobs": [named(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [decode(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, streaming: bool,
-           first: bool = False) -> dict:
+           first: bool = False, logprobs: dict | None = None) -> dict:
     """One choice of a response (`streaming`: of a chunk): chat's message or delta, or a completion's text."""
     if not chat:
-        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     if not streaming:
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                "logprobs": None}
+                "logprobs": logprobs}
     delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def object_kind(chat: bool, streaming: bool) -> str:
@@ -302,11 +362,12 @@ async def _join(stream) -> str:
 
 
 async def merge(streams: list, generations: list):
-    """The streams' pieces as `(index, piece, finish_reason, first)` chunks, in the order they come.
+    """The streams' pieces as `(index, piece, finish_reason, first, logprobs)` chunks, in the order they come.
 
     `generations[i].finish_reason` is set once stream i is done. A choice sends a first chunk (chat
     puts the role in it), a chunk per non-empty piece, and a last one with its finish reason. A failed
-    choice ends, unfinished; the others go on.
+    choice ends, unfinished; the others go on. `logprobs`: the `TokenLogprobs` of the tokens since the
+    choice's last chunk (`generations[i].take_logprobs()`; None when the request asked for none).
     """
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -316,10 +377,10 @@ async def merge(streams: list, generations: list):
             async for piece in stream:
                 done = generation.finish_reason is not None
                 if piece or first or not done:
-                    merged.put_nowait((index, piece, None, first))
+                    merged.put_nowait((index, piece, None, first, generation.take_logprobs()))
                     first = False
                 if done:
-                    merged.put_nowait((index, "", generation.finish_reason, False))
+                    merged.put_nowait((index, "", generation.finish_reason, False, generation.take_logprobs()))
         except APIError as error:
             logger.warning("choice %d of a stream failed: %s", index, error.message)
         finally:

@@ -102,6 +102,8 @@ class StepOutput:
     token: int | None
     finished: bool
     finish_reason: str | None  # one of FINISH_REASONS once finished
+    logprobs: object = None  # the token's TokenLogprobs, for a request that asked (set by the engine)
+    num_cached_tokens: int | None = None  # on the finished output: prompt tokens the prefix cache served
 
 
 class FirstComeFirstServed:
@@ -278,6 +280,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             return 0
         self.block_manager.record_lookup(seq, cached)
+        if seq.num_cached_tokens is None:  # the first admission's hits are the request's cached tokens
+            seq.num_cached_tokens = cached
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -354,8 +358,8 @@ class Scheduler:
     def append_token(self, seq: Sequence, token: int) -> StepOutput:
         """Record a sampled token: EOS ends the sequence ("stop"); otherwise append it and end at `max_tokens`."""
         # BEGIN TASK Week 3 Day 1 Task 5: record a sampled token
-        # TODO: EOS: finish 'stop', token None; else append; finish 'length' at max_tokens
-        if token in self.eos_token_ids:
+        # TODO: EOS (ends_at_eos): finish 'stop', token None; else append; finish 'length' at max_tokens
+        if self.ends_at_eos(seq, token):
             self.finish(seq, "stop")
             return StepOutput(seq.request_id, None, True, "stop")
         seq.output_token_ids.append(token)
@@ -364,6 +368,10 @@ class Scheduler:
             return StepOutput(seq.request_id, token, True, "length")
         return StepOutput(seq.request_id, token, False, None)
         # END TASK
+
+    def ends_at_eos(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` is an EOS that ends `seq`: not for a request that asked to `ignore_eos` (provided)."""
+        return token in self.eos_token_ids and not seq.sampling.ignore_eos
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` ("stop", "length" or "abort"): free its blocks and drop it from the queues (provided)."""

@@ -7,8 +7,8 @@ A request's path, from socket to token and back:
                                      └── asyncio.Queue <── loop.call_soon_threadsafe ───┘
 
 - The event loop does the cheap, many things: parse and validate requests (`openai_api`), detokenize,
-  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a prompt, which can
-  take seconds for a long one, runs on a worker thread so the loop keeps serving everyone else.
+  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a long prompt, which
+  can take seconds, runs on a worker thread so the loop (and the short prompts) keep being served.
 - The engine thread does the one expensive thing, `engine.step()`, in a loop, and is the only caller
   of the engine (it is single-threaded by contract). Requests reach it through a thread-safe queue;
   tokens leave it through each request's `asyncio.Queue`, all of one step's in one
@@ -39,11 +39,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
-                         check_choices, choice, collect_all, completion_prompt_ids, install_http_extras, max_tokens_for,
-                         merge, model_card, object_kind, parse_body, usage)
+                         check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids,
+                         install_http_extras, logprobs_field, max_tokens_for, merge, model_card, object_kind,
+                         parse_body, prompt_size, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
+
+LONG_PROMPT_CHARS = 16_384  # longer prompts are tokenized on a worker thread (milliseconds and up)
 
 
 # ---------------------------------------------------------------- wire formats
@@ -401,6 +404,16 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (known when the engine finishes it)
+    logprobs: list | None = None  # the tokens' TokenLogprobs not yet sent; None: the request asked for none
+    text_offset: int = 0  # where the next token's text starts in the choice's text (completions' logprobs)
+
+    def take_logprobs(self) -> list | None:
+        """The log-probabilities gathered since the last call (None when the request asked for none)."""
+        if self.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
 
 async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) -> None:
@@ -453,8 +466,15 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     app.state.drain = drain
     install_http_extras(app, api_key, list(cors_origins))
 
-    async def off_the_loop(function, *args):
-        """Run `function` on the tokenizing thread: a long prompt must not stall every other request."""
+    def decode_token(token: int) -> str:
+        """One token's text, as a response's log-probabilities name it."""
+        return tokenizer.decode([token])
+
+    async def tokenize(size: int, function, *args):
+        """Tokenize a prompt of `size` characters: a short one right here (it takes microseconds), a long one
+        on the tokenizing thread, so it stalls neither the event loop nor the short prompts behind it."""
+        if size <= LONG_PROMPT_CHARS:
+            return function(*args)
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
 
     async def start(prompt: list[int], sampling: SamplingParams, priority: int, request_id: str) -> RequestHandle:
@@ -490,8 +510,10 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                 if isinstance(output, Rejected):
                     raise APIError(500, f"the engine failed: {type(output.error).__name__}")
                 now = clock()
-                if output.token is not None and output.token not in text.eos_token_ids:
+                if output.token is not None:  # EOS ends a request with token None (unless it ignores EOS)
                     generation.completion_tokens += 1
+                    if output.logprobs is not None:
+                        generation.logprobs.append(output.logprobs)
                     if last_token is None:
                         first_token = now
                         metrics.ttft.observe(now - arrival)
@@ -499,6 +521,8 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                         metrics.itl.observe(now - last_token)
                     last_token = now
                 engine_done = output.finished
+                if output.finished:
+                    generation.cached_tokens = output.num_cached_tokens or 0
                 piece = text.add(output.token, output.finished)
                 if text.stopped:
                     generation.finish_reason = "stop"
@@ -520,6 +544,7 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float):
         """Serve every prompt `n` times, one engine request per choice, as one response or one stream."""
         check_choices(len(prompts), body.n)
+        check_logit_bias(body, engine.model.args.vocab_size)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         plans = [(prompt, body.sampling(max_tokens_for(body, len(prompt), context), i))
                  for prompt in prompts for i in range(body.n)]
@@ -532,19 +557,29 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                 engine_thread.abort(handle.request_id)
             raise
         watcher = asyncio.create_task(wait_for_disconnect(request, handles))
-        generations = [Generation(h.request_id, prompt_tokens=len(h.prompt)) for h in handles]
+        generations = [Generation(h.request_id, prompt_tokens=len(h.prompt),
+                                  logprobs=None if h.sampling.logprobs is None else []) for h in handles]
         streams = [tokens(h, body.stop_strings(), g, arrival) for h, g in zip(handles, generations)]
         head = {"id": response_id, "created": int(time.time()), "model": model_name}
 
         def total_usage() -> dict:
             completion = sum(g.completion_tokens for g in generations)
-            return usage(sum(len(prompt) for prompt in prompts), completion)
+            cached = sum(g.cached_tokens for g in generations)
+            return usage(sum(len(prompt) for prompt in prompts), completion, cached)
+
+        def logprobs_of(generation: Generation, entries: list | None) -> dict | None:
+            """A choice's `logprobs` for `entries`, in the response's shape; offsets go on from the last chunk's."""
+            shaped = logprobs_field(chat, entries, decode_token, generation.text_offset)
+            if shaped is not None and not chat:
+                generation.text_offset += sum(len(token) for token in shaped["tokens"])
+            return shaped
 
         if not body.stream:
             texts = await collect_all(streams, watcher)
             if any(g.finish_reason is None for g in generations):
                 raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
-            choices = [choice(chat, i, text, g.finish_reason, streaming=False)
+            choices = [choice(chat, i, text, g.finish_reason, streaming=False,
+                              logprobs=logprobs_of(g, g.take_logprobs()))
                        for i, (text, g) in enumerate(zip(texts, generations))]
             return JSONResponse({**head, "object": object_kind(chat, False), "choices": choices,
                                  "usage": total_usage()})
@@ -554,9 +589,10 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         async def events():
             # Cancelled here (the client left) or not, each stream's finally aborts its unfinished request.
             try:
-                async for index, piece, finish_reason, first in merge(streams, generations):
+                async for index, piece, finish_reason, first, entries in merge(streams, generations):
+                    logprobs = logprobs_of(generations[index], entries)
                     yield sse_event({**head, "object": kind,
-                                     "choices": [choice(chat, index, piece, finish_reason, True, first)]})
+                                     "choices": [choice(chat, index, piece, finish_reason, True, first, logprobs)]})
                 if any(g.finish_reason is None for g in generations):
                     return  # the client left or the engine failed: nothing more to say
                 if body.include_usage:
@@ -574,14 +610,16 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     async def chat_completions(request: Request):
         arrival = clock()
         body = parse_body(ChatCompletionRequest, await request.body(), model_name)
-        prompt = await off_the_loop(chat_prompt_ids, tokenizer, body.messages)
+        size = sum(len(message.text()) for message in body.messages)
+        prompt = await tokenize(size, chat_prompt_ids, tokenizer, body.messages)
         return await respond(request, body, [prompt], chat=True, arrival=arrival)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = clock()
         body = parse_body(CompletionRequest, await request.body(), model_name)
-        prompts = await off_the_loop(completion_prompt_ids, tokenizer, body.prompt, engine.model.args.vocab_size)
+        prompts = await tokenize(prompt_size(body.prompt), completion_prompt_ids, tokenizer, body.prompt,
+                                 engine.model.args.vocab_size)
         return await respond(request, body, prompts, chat=False, arrival=arrival)
 
     @app.get("/v1/models")
