@@ -59,7 +59,7 @@ from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, beco
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
 REFERENCE_DIR = Path("src_ref") / "tiny_llm_ref"
-TRUSTED_FOLDERS = ("tests", "course", "src_ref")  # what the test process needs besides the package
+TRUSTED_FOLDERS = ("tests", "course", "src_ref", "scripts")  # what the test process needs besides the package
 TASK_TEST = re.compile(r"^test_task_(\d+)_")
 UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
