@@ -728,12 +728,12 @@ def test_the_sandbox_confines_the_submission(tmp_path):
             time.sleep(30)
     '''))
     root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
-    worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
+    worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
     try:
         seen = worker.endpoint.request("getattr", 0, "probe").look(str(REPO_ROOT))
     finally:
         worker.stop()
-    worker = Worker(root, 1, 1, cpu_seconds=60, memory_mb=None)
+    worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
     try:
         with pytest.raises(RemoteGone, match="processes"):  # stopped by the limit on processes
             worker.endpoint.request("getattr", 0, "probe").fork_bomb()
