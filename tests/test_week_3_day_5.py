@@ -335,7 +335,8 @@ def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
     engine = make_engine(model)
     app = sol.server.create_app(engine, tokenizer, MODEL)
     port = free_port()
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), timeout=0.2)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", interface="asgi3")
+    server = DrainingServer(config, timeout=0.2)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started), "the server did not start"

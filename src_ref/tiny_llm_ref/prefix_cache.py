@@ -88,8 +88,7 @@ class PrefixCachingBlockManager(BlockManager):
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         self.seq_names[seq] = names[: len(seq.block_table)]
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+        return len(seq.block_table) * self.block_size
         # END TASK
 
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:

@@ -274,6 +274,7 @@ class Scheduler:
         cached ones go back), so it can never block the pool.
         """
         cached = self.block_manager.reuse_cached_prefix(seq)
+        seq.num_computed_tokens = cached  # the scheduler alone moves a sequence's progress
         length = self.plan_chunk(seq, budget, plan)
         if length == 0:
             self.block_manager.free(seq)
