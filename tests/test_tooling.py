@@ -19,6 +19,7 @@ import pytest
 
 from course import sandbox
 from maint import book_check
+from scripts import grade
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Each test here runs whole grading or checking processes, every one bounded by its own subprocess timeout:
@@ -675,7 +676,9 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
                                               *ATTACK_ARGS.get(attack, []))
     assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
     assert results["extra_data"]["sandboxed"] is True
-    assert seconds <= 1.5 * honest_seconds + 5, (seconds, honest_seconds)  # 5 s: the machine's noise on a short run
+    # 1.5x the honest run, but a day's budget is never below grade.MIN_DAY_BUDGET (a short day graded on a busy
+    # machine must not lose an honest student points), plus 5 s for the machine's noise on a short run.
+    assert seconds <= max(1.5 * honest_seconds, grade.MIN_DAY_BUDGET) + 5, (seconds, honest_seconds)
     assert repository_state() == before, "the attack changed the repository"
     named = ATTACK_FILES[attack]
     if named is not None:  # the integrity report names it, for the instructor
@@ -703,7 +706,8 @@ def test_the_sandbox_confines_the_submission(tmp_path):
 
         def look(repo):
             found = {"uid": os.getuid(), "gid": os.getgid(), "pids": sorted(p for p in os.listdir("/proc") if p.isdigit())}
-            found["repo"] = os.path.exists(repo)
+            # The venv may live inside the repository (pdm's .venv): only it is mounted, never the course's files.
+            found["repo"] = any(os.path.exists(os.path.join(repo, name)) for name in ("tests", "src_ref", "course", "src"))
             for name, path in (("grade", "/grade/src/tiny_llm/x"), ("scratch", "/tmp/x")):
                 try:
                     open(path, "w").close()
