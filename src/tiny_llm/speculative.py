@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .block_manager import blocks_for
 from .engine import EngineConfig, LLMEngine
 from .scheduler import ScheduledChunk, StepOutput, StepPlan
 from .sequence import Sequence
@@ -212,20 +211,6 @@ class AcceptanceTracker:
         self.waits.pop(request_id, None)
 
 
-def give_back_blocks_past(block_manager, seq: Sequence, num_tokens: int) -> None:
-    """Return the blocks of `seq` that hold no position below `num_tokens` to the pool (provided).
-
-    They go through the manager's own `free`, as the block table of a throwaway sequence, so the plain
-    and the prefix-caching managers each do their own bookkeeping.
-    """
-    keep = blocks_for(num_tokens, block_manager.block_size)
-    if len(seq.block_table) <= keep:
-        return
-    spare = Sequence(("rejected", seq.request_id), [0])
-    seq.block_table, spare.block_table = seq.block_table[:keep], seq.block_table[keep:]
-    block_manager.free(spare)
-
-
 def can_speculate(seq: Sequence) -> bool:
     """Greedy sequences and plain temperature sampling; top-k/top-p ones decode as usual (provided).
 
@@ -376,8 +361,8 @@ class SpeculativeEngine(LLMEngine):
         """Append the accepted tokens (EOS and max_tokens end it as usual), count them, give back rejected positions."""
         # TODO: count the chunk in self.speculation and the tracker (accepted guesses = len(accepted) - 1);
         # TODO: scheduler.append_token each accepted token, stopping when one finishes the sequence; then the cache holds
-        # TODO: the newest token and the accepted guesses: num_computed_tokens = start + len(accepted);
-        # TODO: give back the blocks past it; let the prefix cache see its new full blocks
+        # TODO: the newest token and the accepted guesses stay cached: self.scheduler.roll_back(seq, start + len(accepted))
+        # TODO: (provided: the scheduler sets the progress, gives back the blocks past it, names new full blocks)
         raise NotImplementedError(
             "Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back"
         )
