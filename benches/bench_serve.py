@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
     parser.add_argument("--quick", action="store_true",
                         help="a short run: head-of-line only, 2 shorts of 32 tokens, a 512-token long prompt, 16 outputs")
-    parser.add_argument("--our-args", default="--max-num-batched-tokens 128",
-                        help="with --launch: extra arguments for `pdm run serve` (default: a 128-token step budget)")
+    parser.add_argument("--our-args", default="",
+                        help="with --launch: extra arguments for `pdm run serve` (default: none, its defaults)")
     parser.add_argument("--their-args", default="",
                         help="with --launch: extra arguments for mlx_lm.server (default: none, its defaults)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take (default 900)")

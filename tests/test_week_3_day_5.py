@@ -191,6 +191,33 @@ def test_task_3_decodes_a_window_not_everything(tokenizer):
 # ---------------------------------------------------------------- task 4: the engine thread, over HTTP
 
 
+# vLLM's own histogram buckets (vllm/v1/metrics/loggers.py), written out here as the oracle.
+VLLM_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_BUCKETS = {
+    "time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                    7.5, 10.0, 20.0, 40.0, 80.0],
+    **{name: VLLM_REQUEST_BUCKETS for name in ("e2e_request_latency_seconds", "request_queue_time_seconds",
+                                               "request_prefill_time_seconds", "request_decode_time_seconds",
+                                               "request_inference_time_seconds")},
+}
+
+
+def scrape(url: str) -> tuple[dict, dict]:
+    """/metrics parsed: (samples of this model without bucket or reason labels, each histogram's bucket bounds)."""
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    families = parse_prometheus(response.text)
+    samples = {name: value for family in families.values() for name, labels, value in family["samples"]
+               if labels.get("model_name") == MODEL and "le" not in labels and "finished_reason" not in labels}
+    bounds = {name: [float(labels["le"]) for sample, labels, _ in family["samples"]
+                     if sample == f"{name}_bucket" and labels["le"] != "+Inf"]
+              for name, family in families.items() if family["type"] == "histogram"}
+    return samples, bounds
+
+
 def test_task_4_metrics_endpoint(model, tokenizer):
     """/metrics through prometheus_client, vLLM's names after `tiny_llm:`, every sample labelled with the model."""
     engine = make_engine(model)
@@ -199,12 +226,9 @@ def test_task_4_metrics_endpoint(model, tokenizer):
         for max_tokens in (3, 5):
             body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "temperature": 0}
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        response = httpx.get(f"{url}/metrics")
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-        families = parse_prometheus(response.text)
+        samples, bounds = scrape(url)
+        families = parse_prometheus(httpx.get(f"{url}/metrics").text)
     lengths = [len(in_process_tokens(model, "hi", n)) for n in (3, 5)]
-    samples = {name: value for family in families.values() for name, labels, value in family["samples"]
-               if labels.get("model_name") == MODEL and "le" not in labels and "finished_reason" not in labels}
     assert samples["tiny_llm:generation_tokens_total"] == sum(lengths)
     assert samples["tiny_llm:prompt_tokens_total"] == 2 * len(tokenizer.encode("hi", add_special_tokens=False))
     assert samples["tiny_llm:num_requests_running"] == 0 and samples["tiny_llm:num_requests_waiting"] == 0
@@ -213,9 +237,52 @@ def test_task_4_metrics_endpoint(model, tokenizer):
     finished = {labels["finished_reason"]: value for family in families.values()
                 for name, labels, value in family["samples"] if name == "tiny_llm:request_success_total"}
     assert sum(finished.values()) == 2
-    assert samples["tiny_llm:time_to_first_token_seconds_count"] == 2
     assert samples["tiny_llm:inter_token_latency_seconds_count"] == sum(n - 1 for n in lengths)  # n - 1 gaps each
-    assert samples["tiny_llm:e2e_request_latency_seconds_count"] == 2
+    for name, buckets in VLLM_BUCKETS.items():
+        assert bounds.get(f"tiny_llm:{name}") == buckets, f"tiny_llm:{name} must have vLLM's buckets"
+        if name != "inter_token_latency_seconds":
+            assert samples[f"tiny_llm:{name}_count"] == 2, f"tiny_llm:{name}: one observation per request"
+
+
+def test_task_4_latency_phases_add_up(model, tokenizer):
+    """vLLM's request phases: queue, prefill and decode follow each other inside the end-to-end latency; a
+    request that leaves while it waits in the engine's queue counts in none of them."""
+    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(token_budget=64, max_num_seqs=1,
+                                                                               block_size=8))
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]  # 400 tokens take 8 s: time to queue the second request
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    with running_server(app) as url:
+        with httpx.Client(timeout=60) as client:
+            # One sequence at a time: the first request runs, the second waits in the engine's queue and leaves.
+            body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True,
+                    "temperature": 0, "ignore_eos": True}
+            with client.stream("POST", f"{url}/v1/completions", json=body) as running:
+                lines = running.iter_lines()  # kept: a dropped iterator closes the connection
+                assert next(lines).startswith("data: ")
+                waiting_body = {**body, "max_tokens": 5}
+                with client.stream("POST", f"{url}/v1/completions", json=waiting_body) as waiting:
+                    assert waiting.status_code == 200
+                    assert wait_until(lambda: engine.num_waiting == 1)
+                assert wait_until(lambda: engine.num_waiting == 0), "the waiting request must be aborted"
+            assert wait_until(lambda: not engine.has_work())
+            response = client.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 6})
+            assert response.status_code == 200
+        samples, _ = scrape(url)
+
+    def total(name):
+        return samples[f"tiny_llm:{name}_sum"]
+
+    assert samples["tiny_llm:e2e_request_latency_seconds_count"] == 3
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "time_to_first_token_seconds"):
+        assert samples[f"tiny_llm:{name}_count"] == 2, f"tiny_llm:{name}: only the two requests that ran count"
+    assert total("request_inference_time_seconds") == pytest.approx(
+        total("request_prefill_time_seconds") + total("request_decode_time_seconds"))
+    assert total("request_queue_time_seconds") + total("request_inference_time_seconds") <= \
+        total("e2e_request_latency_seconds")
+    assert total("request_prefill_time_seconds") <= total("time_to_first_token_seconds")
+    assert total("request_decode_time_seconds") > 0
 
 
 def test_task_4_openai_client_streams_chat(model, tokenizer):
@@ -600,6 +667,47 @@ def test_task_4_http_extras(model, tokenizer):
         response = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=chat, timeout=60)
         # No max_tokens on chat: up to the context (max_model_len), not 16.
         assert response.json()["usage"]["completion_tokens"] == len(expected)
+
+
+def test_task_4_langchain_clients(model, tokenizer):
+    """LangChain's OpenAI clients, as users point them at the server: chat (invoke, stream), completions (a list
+    of prompts); tools and structured output get a 400 that names the field the server does not serve."""
+    import openai
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI, OpenAI
+    from pydantic import BaseModel
+
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    content = "Tell me about the sea."
+    expected = in_process(model, chat_text(tokenizer, content), max_tokens=6)
+    prompts = ["Once upon a time", "The sea is"]
+    with running_server(app) as url:
+        options = {"model": MODEL, "base_url": f"{url}/v1", "api_key": "unused", "temperature": 0,
+                   "max_retries": 0, "timeout": 60}
+        chat = ChatOpenAI(max_completion_tokens=6, **options)
+        assert chat.invoke([HumanMessage(content)]).content == expected
+        assert "".join(chunk.content for chunk in chat.stream([HumanMessage(content)])) == expected
+        completions = OpenAI(max_tokens=5, **options).generate(prompts)
+        assert [g[0].text for g in completions.generations] == [in_process(model, p, 5) for p in prompts]
+
+        class Answer(BaseModel):
+            text: str
+
+        def add(a: int, b: int) -> int:
+            """Add two numbers."""
+            return a + b
+
+        # Function calling also sends `tool_choice` and `parallel_tool_calls`: the 400 names the schema's first.
+        for runnable, field in ((chat.bind_tools([add]), "tools"),
+                                (chat.with_structured_output(Answer, method="json_schema"), "response_format"),
+                                (chat.with_structured_output(Answer, method="function_calling"), "tools")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                runnable.invoke([HumanMessage(content)])
+            error = refused.value.body
+            assert refused.value.status_code == 400 and error["param"] == field and field in error["message"], error
+        assert wait_until(lambda: not engine.has_work())
+    assert free_blocks(engine) == all_blocks(engine)
 
 
 JSON_VALUES = st.recursive(

@@ -121,8 +121,8 @@ class SamplingRequest(BaseModel):
     store: Any = None
 
     def refuse_unserved(self) -> None:
-        """A 400 naming the first field set to something this server does not do."""
-        for name in self.model_fields_set & NOT_SERVED.keys():
+        """A 400 naming the first field (in the schema's order) set to something this server does not do."""
+        for name in [name for name in type(self).model_fields if name in NOT_SERVED and name in self.model_fields_set]:
             if getattr(self, name) not in NOT_SERVED[name]:
                 raise APIError(400, f"'{name}' is not supported by this server (only {NOT_SERVED[name][-1]!r})",
                                param=name, code="unsupported_parameter")
@@ -454,8 +454,14 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time from reaching the engine to its first step.",
+                               REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Time from the first step to the first token.",
+                                 REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "Time from the first token to the last.",
                                 REQUEST_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "Time from the first step to the last token.",
+                                   REQUEST_BUCKETS)
         self.success = prometheus_client.Counter(PREFIX + "request_success", "Requests finished, by reason.",
                                                  ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name

@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,6 +48,7 @@ from .sequence import SamplingParams
 logger = logging.getLogger("tiny_llm.server")
 
 LONG_PROMPT_CHARS = 16_384  # longer prompts are tokenized on a worker thread (milliseconds and up)
+ARRIVAL_WAIT = 0.02  # seconds a step may wait for requests a handler is still preparing (a step: 0.1 s and up)
 
 
 # ---------------------------------------------------------------- wire formats
@@ -173,6 +175,8 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     priority: int = 0
+    submitted: float = 0.0  # when the handler submitted it (the app's clock)
+    scheduled: float | None = None  # when it was first in a step (set by the engine thread), for /metrics
 
 
 @dataclass
@@ -217,6 +221,12 @@ def engine_holds(engine, request_id) -> bool:
     return request_id in engine.sequences
 
 
+def engine_admitted(engine, request_id) -> bool:
+    """Whether the engine has admitted this request into a step at least once (provided)."""
+    seq = engine.sequences.get(request_id)
+    return seq is not None and seq.num_cached_tokens is not None  # set at the first admission
+
+
 def engine_context(engine) -> int:
     """The most tokens one request can hold: the KV pool's size or the model's positions (provided)."""
     manager = engine.block_manager
@@ -232,9 +242,12 @@ class EngineThread:
     from the event loop while the engine keeps changing).
     """
 
-    def __init__(self, engine):
-        """A thread for `engine` (an `LLMEngine`, or anything with its interface); `start()` starts it."""
+    def __init__(self, engine, clock: Callable[[], float] = time.perf_counter):
+        """A thread for `engine` (an `LLMEngine`, or anything with its interface); `start()` starts it.
+        `clock` times when requests are first scheduled (the app's clock)."""
         self.engine = engine
+        self.clock = clock
+        self.turn_began = clock()  # when this turn's commands were taken: its step follows at once
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[str, RequestHandle] = {}
         self.stats: dict[str, float] = {}
@@ -243,6 +256,8 @@ class EngineThread:
         self.outbox: list[tuple[RequestHandle, object]] = []  # this turn's events, delivered together
         self.unanswered: dict[str, RequestHandle] = {}  # submitted, neither Accepted nor Rejected yet
         self.submit_lock = threading.Lock()  # submit's two steps, seen together by fail_dropped
+        self.preparing = 0  # requests a handler has begun (parsing, tokenizing) but not yet submitted
+        self.prepared = threading.Condition()  # notified whenever `preparing` drops
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -263,11 +278,49 @@ class EngineThread:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
+    @contextmanager
+    def arriving(self):
+        """Around a handler's work from a request's arrival to its `submit`: a step about to start waits
+        (at most ARRIVAL_WAIT) for it, so requests that arrive together start in the same step (provided)."""
+        with self.prepared:
+            self.preparing += 1
+        try:
+            yield
+        finally:
+            with self.prepared:
+                self.preparing -= 1
+                self.prepared.notify_all()
+
+    def commands(self, block: bool):
+        """The commands for this turn (provided): with `block`, wait for the first one; then, for at most
+        ARRIVAL_WAIT seconds, until no handler is still preparing a request; then whatever is in the inbox.
+
+        Without the wait, of two requests that arrive together the first one's step would start while the
+        event loop still parses the second, which then waits a whole step for its first token.
+        """
+        if block:
+            yield self.inbox.get()
+        with self.prepared:
+            self.prepared.wait_for(lambda: self.preparing == 0, timeout=ARRIVAL_WAIT)
+        self.turn_began = self.clock()
+        while True:
+            try:
+                yield self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
     def send(self, handle: RequestHandle, event) -> None:
         """Queue `event` for the handle; the turn's events reach the event loop together at its end."""
         if isinstance(event, (Accepted, Rejected)):
             self.unanswered.pop(handle.request_id, None)
+        else:
+            self.mark_scheduled(handle)  # a token (or an end): it was in this turn's step, if not before
         self.outbox.append((handle, event))
+
+    def mark_scheduled(self, handle: RequestHandle) -> None:
+        """Remember when the request was first in a step: this turn's start, or its submission if later."""
+        if handle.scheduled is None:
+            handle.scheduled = max(self.turn_began, handle.submitted)
 
     def flush(self) -> None:
         """Deliver this turn's events: one wake-up of each event loop per turn, not one per token (provided)."""
@@ -282,12 +335,17 @@ class EngineThread:
                 pass
 
     def publish_stats(self) -> None:
+        """After a turn: the engine's gauges for /metrics, and when the requests it admitted were scheduled."""
         self.stats = engine_stats(self.engine)
+        for request_id, handle in self.handles.items():
+            if handle.scheduled is None and engine_admitted(self.engine, request_id):
+                self.mark_scheduled(handle)
 
     def run_once(self) -> bool:
         """One turn of the engine thread: apply the commands in `inbox`, then run one engine step.
 
-        With no work in the engine, wait for a command instead of spinning. "add": call
+        Take the turn's commands from `commands(block)`, which waits for the first one only when asked
+        (with no work in the engine, wait for a command instead of spinning). "add": call
         `engine.add_request(handle.prompt, handle.sampling, request_id=..., priority=...)`, remember the
         handle, and send it `Accepted()`, or `Rejected(error)` if add_request raised ValueError/TypeError.
         "abort": `engine.abort(request_id)` and forget the handle (its client is gone). "stop": return
@@ -295,14 +353,9 @@ class EngineThread:
         output is finished), then `publish_stats()`. Returns True to keep running.
         """
         # BEGIN TASK Week 3 Day 5 Task 4: the engine thread's turn
-        # TODO: block on the inbox only when the engine is idle; apply add/abort/stop; one step; send outputs
-        block = not self.engine.has_work()
-        while True:
-            try:
-                command, argument = self.inbox.get(block=block)
-            except queue.Empty:
-                break
-            block = False  # after the first command, only take what is already there
+        # TODO: take `self.commands(block=...)`, blocking only when the engine is idle; apply add/abort/stop;
+        # TODO: one step; send each output to its handle
+        for command, argument in self.commands(block=not self.engine.has_work()):
             if command == "stop":
                 return False
             if command == "add":
@@ -434,7 +487,7 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     most what the engine can hold) bounds prompt plus output. `api_key`: requests to /v1 must send
     it as `Authorization: Bearer KEY`. `cors_origins`: origins a browser may call from ("*": any).
     """
-    engine_thread = EngineThread(engine)
+    engine_thread = EngineThread(engine, clock)
     metrics = ServerMetrics(model_name, lambda: engine_thread.stats)
     context = engine_context(engine) if max_model_len is None else max_model_len
     if not 1 <= context <= engine_context(engine):
@@ -477,20 +530,50 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
             return function(*args)
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
 
-    async def start(prompt: list[int], sampling: SamplingParams, priority: int, request_id: str) -> RequestHandle:
-        """Hand the request to the engine thread; wait until it is accepted (or answer its refusal)."""
+    def submit(body, prompts: list[list[int]], chat: bool) -> tuple[str, list[RequestHandle]]:
+        """Every prompt `n` times, one engine request per choice, all handed to the engine thread at once (so
+        they start in the same step); their answers (Accepted or Rejected) come on the handles' queues."""
+        check_choices(len(prompts), body.n)
+        check_logit_bias(body, engine.model.args.vocab_size)
         if app.state.draining:
             raise APIError(503, "the server is shutting down")
         if not engine_thread.running:
             raise APIError(503, f"the engine is not running: {engine_thread.error!r}")
-        handle = RequestHandle(request_id, prompt, sampling, asyncio.get_running_loop(), asyncio.Queue(), priority)
-        engine_thread.submit(handle)
-        first = await handle.events.get()
-        if isinstance(first, Rejected):
-            if isinstance(first.error, (ValueError, TypeError)):
-                raise APIError(400, str(first.error), code="invalid_request")
-            raise APIError(500, f"the engine failed: {type(first.error).__name__}")
-        return handle
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        handles = []
+        for index, (prompt, i) in enumerate((prompt, i) for prompt in prompts for i in range(body.n)):
+            sampling = body.sampling(max_tokens_for(body, len(prompt), context), i)
+            handle = RequestHandle(f"{response_id}-{index}", prompt, sampling, loop, asyncio.Queue(), body.priority,
+                                   submitted=clock())
+            engine_thread.submit(handle)
+            handles.append(handle)
+        return response_id, handles
+
+    async def accepted(handles: list[RequestHandle]) -> None:
+        """Wait for the engine thread to take every choice; if it refuses one (or the wait ends), none runs on."""
+        try:
+            for handle in handles:
+                first = await handle.events.get()
+                if isinstance(first, Rejected) and isinstance(first.error, (ValueError, TypeError)):
+                    raise APIError(400, str(first.error), code="invalid_request")
+                if isinstance(first, Rejected):
+                    raise APIError(500, f"the engine failed: {type(first.error).__name__}")
+        except BaseException:
+            for handle in handles:
+                engine_thread.abort(handle.request_id)
+            raise
+
+    def observe_phases(handle: RequestHandle, first_token: float | None, last_token: float | None) -> None:
+        """vLLM's phases of a request that ended: queued (until its first step), prefill (to its first token),
+        decode (to its last token), inference (prefill and decode)."""
+        if handle.scheduled is None:
+            return  # never scheduled: it left (or failed) while it waited
+        metrics.queue.observe(handle.scheduled - handle.submitted)
+        if first_token is not None:
+            metrics.prefill.observe(max(0.0, first_token - handle.scheduled))
+            metrics.decode.observe(last_token - first_token)
+            metrics.inference.observe(max(0.0, last_token - handle.scheduled))
 
     async def tokens(handle: RequestHandle, stops: list[str], generation: Generation, arrival: float):
         """The request's text pieces, one per token; aborts the request if it ends before the engine says so."""
@@ -538,24 +621,12 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                 engine_thread.abort(handle.request_id)
             metrics.finished(generation.finish_reason or "abort")
             metrics.e2e.observe(clock() - arrival)
-            if first_token is not None:
-                metrics.decode.observe(last_token - first_token)
+            observe_phases(handle, first_token, last_token)
 
-    async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float):
-        """Serve every prompt `n` times, one engine request per choice, as one response or one stream."""
-        check_choices(len(prompts), body.n)
-        check_logit_bias(body, engine.model.args.vocab_size)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        plans = [(prompt, body.sampling(max_tokens_for(body, len(prompt), context), i))
-                 for prompt in prompts for i in range(body.n)]
-        handles: list[RequestHandle] = []
-        try:
-            for index, (prompt, sampling) in enumerate(plans):
-                handles.append(await start(prompt, sampling, body.priority, f"{response_id}-{index}"))
-        except BaseException:
-            for handle in handles:  # refused part-way: the choices already accepted must not run on
-                engine_thread.abort(handle.request_id)
-            raise
+    async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float,
+                      response_id: str, handles: list[RequestHandle]):
+        """Serve the submitted choices as one response or one stream."""
+        await accepted(handles)
         watcher = asyncio.create_task(wait_for_disconnect(request, handles))
         generations = [Generation(h.request_id, prompt_tokens=len(h.prompt),
                                   logprobs=None if h.sampling.logprobs is None else []) for h in handles]
@@ -609,18 +680,22 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = clock()
-        body = parse_body(ChatCompletionRequest, await request.body(), model_name)
-        size = sum(len(message.text()) for message in body.messages)
-        prompt = await tokenize(size, chat_prompt_ids, tokenizer, body.messages)
-        return await respond(request, body, [prompt], chat=True, arrival=arrival)
+        with engine_thread.arriving():
+            body = parse_body(ChatCompletionRequest, await request.body(), model_name)
+            size = sum(len(message.text()) for message in body.messages)
+            prompts = [await tokenize(size, chat_prompt_ids, tokenizer, body.messages)]
+            response_id, handles = submit(body, prompts, chat=True)
+        return await respond(request, body, prompts, True, arrival, response_id, handles)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = clock()
-        body = parse_body(CompletionRequest, await request.body(), model_name)
-        prompts = await tokenize(prompt_size(body.prompt), completion_prompt_ids, tokenizer, body.prompt,
-                                 engine.model.args.vocab_size)
-        return await respond(request, body, prompts, chat=False, arrival=arrival)
+        with engine_thread.arriving():
+            body = parse_body(CompletionRequest, await request.body(), model_name)
+            prompts = await tokenize(prompt_size(body.prompt), completion_prompt_ids, tokenizer, body.prompt,
+                                     engine.model.args.vocab_size)
+            response_id, handles = submit(body, prompts, chat=False)
+        return await respond(request, body, prompts, False, arrival, response_id, handles)
 
     @app.get("/v1/models")
     async def models():
