@@ -3,6 +3,7 @@
     pdm run python -m maint.mutations                    # the honest solution, then every mutation
     pdm run python -m maint.mutations --list             # the mutations, by name
     pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
+    pdm run python -m maint.mutations --day 5            # the ones that must hurt day 3.5, graded on it alone
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
 every week-3 module replaced by the reference's (the week-3 days written, honestly). It must score
@@ -91,6 +92,23 @@ MUTATIONS = [
              (4,), (
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n"
                       "            self.preempt(self.running[-1], plan)\n", ""),)),
+    # Day 3.5: the server. The first and last live in provided code (the handler's token loop).
+    Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (
+        ("server", '                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',
+         '                    generation.finish_reason = "stop"\n'),)),
+    Mutation("stop-string-kept", "the text is cut after the stop string instead of before it", (5,), (
+        ("server", "        return min(found), True\n", "        return len(text), True\n"),)),
+    Mutation("detokenizer-repeats", "the detokenizer's offsets never move: each piece repeats the text so far", (5,), (
+        ("server", "        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)\n", ""),)),
+    Mutation("output-sent-twice", "the engine thread sends each step output twice", (5,), (
+        ("server", "                self.send(handle, output)\n",
+         "                self.send(handle, output)\n                self.send(handle, output)\n"),)),
+    Mutation("abort-forgets-only", "an abort forgets the handle but never calls engine.abort (blocks kept)", (5,), (
+        ("server", '            elif command == "abort" and self.handles.pop(argument, None) is not None:\n'
+                   "                self.engine.abort(argument)\n",
+         '            elif command == "abort":\n                self.handles.pop(argument, None)\n'),)),
+    Mutation("disconnect-not-aborted", "a client that leaves is not aborted: its request runs to max_tokens", (5,), (
+        ("server", "            if not engine_done or text.stopped:\n", "            if text.stopped:\n"),)),
 ]
 
 
@@ -124,7 +142,8 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
     return stale
 
 
-def grade(submission: Path, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
+def grade(submission: Path, days: list[int], work: Path, attempts: int = 2,
+          day_budget: float | None = None) -> dict[int, dict] | str:
     """Grade `days` of week 3 with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
 
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
@@ -133,6 +152,8 @@ def grade(submission: Path, days: list[int], work: Path, attempts: int = 2) -> d
     report = work / "results.json"
     command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(WEEK),
                "--day", *map(str, days), "--json", str(report)]
+    if day_budget is not None:
+        command += ["--day-budget", str(day_budget)]
     for _ in range(attempts):
         report.unlink(missing_ok=True)
         finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -168,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="only these mutations (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
+                        help="each day's time budget, passed to the grader (default: the grader's, from the recorded "
+                             "honest times); for a busy machine or a day whose tests changed since they were recorded")
+    parser.add_argument("--day", type=int, action="append", choices=week_days(), metavar="D",
+                        help=f"only the mutations that must hurt day {WEEK}.D, and the honest run of those days "
+                             "(repeatable; default: every day)")
     return parser
 
 
@@ -180,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         build_parser().error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
-    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
+              and (not args.day or set(m.days) & set(args.day))]
     problems = 0
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, week_days(), Path(tmp))
+        baseline = grade(honest, args.day or week_days(), Path(tmp), day_budget=args.day_budget)
         if isinstance(baseline, str):
             print(f"FAIL honest week-3 solution: {baseline}")
             return 1
@@ -203,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
                 continue
-            results = grade(submission, list(mutation.days), Path(tmp))
+            results = grade(submission, [d for d in mutation.days if not args.day or d in args.day], Path(tmp),
+                            day_budget=args.day_budget)
             if isinstance(results, str):
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)

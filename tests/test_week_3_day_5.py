@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
 from tests.sampling_oracles import penalized, raw_logprobs
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
+from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=5)
 ref = reference()
@@ -933,3 +934,11 @@ def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
         error = answers["huge"].json()["error"]
         assert answers["huge"].status_code == 400 and error["code"] == "context_length_exceeded", error
         assert_still_serving(url, model, engine)
+
+
+# ---------------------------------------------------------------- Task 5: your stack so far
+
+
+def test_task_5_your_stack_so_far():
+    """Your week-3 engine behind your server, over real HTTP, on the workloads a server meets (tests/week3_stack.py)."""
+    check_stack(stack(week=3, day=5), day=5)

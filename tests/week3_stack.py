@@ -17,10 +17,14 @@ every workload that broke, so a student sees the whole picture.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import random
 import traceback
 from dataclasses import dataclass, field
+
+import httpx
 
 import mlx.core as mx
 import pytest
@@ -29,6 +33,7 @@ from mlx_lm.models import qwen2 as mlx_qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.harness import reference
+from tests.serve_fakes import running_server, wait_until
 
 VOCAB = 64
 EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
@@ -372,9 +377,96 @@ def workload_priorities(package, day):
         "less important sequences must make room for it (slots and blocks)"
 
 
+def text_of(tokens: list[int]) -> str:
+    """What the server streams for these tokens: the test tokenizer's decode."""
+    return Tokenizer().decode(tokens)
+
+
+def warm_up(package, probe: ModelProbe) -> None:
+    """One token through a throwaway engine on this thread: MLX streams are per thread, so whatever the
+    student's model left lazy must be evaluated here before the server's engine thread runs it."""
+    engine = make_engine(package, probe, token_budget=16, max_num_seqs=1, block_size=4, num_blocks=8)
+    engine.add_request([1], ref.sequence.SamplingParams(max_tokens=1))
+    for _ in range(STEP_LIMIT):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError(f"a one-token request did not end in {STEP_LIMIT} steps")
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, leave_after: int | None = None):
+    """Stream one completion: (text, finish reason); with `leave_after`, close the connection after that many
+    chunks (the client leaves) and return (text so far, "left")."""
+    pieces, reason = [], None
+    body = {"model": "tiny", "stream": True, "temperature": 0, **body}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, f"POST /v1/completions answered {response.status_code}"
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                return "".join(pieces), reason
+            if not line.startswith("data: "):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            pieces.append(choice["text"])
+            reason = choice["finish_reason"] or reason
+            if leave_after is not None and len(pieces) >= leave_after:
+                return "".join(pieces), "left"
+    raise AssertionError("a stream ended without data: [DONE]")
+
+
+def workload_serving(package, day):
+    """Day 3.5: the engine behind the server, over HTTP: twelve streams at once equal one-at-a-time generation
+    (EOS, length and a stop string), two clients leave and are aborted, every block comes back."""
+    probe = new_probe(package)
+    warm_up(package, probe)
+    engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=128,
+                         **engine_options(day))
+    app = package.server.create_app(engine, Tokenizer(), "tiny")
+    finishing = [Request(r.request_id, r.prompt, r.max_tokens) for r in pressure_requests(day)]
+    wants = {r.request_id: expected(r) for r in finishing}
+    assert {"stop", "length"} <= {reason for _, reason in wants.values()}, "the workload must end by EOS and length"
+    # A stop string: the text of a token in the middle of a long answer, with the spaces around it.
+    cut = next(r for r in finishing if len(wants[r.request_id][0]) >= 6)
+    full = text_of(wants[cut.request_id][0])
+    stop = f" {wants[cut.request_id][0][2]} "
+    leave_budget = 120  # the leavers' max_tokens: an engine that never aborts them generates all of it
+
+    async def clients(url):
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client:
+            calls = [stream_completion(client, url, {"prompt": r.prompt, "max_tokens": r.max_tokens})
+                     for r in finishing]
+            calls.append(stream_completion(client, url, {"prompt": cut.prompt, "max_tokens": cut.max_tokens,
+                                                         "stop": stop}))
+            calls += [stream_completion(client, url, {"prompt": tokens(5, 90 + i), "max_tokens": leave_budget,
+                                                      "ignore_eos": True}, leave_after=2) for i in range(2)]
+            return await asyncio.gather(*calls)
+
+    with running_server(app) as url:
+        answers = asyncio.run(clients(url))
+        assert wait_until(lambda: not engine.has_work(), timeout=120), \
+            f"after every client ended: {engine.num_running} running, {engine.num_waiting} waiting"
+        health = httpx.get(f"{url}/health", timeout=60)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}, f"/health: {health.text}"
+        for request, (got, reason) in zip(finishing, answers):
+            want, want_reason = wants[request.request_id]
+            assert got == text_of(want), f"request {request.request_id!r} streamed {got!r}; alone it generates " \
+                                         f"{text_of(want)!r} (a token twice, a token lost, or the wrong token)"
+            assert reason == want_reason, f"request {request.request_id!r} finished by {reason!r}, expected {want_reason!r}"
+        assert answers[len(finishing)] == (full[:full.find(stop)], "stop"), \
+            f"with stop {stop!r} the text must end before it, finish reason 'stop': got {answers[len(finishing)]!r}"
+        generated = engine.generation_tokens_total - sum(len(wants[r.request_id][0]) + 1 for r in finishing)
+        assert generated < leave_budget, \
+            f"the two clients that left and the stopped request generated {generated} tokens: a request whose " \
+            f"client left (or whose stop string was found) must be aborted, not run to max_tokens ({leave_budget})"
+        assert not app.state.engine_thread.handles, "the engine thread must forget every request that ended"
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, \
+        f"after the run {manager.num_blocks - manager.num_free_blocks} of {manager.num_blocks} blocks are not free"
+
+
 WORKLOADS = [  # (first day it runs on, workload)
     (1, workload_pressure), (1, workload_model_failure), (1, workload_adaptive_budget), (1, workload_seeded_sampling),
-    (3, workload_prefix_cache), (4, workload_priorities),
+    (3, workload_prefix_cache), (4, workload_priorities), (5, workload_serving),
 ]
 
 
