@@ -8,7 +8,8 @@ the student's files with some functions and methods swapped for the reference's:
 - `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
   every other day's task, even one the student has written. So each day is graded on its own code.
 - `for_stack(W, D)` (the day's "your stack so far" tests): the student's code for day W.D's tasks and
-  every earlier day of week W they have written, the reference's for the rest. So the engine the
+  every earlier day it builds on that they have written (`course_map.stack_days`: week 3's engine days,
+  and for days 4.1 and 4.2 all of them), the reference's for the rest. So the engine the
   student will serve with is tested as a whole, not only function by function.
 - `for_command("student")` (main, batch-main, compare, the benchmarks): the student's code for every
   task written, the reference's for every task whose body still raises the marker. `describe()` says
@@ -290,18 +291,17 @@ def for_day(week: int, day: int) -> Selection:
 
 def for_stack(week: int, day: int) -> Selection:
     """The code a day's "your stack so far" tests run: the student's for day W.D's tasks and for every task
-    of an earlier day of week W they have written; the reference's for the other weeks, for later days,
-    and for an earlier day's task still raising its marker (a student who starts at day W.D has none).
+    they have written of a day it builds on (`course_map.stack_days`); the reference's for every other
+    day, and for a task still raising its marker (a student who starts at day W.D has written none).
 
     So a planner bug of day 3.1 shows in day 3.2's end-to-end tests too: they run the engine the student
     will actually serve with.
     """
-    from course.course_map import DAYS
+    from course.course_map import stack_days
 
-    days = [(d.week, d.day) for d in DAYS if d.week == week and d.day <= day]
+    days = stack_days(week, day)
     return _selection_for_days(f"tiny_llm_stack_week{week}_day{day}", days,
-                               lambda task, written: task.week == week and
-                               (task.day == day or (task.day < day and written)))
+                               lambda task, written: task.day_key == (week, day) or (task.day_key in days and written))
 
 
 def _selection_for_days(name: str, days: list[tuple[int, int]], students) -> Selection:

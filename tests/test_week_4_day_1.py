@@ -68,6 +68,7 @@ class FakeSpeculativeRunner:
         self.logits_of = logits_of
         self.slots: dict[int, tuple] = {}
         self.plans = []
+        self.logprobs = {}  # what the engine reads after sampling: none asked here
 
     def slot(self, seq, position):
         block_size = self.engine.block_manager.block_size
