@@ -298,9 +298,9 @@ SPECULATIVE_WORKLOADS = [workload_speculative_pressure, workload_speculative_exa
 
 
 def quantized_bytes_per_token(bits: int) -> int:
-    """`wide_mlx_model`'s keys and values for one token: 2 layers x (K and V) x 1 head x (32 features at `bits`
+    """`wide_mlx_model`'s keys and values for one token: 2 layers x (K and V) x 2 heads x (32 features at `bits`
     bits plus a float16 scale and bias for its one group of 32)."""
-    return 2 * 2 * 1 * (32 * bits // 8 + 2 * 2)
+    return 2 * 2 * 2 * (32 * bits // 8 + 2 * 2)
 
 
 def quantized_engine(package, probe: ModelProbe, bits: int, num_blocks: int, **options):
