@@ -203,7 +203,7 @@ def grade(submission: Path, days: list[tuple[int, int]], work: Path, attempts: i
             if w == week:
                 results[(w, d)] = {"lost": 0.0, "max": float(sum(find_day(w, d).points.values())), "failed": []}
         for test in json.loads(report.read_text())["tests"]:
-            key = tuple(int(part) for part in test["tags"][1].split("."))
+            key = tuple(int(part) for part in test["tags"][1].split()[-1].split("."))  # "day W.D"
             if test["score"] < test["max_score"]:
                 lost = test["max_score"] - test["score"]
                 results[key]["lost"] += lost
