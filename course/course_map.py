@@ -76,19 +76,6 @@ DAYS: list[Day] = [
 ]
 
 
-def stack_days(week: int, day: int) -> list[tuple[int, int]]:
-    """The days whose code a day's "your stack so far" tests run, as (week, day), this day last.
-
-    A week-3 day: the engine days of week 3 up to it (each builds on the one before). A week-4 day
-    that builds on the engine (speculative decoding, the quantized pool): every engine day of week 3,
-    then the day itself; the week-4 days do not build on each other.
-    """
-    engine_days = [(d.week, d.day) for d in DAYS if d.week == 3 and d.compare == "engine"]
-    if week == 3:
-        return [key for key in engine_days if key[1] <= day]
-    return engine_days + [(week, day)]
-
-
 def find_day(week: int, day: int) -> Day:
     for d in DAYS:
         if d.week == week and d.day == day:

@@ -1,17 +1,18 @@
 """Plant the bugs a student would make in weeks 3 and 4, one at a time, and check each costs most of a day's points.
 
-    pdm run python -m maint.mutations                          # the honest solution, then every mutation
-    pdm run python -m maint.mutations --list                   # the mutations, by name
-    pdm run python -m maint.mutations eos-leaks-blocks         # some of them (the honest run comes first still)
-    pdm run python -m maint.mutations --day 4.1 --day 4.2      # only the mutations of these days, graded on them
+    pdm run python -m maint.mutations                    # the honest solution, then every mutation
+    pdm run python -m maint.mutations --list             # the mutations, by name
+    pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
+    pdm run python -m maint.mutations --day 4.3 4.4      # those of days 4.3 and 4.4 (tensor parallelism)
+    pdm run python -m maint.mutations --day 4.1 4.2 --day-budget 300   # a busy machine: time is not what is checked
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
-every module of week 3 and of days 4.1 and 4.2 replaced by the reference's (those days written,
-honestly). It must score full marks on every day graded. Then each mutation, a small textual patch
-of that submission's code (the bug a student writes), is graded by the grader itself
-(`scripts/grade.py --src`, the course's isolated pytest runner, its time limits included) on the
-days it must hurt, and must lose more than half of each one's points. The table printed names, per
-mutation and day, the points lost and the tests that failed.
+every module of weeks 3 and 4 replaced by the reference's (those days written, honestly). It must
+score full marks on every day the chosen mutations hurt. Then each mutation, a
+small textual patch of that submission's code (the bug a student writes), is graded by the grader
+itself (`scripts/grade.py --src`, the course's isolated pytest runner, its time limits included) on
+the days it must hurt, and must lose more than half of each one's points. The table printed names,
+per mutation and day, the points lost and the tests that failed.
 
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
 the new code. Takes a few minutes (every mutation is a grading run); not part of CI.
@@ -34,7 +35,8 @@ from course.course_map import DAYS, find_day
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
-WRITTEN_DAYS = [(3, day) for day in range(1, 6)] + [(4, 1), (4, 2)]  # the days the honest submission has written
+GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
+WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4)]  # the honest submission's days
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ MUTATIONS = [
                    "            raise\n",
          "        tokens = self.runner.run(plan)\n"),)),
     Mutation("no-observe-step", "the engine never feeds observe_step to the budget policy", (1,), (
-        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)\n",
+        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,\n"
+                   "                                                 plan.prefill_offset)\n",
          ""),)),
     Mutation("prefix-hooks-never-called", "the prefix-cache hooks never called at admission and after a step", (3,), (
         ("scheduler", "        cached = self.block_manager.reuse_cached_prefix(seq)\n", "        cached = 0\n"),
@@ -151,6 +154,33 @@ MUTATIONS = [
     Mutation("scales-not-counted", "bytes per token forget the scales and biases", (2,), (
         ("quantized_kv", "        per_head = head_dim * kv_bits // 8 + 2 * groups * SCALE_DTYPE.size\n",
          "        per_head = head_dim * kv_bits // 8\n"),), week=4),
+    # Day 4.3: sharding.
+    Mutation("tp-second-matmuls-split-by-outputs", "o_proj and down_proj split by outputs, like q/k/v and gate/up",
+             (3,), (
+        ("tensor_parallel", "            own_copy(split_inputs(mlp.w_down, rank, world_size)),\n",
+         "            own_copy(split_outputs(mlp.w_down, rank, world_size)),\n"),
+        ("tensor_parallel", "            own_copy(split_inputs(attention.wo, rank, world_size)),\n",
+         "            own_copy(split_outputs(attention.wo, rank, world_size)),\n"),), week=4),
+    Mutation("tp-mlp-without-all-sum", "the MLP's partial output returned without the all_sum", (3,), (
+        ("tensor_parallel", "        return mx.distributed.all_sum(self.local(x), group=self.group)\n",
+         "        return self.local(x)\n"),), week=4),
+    Mutation("tp-kv-heads-not-divided", "the model's KV pool keeps every KV head on every rank", (3,), (
+        ("tensor_parallel", "        self.num_kv_heads //= group.size()\n", ""),), week=4),
+    # Day 4.4: the engine across ranks.
+    Mutation("plan-not-broadcast", "rank 0 runs its own plan and never sends it", (4,), (
+        ("distributed_engine", "        received = decode_plan(self.exchange(encode_plan(plan, self.capacity)))\n",
+         "        received = plan\n"),), week=4),
+    Mutation("follower-reads-its-own-message", "all_sum taken as in-place (as torch.distributed's): rank 1 decodes "
+             "the zeros it sent, a stale plan", (4,), (
+        ("distributed_engine", "        while (plan := decode_plan(self.exchange(mx.zeros(self.capacity, dtype=mx.int32)))) "
+                               "is not None:\n",
+         "        message = mx.zeros(self.capacity, dtype=mx.int32)\n"
+         "        while self.exchange(message) is not None and (plan := decode_plan(message)) is not None:\n"),),
+             week=4),
+    Mutation("follower-samples", "rank 1 samples its own token from the logits it computed", (4,), (
+        ("distributed_engine", "            self.forward(plan)\n            steps += 1\n",
+         "            self.runner.sample(self.forward(plan), [chunk.seq for chunk in plan.chunks if chunk.samples])\n"
+         "            steps += 1\n"),), week=4),
 ]
 
 
@@ -159,7 +189,7 @@ def written_modules() -> set[str]:
 
 
 def honest_submission(dest: Path) -> None:
-    """The skeleton's files, with the modules of week 3 and days 4.1-4.2 the reference's (written); the rest not."""
+    """The skeleton's files, with the modules of WRITTEN_DAYS the reference's: weeks 3 and 4 written."""
     dest.mkdir(parents=True)
     for path in SKELETON.glob("*.py"):
         shutil.copyfile(path, dest / path.name)
@@ -180,34 +210,41 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
     return stale
 
 
-def grade(submission: Path, days: list[tuple[int, int]], work: Path, attempts: int = 2) -> dict | str:
-    """Grade `days` with the grader: (week, day) -> {"lost", "max", "failed": [(test, points lost)]}.
+def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path) -> dict[tuple[int, int], dict] | str:
+    """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}."""
+    results = {}
+    for week in sorted({w for w, _ in day_keys}):
+        graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work)
+        if isinstance(graded, str):
+            return graded
+        results.update({(week, day): result for day, result in graded.items()})
+    return results
+
+
+def grade_week(submission: Path, week: int, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
+    """Grade `days` of `week` with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
 
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
     not start in time) is tried again once; if it fails again, the grader's last lines (a str).
     """
-    results = {}
-    for week in sorted({w for w, _ in days}):
-        report = work / "results.json"
-        command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
-                   "--day", *(str(d) for w, d in days if w == week), "--json", str(report)]
-        for _ in range(attempts):
-            report.unlink(missing_ok=True)
-            finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-            if finished.returncode == 0 and report.exists():
-                break
-        else:
-            lines = (finished.stdout + finished.stderr).strip().splitlines()
-            return f"the grader failed (status {finished.returncode}): " + " | ".join(lines[-6:])
-        for w, d in days:
-            if w == week:
-                results[(w, d)] = {"lost": 0.0, "max": float(sum(find_day(w, d).points.values())), "failed": []}
-        for test in json.loads(report.read_text())["tests"]:
-            key = tuple(int(part) for part in test["tags"][1].split()[-1].split("."))  # "day W.D"
-            if test["score"] < test["max_score"]:
-                lost = test["max_score"] - test["score"]
-                results[key]["lost"] += lost
-                results[key]["failed"].append((test["name"].split(": ", 1)[1], lost))
+    report = work / "results.json"
+    command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
+               "--day", *map(str, days), "--json", str(report), *GRADER_OPTIONS]
+    for _ in range(attempts):
+        report.unlink(missing_ok=True)
+        finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+        if finished.returncode == 0 and report.exists():
+            break
+    else:
+        lines = (finished.stdout + finished.stderr).strip().splitlines()
+        return f"the grader failed (status {finished.returncode}): " + " | ".join(lines[-6:])
+    results = {day: {"lost": 0.0, "max": float(sum(find_day(week, day).points.values())), "failed": []} for day in days}
+    for test in json.loads(report.read_text())["tests"]:
+        day = int(test["tags"][1].split(".")[1])
+        if test["score"] < test["max_score"]:
+            lost = test["max_score"] - test["score"]
+            results[day]["lost"] += lost
+            results[day]["failed"].append((test["name"].split(": ", 1)[1], lost))
     return results
 
 
@@ -223,24 +260,15 @@ def describe_failures(failed: list[tuple[str, float]]) -> str:
     return ", ".join(parts)
 
 
-def parse_day(text: str) -> tuple[int, int]:
-    """'4.1' -> (4, 1), one of the days the mutations cover."""
-    try:
-        week, day = (int(part) for part in text.split("."))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a day is WEEK.DAY, like 4.1, not {text!r}") from None
-    if (week, day) not in {key for m in MUTATIONS for key in m.day_keys}:
-        covered = sorted({f"{w}.{d}" for m in MUTATIONS for w, d in m.day_keys})
-        raise argparse.ArgumentTypeError(f"no mutation hurts day {text} (days: {', '.join(covered)})")
-    return week, day
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run python -m maint.mutations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="only these mutations (default: all)")
-    parser.add_argument("--day", type=parse_day, action="append", metavar="W.D",
-                        help="only the mutations of this day, graded on it (repeat for more days)")
+    parser.add_argument("--day", nargs="+", default=None, metavar="W.D",
+                        help="only the mutations that hurt these days, e.g. 4.3 4.4 (default: all)")
+    parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
+                        help="each day's time budget, passed to the grader (default: the grader's, 1.5x the recorded "
+                             "honest run: too tight on a busy machine, where a cut-off test reads as a caught bug)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     return parser
 
@@ -249,19 +277,21 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         for mutation in MUTATIONS:
-            print(f"{mutation.name:32} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)}: {mutation.what}")
+            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)}: {mutation.what}")
         return 0
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         build_parser().error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
+    if args.day_budget is not None:
+        GRADER_OPTIONS[:] = ["--day-budget", str(args.day_budget)]
+    days = {tuple(int(part) for part in day.split(".")) for day in args.day or []}
     chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
-              and (not args.day or set(m.day_keys) & set(args.day))]
-    days = sorted(set(args.day) if args.day else {key for m in chosen for key in m.day_keys})
+              and (not days or days & set(m.day_keys))]
     problems = 0
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, days, Path(tmp))
+        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp))
         if isinstance(baseline, str):
             print(f"FAIL honest solution: {baseline}")
             return 1
@@ -279,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
                 continue
-            results = grade(submission, [key for key in mutation.day_keys if key in days], Path(tmp))
+            results = grade(submission, mutation.day_keys, Path(tmp))
             if isinstance(results, str):
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)

@@ -506,10 +506,43 @@ def test_task_4_backs_off_when_guesses_fail():
     engine.add_request(prompt, Params(max_tokens=max_tokens), request_id="r")
     run_to_end(engine)
     decode_steps = max_tokens - 1
-    # The first guess fails (rate 0 < 0.5); from then on one probe per 5 decode steps.
-    assert Wrong.calls <= 1 + decode_steps // 5 + 1, f"{Wrong.calls} proposals in {decode_steps} decode steps"
+    # Two failed guesses turn it down (the rate starts at 1); then probes after 2 and 4 steps, then every 5.
+    assert Wrong.calls <= 2 + 2 + decode_steps // 5 + 1, f"{Wrong.calls} proposals in {decode_steps} decode steps"
     assert Wrong.calls >= decode_steps // 5, "a turned-down sequence must still probe now and then"
     assert engine.speculation.accepted == 0
+
+
+def test_task_4_guesses_follow_what_gets_accepted():
+    """A sequence whose first guess is always right and the rest wrong: after its first verification it asks for
+    2 guesses (one more than it gets accepted), not k; all right again, it grows back by one a step."""
+
+    class FirstRight:
+        def __init__(self, right_after: int):
+            self.asked, self.right_after = [], right_after
+
+        def propose(self, seq, k):
+            self.asked.append(k)
+            history, draft = list(seq.token_ids), []
+            for i in range(k):
+                row = fake_logits(history)
+                token = row.index(max(row))
+                draft.append(token if i == 0 or len(self.asked) > self.right_after else (token + 1) % EOS)
+                history.append(draft[-1])
+            return draft
+
+        def forget(self, request_id):
+            pass
+
+    prompt = next([start, 8, 7] for start in range(EOS) if fake_greedy([start, 8, 7], 40)[1] == "length")
+    expected, _ = fake_greedy(prompt, 40)
+    proposer = FirstRight(right_after=6)
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, min_acceptance_rate=0.2, token_budget=64)
+    engine.add_request(prompt, Params(max_tokens=len(expected)), request_id="r")
+    run_to_end(engine)
+    asked = proposer.asked
+    assert asked[0] == 4, "a new sequence guesses as many as it may"
+    assert asked[1:6] == [2] * 5, f"one guess accepted a time: it should ask for 2, asked {asked[:6]}"
+    assert asked[6:9] == [2, 3, 4], f"every guess right from the 7th proposal: 2, 3, 4 guesses; asked {asked[6:9]}"
 
 
 # ---------------------------------------------------------------- Task 5: accept, count, roll back

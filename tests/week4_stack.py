@@ -125,8 +125,9 @@ def workload_speculative_pressure(package):
 
 
 def workload_speculative_exact(package):
-    """A roomy pool, guesses right for a known count: each verification yields exactly the right guesses plus the
-    target's own token (fewer only where the request ends), and the counters add up."""
+    """A roomy pool, a tight budget, guesses right for a known count: each verification yields exactly the right
+    guesses plus the target's own token (fewer only where the request ends), the counters add up, and guesses
+    never take the step past its budget."""
     # Three run to max_tokens; the last meets EOS after two tokens, inside a verification.
     requests = [Request(f"x{i}", tokens(length, seed), max_tokens=max_tokens, arrive=i)
                 for i, (length, seed, max_tokens) in enumerate([(8, 80, 16), (11, 81, 16), (5, 84, 16), (7, 81, 12)])]
@@ -145,8 +146,10 @@ def workload_speculative_exact(package):
         proposer.calls.clear()
         before.update({r.request_id: len(result.tokens_of(r.request_id)) for r in result.requests})
 
-    result = drive_speculative(package, requests, proposer, after_step=exact, token_budget=64)
+    # A budget of 7: beside three or four decodes only a few guesses fit, so the budget cuts proposals short.
+    result = drive_speculative(package, requests, proposer, after_step=exact, token_budget=7)
     result.check_outputs()
+    result.check_budget(7)
     result.check_clean()
     summary = result.engine.summary()
     got = (summary["speculative_proposed"], summary["speculative_accepted"])

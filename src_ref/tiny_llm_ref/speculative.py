@@ -212,14 +212,15 @@ class AcceptanceTracker:
 
     - guesses one more than it has been getting accepted (`k` while every guess is right, 2 when about
       one is), so a chunk is not padded with guesses that will be thrown away;
-    - stops guessing when its acceptance rate falls below `min_rate`, and after `probe_interval`
-      plain decode steps tries a single guess, so one that starts copying (a quote, a code block) is
-      noticed: a right probe grows its guesses again.
+    - stops guessing when its acceptance rate falls below `min_rate`, and probes with a single guess
+      after 2 plain decode steps, then 4, 8, ... up to `probe_interval` while the probes keep failing,
+      so one that starts copying (a quote, a code block) is noticed soon and fresh text is left alone:
+      a right probe grows its guesses again.
 
     `min_rate` 0 switches all of this off: every sequence always guesses as many as it may.
     """
 
-    def __init__(self, min_rate: float = 0.5, probe_interval: int = 16, smoothing: float = 0.5):
+    def __init__(self, min_rate: float = 0.3, probe_interval: int = 16, smoothing: float = 0.5):
         """A rate in 0..1, a probe every `probe_interval` >= 1 steps, a smoothing weight in (0, 1]."""
         if not 0 <= min_rate <= 1 or probe_interval < 1 or not 0 < smoothing <= 1:
             raise ValueError("need 0 <= min_rate <= 1, probe_interval >= 1 and 0 < smoothing <= 1, got "
@@ -230,28 +231,38 @@ class AcceptanceTracker:
         self.rates: dict[object, float] = {}  # request id -> moving average of accepted / proposed
         self.lengths: dict[object, float] = {}  # request id -> moving average of accepted guesses per verification
         self.waits: dict[object, int] = {}  # steps left before a turned-down sequence probes again
+        self.intervals: dict[object, int] = {}  # its current wait between probes: 2, 4, 8, ... up to probe_interval
 
     def num_guesses(self, request_id, most: int) -> int:
         """How many guesses (0 .. `most`) this sequence should make this step; counts a step of waiting at 0."""
         if self.min_rate == 0 or request_id not in self.rates:
             return most
         if self.rates[request_id] >= self.min_rate:
+            self.intervals.pop(request_id, None)  # guessing again: a later turn-down starts with a short wait
             return min(most, math.ceil(self.lengths[request_id]) + 1)  # all right: one more each time
-        self.waits[request_id] = self.waits.get(request_id, self.probe_interval) - 1
+        if request_id not in self.waits:  # just turned down, or its probe failed: wait twice as long as last time
+            self.intervals[request_id] = min(2 * self.intervals.get(request_id, 1), self.probe_interval)
+            self.waits[request_id] = self.intervals[request_id]
+        self.waits[request_id] -= 1
         if self.waits[request_id] > 0:
             return 0
         del self.waits[request_id]
         return min(most, 1)  # a probe: one guess, the cheapest question
 
     def observe(self, request_id, proposed: int, accepted: int) -> None:
-        """Fold one verify chunk's outcome into the sequence's averages."""
-        for averages, value in ((self.rates, accepted / proposed), (self.lengths, float(accepted))):
-            old = averages.get(request_id)
-            averages[request_id] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
+        """Fold one verify chunk's outcome into the sequence's averages.
+
+        The rate starts from 1 (as if a sequence's first guesses had all been right), so one unlucky
+        verification only shrinks its guesses: it takes two failures in a row to turn it down.
+        """
+        old_rate = self.rates.get(request_id, 1.0)
+        self.rates[request_id] = (1 - self.smoothing) * old_rate + self.smoothing * accepted / proposed
+        old_length = self.lengths.get(request_id, float(accepted))
+        self.lengths[request_id] = (1 - self.smoothing) * old_length + self.smoothing * accepted
 
     def forget(self, request_id) -> None:
         """Drop a finished request."""
-        for state in (self.rates, self.lengths, self.waits):
+        for state in (self.rates, self.lengths, self.waits, self.intervals):
             state.pop(request_id, None)
 
 
@@ -314,8 +325,8 @@ class SpeculativeConfig:
     """Speculation's knobs, beside the engine's `EngineConfig` (provided)."""
 
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most guesses one verify chunk checks
-    min_acceptance_rate: float = 0.5  # below this a sequence stops guessing (0: no back-off, always k guesses)...
-    probe_interval: int = 16  # ...and tries one guess after this many plain decode steps
+    min_acceptance_rate: float = 0.3  # below this a sequence stops guessing (0: no back-off, always k guesses)...
+    probe_interval: int = 16  # ...and probes with one guess after 2, 4, ... up to this many plain decode steps
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
