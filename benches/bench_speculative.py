@@ -11,7 +11,8 @@ the prompt (repeat, correct, annotate), "fresh" for new text (a story, an explan
 description). Every prompt runs through week 3's engine without speculation, through day 4.1's
 engine with n-gram prompt lookup at each k, and through mlx-lm's `BatchGenerator` on the same
 weights, one after the other, prompt by prompt, in this one run. Figures: decode tokens/s (tokens
-after the first over the time after the first), ITL mean and p99, the acceptance rate, and whether
+after the first over the time after the first), ITL mean and p99, tokens per model call (the same on
+any machine, however loaded: what the guesses gain before their cost), the acceptance rate, and whether
 the text is identical to the engine's without speculation; then what one model call costs for a
 chunk of k + 1 tokens against a decode step (speculation pays only when that ratio is well below the
 tokens a verify chunk gains). `--clock cpu` measures CPU seconds, steadier than wall time on a busy
@@ -66,7 +67,8 @@ WORKLOADS = {
 COLUMNS = [lab.Column("configuration", "label", "{}"), lab.Column("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
            lab.Column("vs engine", "vs_engine", "{:.2f}x"), lab.Column("vs mlx-lm", "vs_mlx_lm", "{:.2f}x"),
            lab.Column("ITL mean ms", "itl_mean_ms", "{:.1f}"), lab.Column("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
-           lab.Column("accepted", "acceptance_rate", "{:.0%}"), lab.Column("same text", "identical_to_engine", "{}")]
+           lab.Column("tokens/step", "tokens_per_step", "{:.2f}"), lab.Column("accepted", "acceptance_rate", "{:.0%}"),
+           lab.Column("same text", "identical_to_engine", "{}")]
 
 
 def build_parser():
@@ -97,7 +99,9 @@ def figures(label: str, runs: list, baseline: list | None) -> dict:
     proposed = sum(run.counters.get("speculative_proposed", 0) for run in runs)
     accepted = sum(run.counters.get("speculative_accepted", 0) for run in runs)
     same = None if baseline is None else all(r.outputs[0] == b.outputs[0] for r, b in zip(runs, baseline))
+    generated = sum(len(run.outputs[0]) for run in runs)
     return {"label": label, "decode_tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_step": generated / sum(run.steps for run in runs),  # whatever the load: the method's gain
             "itl_mean_ms": 1000 * sum(itls) / len(itls) if itls else None,
             "itl_p99_ms": 1000 * runner.percentile(itls, 99) if itls else None,
             "proposed": proposed, "acceptance_rate": accepted / proposed if proposed else None,

@@ -327,6 +327,17 @@ class SpeculativeEngine(LLMEngine):
                  f"{type(self.proposer).__name__}, turned down below {100 * speculation.min_acceptance_rate:.0f}% "
                  f"acceptance")
 
+    def add_request(self, prompt, sampling=None, **options) -> Sequence:
+        """Week 3's `add_request`; a request verification cannot serve is logged with the reason (provided).
+
+        It is served all the same, one token a step, exactly as week 3's engine serves it.
+        """
+        seq = super().add_request(prompt, sampling, **options)
+        reason = why_not_speculate(seq)
+        if reason:
+            self.log(f"request {seq.request_id!r} decodes without speculation: {reason}")
+        return seq
+
     def step(self) -> list[StepOutput]:
         """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
         self.maybe_log()
