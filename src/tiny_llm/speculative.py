@@ -190,7 +190,7 @@ class AcceptanceTracker:
     """
 
     def __init__(self, min_rate: float = 0.3, probe_interval: int = 16, smoothing: float = 0.5):
-        """A rate in 0..1, a probe every `probe_interval` >= 1 steps, a smoothing weight in (0, 1]."""
+        """A rate in 0..1, at most `probe_interval` >= 1 steps between probes, a smoothing weight in (0, 1]."""
         if not 0 <= min_rate <= 1 or probe_interval < 1 or not 0 < smoothing <= 1:
             raise ValueError("need 0 <= min_rate <= 1, probe_interval >= 1 and 0 < smoothing <= 1, got "
                              f"{min_rate}, {probe_interval}, {smoothing}")
