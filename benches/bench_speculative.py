@@ -4,13 +4,15 @@
     pdm run bench-speculative --quick              # 2 prompts per workload, 64 tokens, k = 4
     pdm run bench-speculative --solution student   # your src/tiny_llm (the reference where unwritten)
     pdm run bench-speculative --model embedded     # the tiny embedded model (seconds; figures mean nothing)
+    pdm run bench-speculative --fixed              # also each k without the back-off: what adapting is worth
 
 Two workloads of chat prompts, each request alone (batch 1, greedy): "copy" asks for text that is in
 the prompt (repeat, correct, annotate), "fresh" for new text (a story, an explanation, tips, a
 description). Every prompt runs through week 3's engine without speculation, through day 4.1's
 engine with n-gram prompt lookup at each k, and through mlx-lm's `BatchGenerator` on the same
 weights, one after the other, prompt by prompt, in this one run. Figures: decode tokens/s (tokens
-after the first over the time after the first), ITL mean and p99, the acceptance rate, and whether
+after the first over the time after the first), ITL mean and p99, tokens per model call (the same on
+any machine, however loaded: what the guesses gain before their cost), the acceptance rate, and whether
 the text is identical to the engine's without speculation; then what one model call costs for a
 chunk of k + 1 tokens against a decode step (speculation pays only when that ratio is well below the
 tokens a verify chunk gains). `--clock cpu` measures CPU seconds, steadier than wall time on a busy
@@ -65,7 +67,8 @@ WORKLOADS = {
 COLUMNS = [lab.Column("configuration", "label", "{}"), lab.Column("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
            lab.Column("vs engine", "vs_engine", "{:.2f}x"), lab.Column("vs mlx-lm", "vs_mlx_lm", "{:.2f}x"),
            lab.Column("ITL mean ms", "itl_mean_ms", "{:.1f}"), lab.Column("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
-           lab.Column("accepted", "acceptance_rate", "{:.0%}"), lab.Column("same text", "identical_to_engine", "{}")]
+           lab.Column("tokens/step", "tokens_per_step", "{:.2f}"), lab.Column("accepted", "acceptance_rate", "{:.0%}"),
+           lab.Column("same text", "identical_to_engine", "{}")]
 
 
 def build_parser():
@@ -73,6 +76,8 @@ def build_parser():
     parser.set_defaults(model=default_model())
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="speculative tokens to sweep (default 2 4 6)")
     lab.options(parser, max_tokens=(128, "output tokens per request"), prompts=(4, "prompts per workload, 1 .. 4"))
+    parser.add_argument("--fixed", action="store_true",
+                        help="also run each k with no back-off (every decode always guesses k tokens)")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",
                         help="wall (default) or cpu: this process's CPU seconds, steadier on a busy machine")
     return parser
@@ -94,7 +99,9 @@ def figures(label: str, runs: list, baseline: list | None) -> dict:
     proposed = sum(run.counters.get("speculative_proposed", 0) for run in runs)
     accepted = sum(run.counters.get("speculative_accepted", 0) for run in runs)
     same = None if baseline is None else all(r.outputs[0] == b.outputs[0] for r, b in zip(runs, baseline))
+    generated = sum(len(run.outputs[0]) for run in runs)
     return {"label": label, "decode_tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_step": generated / sum(run.steps for run in runs),  # whatever the load: the method's gain
             "itl_mean_ms": 1000 * sum(itls) / len(itls) if itls else None,
             "itl_p99_ms": 1000 * runner.percentile(itls, 99) if itls else None,
             "proposed": proposed, "acceptance_rate": accepted / proposed if proposed else None,
@@ -141,6 +148,9 @@ def main(argv=None) -> int:
     for k in args.k:
         makers[f"n-gram k={k}"] = lambda k=k: Speculative(selection, model, tokenizer, num_speculative_tokens=k,
                                                           **config)
+        if args.fixed:
+            makers[f"n-gram k={k} fixed"] = lambda k=k: Speculative(selection, model, tokenizer, num_speculative_tokens=k,
+                                                                    adaptive=False, **config)
     makers["mlx-lm"] = lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=1)
     clock = runner.CLOCKS[args.clock]
     print(f"{args.prompts} prompts per workload, {args.max_tokens} tokens each, batch 1, greedy, {args.clock} clock")
@@ -165,7 +175,28 @@ def main(argv=None) -> int:
     costs = step_costs(bench, model, [1] + [k + 1 for k in args.k])
     print("one sequence at offset 150, wall clock: " + ", ".join(
         f"{n} token{'s' * (n != '1')} {1000 * c['median_s']:.0f} ms ({c['vs_decode']:.2f}x)" for n, c in costs.items()))
-    return bench.save({"clock": args.clock, "workloads": results, "step_costs": costs})
+    return bench.save({"clock": args.clock, "workloads": results, "step_costs": costs},
+                      plots=[plot_speedups(bench, results, args)])
+
+
+TARGETS = {"copy": 1.5, "fresh": 0.95}  # the course's goals: gain on copied text, lose little elsewhere
+
+
+def plot_speedups(bench, results: dict, args):
+    """Per workload, each configuration's decode tokens/s over the engine's without speculation, the goals dashed."""
+    path = bench.figure_path("speedup")
+    with lab.figure(path, bench.machine, ncols=len(results), figsize=(5 * len(results), 3.6), sharex=True) as (fig, axes):
+        for ax, (workload, rows) in zip(axes, results.items()):
+            ax.barh([row["label"] for row in rows], [row["vs_engine"] for row in rows],
+                    color=["tab:gray" if row["label"] in ("engine", "mlx-lm") else "tab:blue" for row in rows])
+            ax.axvline(1.0, color="black", linewidth=0.8)
+            if workload in TARGETS:
+                ax.axvline(TARGETS[workload], color="tab:red", linestyle="--", linewidth=1, label=f"goal {TARGETS[workload]}x")
+                ax.legend(fontsize=8, loc="lower right")
+            ax.invert_yaxis()
+            ax.set(title=f"{workload}: {args.prompts} prompts x {args.max_tokens} tokens, batch 1",
+                   xlabel="decode tokens/s vs engine without speculation")
+    return path
 
 
 if __name__ == "__main__":

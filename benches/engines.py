@@ -85,20 +85,23 @@ class Week3(Adapter):
 
 
 def speculative_engine(selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4, clock=None,
-                       **config):
-    """Day 4.1's `SpeculativeEngine` of `selection`: `proposer` (default prompt lookup) guessing up to k tokens."""
+                       adaptive: bool = True, **config):
+    """Day 4.1's `SpeculativeEngine` of `selection`: `proposer` (default prompt lookup) guessing up to k tokens,
+    backing off where guesses fail (`adaptive`), or always guessing k (min_acceptance_rate 0)."""
     speculative = selection.speculative
     timing = {} if clock is None else {"clock": clock}
+    speculation = speculative.SpeculativeConfig(num_speculative_tokens, **({} if adaptive else {"min_acceptance_rate": 0.0}))
     return speculative.SpeculativeEngine(model, tokenizer, selection.engine.EngineConfig(**config),
-                                         speculation=speculative.SpeculativeConfig(num_speculative_tokens),
-                                         proposer=proposer, **timing)
+                                         speculation=speculation, proposer=proposer, **timing)
 
 
 class Speculative(Week3):
     """Day 4.1's `SpeculativeEngine`; its counters add the guesses proposed and accepted."""
 
-    def __init__(self, selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4, **config):
-        self.engine = speculative_engine(selection, model, tokenizer, proposer, num_speculative_tokens, **config)
+    def __init__(self, selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4,
+                 adaptive: bool = True, **config):
+        self.engine = speculative_engine(selection, model, tokenizer, proposer, num_speculative_tokens,
+                                         adaptive=adaptive, **config)
         self.sampling = selection.sequence.SamplingParams
 
     def counters(self):

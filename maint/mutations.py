@@ -1,17 +1,19 @@
-"""Plant the bugs a student would make in week 3, one at a time, and check each costs most of a day's points.
+"""Plant the bugs a student would make in weeks 3 and 4, one at a time, and check each costs most of a day's points.
 
     pdm run python -m maint.mutations                    # the honest solution, then every mutation
     pdm run python -m maint.mutations --list             # the mutations, by name
     pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
-    pdm run python -m maint.mutations --day 5            # the ones that must hurt day 3.5, graded on it alone
+    pdm run python -m maint.mutations --day 3.5          # the ones that must hurt day 3.5, graded on it alone
+    pdm run python -m maint.mutations --day 4.3 4.4      # those of days 4.3 and 4.4 (tensor parallelism)
+    pdm run python -m maint.mutations --day 4.1 4.2 --day-budget 300   # a busy machine: time is not what is checked
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
-every week-3 module replaced by the reference's (the week-3 days written, honestly). It must score
-full marks on every week-3 day. Then each mutation, a small textual patch of that submission's code
-(the bug a student writes), is graded by the grader itself (`scripts/grade.py --src`, the course's
-isolated pytest runner, its time limits included) on the days it must hurt, and must lose more than
-half of each one's points. The table printed names, per mutation and day, the points lost and the
-tests that failed.
+every module of weeks 3 and 4 replaced by the reference's (those days written, honestly). It must
+score full marks on every day the chosen mutations hurt. Then each mutation, a
+small textual patch of that submission's code (the bug a student writes), is graded by the grader
+itself (`scripts/grade.py --src`, the course's isolated pytest runner, its time limits included) on
+the days it must hurt, and must lose more than half of each one's points. The table printed names,
+per mutation and day, the points lost and the tests that failed.
 
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
 the new code. Takes a few minutes (every mutation is a grading run); not part of CI.
@@ -34,15 +36,21 @@ from course.course_map import DAYS, find_day
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
-WEEK = 3
+GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
+WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4)]  # the honest submission's days
 
 
 @dataclass(frozen=True)
 class Mutation:
     name: str
     what: str  # the bug, as a student would describe what they wrote
-    days: tuple[int, ...]  # the week-3 days it must cost most of the points of
+    days: tuple[int, ...]  # the days of `week` it must cost most of the points of
     patches: tuple[tuple[str, str, str], ...]  # (module, text in the reference, replacement)
+    week: int = 3
+
+    @property
+    def day_keys(self) -> list[tuple[int, int]]:
+        return [(self.week, day) for day in self.days]
 
 
 MUTATIONS = [
@@ -67,7 +75,8 @@ MUTATIONS = [
                    "            raise\n",
          "        tokens = self.runner.run(plan)\n"),)),
     Mutation("no-observe-step", "the engine never feeds observe_step to the budget policy", (1,), (
-        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start)\n",
+        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,\n"
+                   "                                                 plan.prefill_offset)\n",
          ""),)),
     Mutation("prefix-hooks-never-called", "the prefix-cache hooks never called at admission and after a step", (3,), (
         ("scheduler", "        cached = self.block_manager.reuse_cached_prefix(seq)\n", "        cached = 0\n"),
@@ -109,23 +118,100 @@ MUTATIONS = [
          '            elif command == "abort":\n                self.handles.pop(argument, None)\n'),)),
     Mutation("disconnect-not-aborted", "a client that leaves is not aborted: its request runs to max_tokens", (5,), (
         ("server", "            if not engine_done or text.stopped:\n", "            if text.stopped:\n"),)),
+    # Day 4.1: speculative decoding.
+    Mutation("acceptance-off-by-one", "each guess compared with the target's token one row later", (1,), (
+        ("speculative", "    for guess, target in zip(draft, target_tokens):\n",
+         "    for guess, target in zip(draft, target_tokens[1:]):\n"),), week=4),
+    Mutation("no-bonus-token", "no token of the target's own when every guess is accepted", (1,), (
+        ("speculative", "    accepted.append(target_tokens[len(accepted)])\n    return accepted\n",
+         "    if len(accepted) < len(draft):\n        accepted.append(target_tokens[len(accepted)])\n    return accepted\n"),),
+             week=4),
+    Mutation("roll-back-forgotten", "the sequence's progress not rolled back after a verification", (1,), (
+        ("speculative", "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n", ""),), week=4),
+    Mutation("roll-back-keeps-guesses", "rolled back to the end of the verify chunk: rejected positions kept", (1,), (
+        ("speculative", "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n",
+         "        self.scheduler.roll_back(seq, chunk.start + chunk.length)\n"),), week=4),
+    Mutation("proposals-ignore-budget", "guesses planned without counting them in the step's budget", (1,), (
+        ("speculative", "            most = min(self.num_speculative_tokens, room, ",
+         "            most = min(self.num_speculative_tokens, "),), week=4),
+    Mutation("proposals-ignore-blocks", "guesses not cut to what the held and free blocks can take", (1,), (
+        ("speculative", "            draft = draft[: held - seq.num_tokens]\n", ""),), week=4),
+    Mutation("residual-keeps-guess", "after a rejection, the next token drawn from p instead of max(p - q, 0)", (1,), (
+        ("speculative", "        residual = mx.maximum(p - q, 0.0)\n", "        residual = p\n"),), week=4),
+    Mutation("acceptance-ratio-inverted", "a guess accepted with probability q/p instead of p/q", (1,), (
+        ("speculative", "        ratio = p[guess] / q[guess]\n", "        ratio = q[guess] / p[guess]\n"),), week=4),
+    Mutation("ngram-matches-itself", "prompt lookup finds the suffix itself (so never anything after it)", (1,), (
+        ("speculative", "            for start in range(len(tokens) - n - 1, -1, -1):\n",
+         "            for start in range(len(tokens) - n, -1, -1):\n"),), week=4),
+    Mutation("counts-the-bonus", "the target's own token counted as an accepted guess", (1,), (
+        ("speculative", "        self.speculation.accepted += len(accepted) - 1\n",
+         "        self.speculation.accepted += len(accepted)\n"),), week=4),
+    Mutation("appends-past-the-end", "accepted tokens appended after one finished the sequence", (1,), (
+        ("speculative", "            if outputs[-1].finished:\n                return outputs  # finishing freed every block\n",
+         ""),), week=4),
+    # Day 4.2: the quantized pool.
+    Mutation("group-size-ignored", "the pool quantizes in groups of 64 whatever the head's size", (2,), (
+        ("quantized_kv", "            for part, new_part in zip(stored, quantize_kv(new, self.group_size, self.bits)):\n",
+         "            for part, new_part in zip(stored, quantize_kv(new, KV_GROUP_SIZE, self.bits)):\n"),
+        ("quantized_kv", "*(part[slots] for part in stored), self.group_size, self.bits, self.dtype)",
+         "*(part[slots] for part in stored), KV_GROUP_SIZE, self.bits, self.dtype)"),), week=4),
+    Mutation("gather-assumes-8-bits", "gather dequantizes as 8-bit whatever the pool's bits", (2,), (
+        ("quantized_kv", "*(part[slots] for part in stored), self.group_size, self.bits, self.dtype)",
+         "*(part[slots] for part in stored), self.group_size, 8, self.dtype)"),), week=4),
+    Mutation("scale-bias-swapped", "dequantize given the biases as scales and the scales as biases", (2,), (
+        ("quantized_kv", "    return dequantize(packed, scales.astype(dtype), biases.astype(dtype), group_size, bits)\n",
+         "    return dequantize(packed, biases.astype(dtype), scales.astype(dtype), group_size, bits)\n"),), week=4),
+    Mutation("tokens-and-heads-swapped", "keys quantized head-major, stored back token-major", (2,), (
+        ("quantized_kv", "quantize(x.reshape(tokens * heads, head_dim), group_size, bits)",
+         "quantize(x.swapaxes(0, 1).reshape(tokens * heads, head_dim), group_size, bits)"),), week=4),
+    Mutation("values-stored-as-keys", "the pool stores the keys in the values' place too", (2,), (
+        ("quantized_kv", "(self.values[layer], values)):", "(self.values[layer], keys)):"),), week=4),
+    Mutation("bytes-keys-only", "bytes per token count the keys and forget the values", (2,), (
+        ("quantized_kv", "    return 2 * num_layers * num_kv_heads * per_head\n",
+         "    return num_layers * num_kv_heads * per_head\n"),), week=4),
+    Mutation("scales-not-counted", "bytes per token forget the scales and biases", (2,), (
+        ("quantized_kv", "        per_head = head_dim * kv_bits // 8 + 2 * groups * SCALE_DTYPE.size\n",
+         "        per_head = head_dim * kv_bits // 8\n"),), week=4),
+    # Day 4.3: sharding.
+    Mutation("tp-second-matmuls-split-by-outputs", "o_proj and down_proj split by outputs, like q/k/v and gate/up",
+             (3,), (
+        ("tensor_parallel", "            own_copy(split_inputs(mlp.w_down, rank, world_size)),\n",
+         "            own_copy(split_outputs(mlp.w_down, rank, world_size)),\n"),
+        ("tensor_parallel", "            own_copy(split_inputs(attention.wo, rank, world_size)),\n",
+         "            own_copy(split_outputs(attention.wo, rank, world_size)),\n"),), week=4),
+    Mutation("tp-mlp-without-all-sum", "the MLP's partial output returned without the all_sum", (3,), (
+        ("tensor_parallel", "        return mx.distributed.all_sum(self.local(x), group=self.group)\n",
+         "        return self.local(x)\n"),), week=4),
+    Mutation("tp-kv-heads-not-divided", "the model's KV pool keeps every KV head on every rank", (3,), (
+        ("tensor_parallel", "        self.num_kv_heads //= group.size()\n", ""),), week=4),
+    # Day 4.4: the engine across ranks.
+    Mutation("plan-not-broadcast", "rank 0 runs its own plan and never sends it", (4,), (
+        ("distributed_engine", "        received = decode_plan(self.exchange(encode_plan(plan, self.capacity)))\n",
+         "        received = plan\n"),), week=4),
+    Mutation("follower-reads-its-own-message", "all_sum taken as in-place (as torch.distributed's): rank 1 decodes "
+             "the zeros it sent, a stale plan", (4,), (
+        ("distributed_engine", "        while (plan := decode_plan(self.exchange(mx.zeros(self.capacity, dtype=mx.int32)))) "
+                               "is not None:\n",
+         "        message = mx.zeros(self.capacity, dtype=mx.int32)\n"
+         "        while self.exchange(message) is not None and (plan := decode_plan(message)) is not None:\n"),),
+             week=4),
+    Mutation("follower-samples", "rank 1 samples its own token from the logits it computed", (4,), (
+        ("distributed_engine", "            self.forward(plan)\n            steps += 1\n",
+         "            self.runner.sample(self.forward(plan), [chunk.seq for chunk in plan.chunks if chunk.samples])\n"
+         "            steps += 1\n"),), week=4),
 ]
 
 
-def week_days() -> list[int]:
-    return [d.day for d in DAYS if d.week == WEEK]
-
-
-def week_modules() -> set[str]:
-    return {module for d in DAYS if d.week == WEEK for module in d.modules}
+def written_modules() -> set[str]:
+    return {module for d in DAYS if (d.week, d.day) in WRITTEN_DAYS for module in d.modules}
 
 
 def honest_submission(dest: Path) -> None:
-    """The skeleton's files, with every week-3 module the reference's: week 3 written, weeks 1-2 not."""
+    """The skeleton's files, with the modules of WRITTEN_DAYS the reference's: weeks 3 and 4 written."""
     dest.mkdir(parents=True)
     for path in SKELETON.glob("*.py"):
         shutil.copyfile(path, dest / path.name)
-    for module in week_modules():
+    for module in written_modules():
         shutil.copyfile(REFERENCE / f"{module}.py", dest / f"{module}.py")
 
 
@@ -142,18 +228,26 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
     return stale
 
 
-def grade(submission: Path, days: list[int], work: Path, attempts: int = 2,
-          day_budget: float | None = None) -> dict[int, dict] | str:
-    """Grade `days` of week 3 with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
+def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path) -> dict[tuple[int, int], dict] | str:
+    """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}."""
+    results = {}
+    for week in sorted({w for w, _ in day_keys}):
+        graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work)
+        if isinstance(graded, str):
+            return graded
+        results.update({(week, day): result for day, result in graded.items()})
+    return results
+
+
+def grade_week(submission: Path, week: int, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
+    """Grade `days` of `week` with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
 
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
     not start in time) is tried again once; if it fails again, the grader's last lines (a str).
     """
     report = work / "results.json"
-    command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(WEEK),
-               "--day", *map(str, days), "--json", str(report)]
-    if day_budget is not None:
-        command += ["--day-budget", str(day_budget)]
+    command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
+               "--day", *map(str, days), "--json", str(report), *GRADER_OPTIONS]
     for _ in range(attempts):
         report.unlink(missing_ok=True)
         finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -162,7 +256,7 @@ def grade(submission: Path, days: list[int], work: Path, attempts: int = 2,
     else:
         lines = (finished.stdout + finished.stderr).strip().splitlines()
         return f"the grader failed (status {finished.returncode}): " + " | ".join(lines[-6:])
-    results = {day: {"lost": 0.0, "max": float(sum(find_day(WEEK, day).points.values())), "failed": []} for day in days}
+    results = {day: {"lost": 0.0, "max": float(sum(find_day(week, day).points.values())), "failed": []} for day in days}
     for test in json.loads(report.read_text())["tests"]:
         day = int(test["tags"][1].split(".")[1])
         if test["score"] < test["max_score"]:
@@ -188,13 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run python -m maint.mutations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="only these mutations (default: all)")
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--day", nargs="+", default=None, metavar="W.D",
+                        help="only the mutations that hurt these days, e.g. 4.3 4.4 (default: all)")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help="each day's time budget, passed to the grader (default: the grader's, from the recorded "
-                             "honest times); for a busy machine or a day whose tests changed since they were recorded")
-    parser.add_argument("--day", type=int, action="append", choices=week_days(), metavar="D",
-                        help=f"only the mutations that must hurt day {WEEK}.D, and the honest run of those days "
-                             "(repeatable; default: every day)")
+                        help="each day's time budget, passed to the grader (default: the grader's, 1.5x the recorded "
+                             "honest run: too tight on a busy machine, where a cut-off test reads as a caught bug)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     return parser
 
 
@@ -202,25 +295,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         for mutation in MUTATIONS:
-            print(f"{mutation.name:32} day(s) {', '.join(f'{WEEK}.{d}' for d in mutation.days)}: {mutation.what}")
+            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)}: {mutation.what}")
         return 0
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         build_parser().error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
+    if args.day_budget is not None:
+        GRADER_OPTIONS[:] = ["--day-budget", str(args.day_budget)]
+    days = {tuple(int(part) for part in day.split(".")) for day in args.day or []}
     chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
-              and (not args.day or set(m.days) & set(args.day))]
+              and (not days or days & set(m.day_keys))]
     problems = 0
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, args.day or week_days(), Path(tmp), day_budget=args.day_budget)
+        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp))
         if isinstance(baseline, str):
-            print(f"FAIL honest week-3 solution: {baseline}")
+            print(f"FAIL honest solution: {baseline}")
             return 1
-        for day, result in baseline.items():
+        for (week, day), result in baseline.items():
             ok = result["lost"] == 0
             problems += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} honest week-3 solution, day {WEEK}.{day}: "
+            print(f"{'ok  ' if ok else 'FAIL'} honest solution, day {week}.{day}: "
                   f"{result['max'] - result['lost']:g}/{result['max']:g}"
                   + ("" if ok else f"; failed: {describe_failures(result['failed'])}"), flush=True)
         for mutation in chosen:
@@ -231,16 +327,15 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
                 continue
-            results = grade(submission, [d for d in mutation.days if not args.day or d in args.day], Path(tmp),
-                            day_budget=args.day_budget)
+            results = grade(submission, mutation.day_keys, Path(tmp))
             if isinstance(results, str):
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)
                 continue
-            for day, result in results.items():
+            for (week, day), result in results.items():
                 caught = result["lost"] > result["max"] / 2
                 problems += not caught
-                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}), day {WEEK}.{day}: "
+                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}), day {week}.{day}: "
                       f"lost {result['lost']:g} of {result['max']:g}; failed: "
                       f"{describe_failures(result['failed']) or 'nothing'}", flush=True)
     print(f"mutations: {'every one caught' if not problems else f'{problems} problem(s)'}")

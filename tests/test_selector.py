@@ -75,6 +75,20 @@ def test_a_stack_runs_the_days_tasks_and_the_earlier_days_written_ones():
     assert selection.batch is ref.batch, "an earlier week's module is the reference's"
 
 
+def test_a_week_4_stack_starts_at_day_3_1():
+    """Day 4.2's "your stack so far": its tasks always, the written ones of days 3.1 .. 4.1, day 4.3's never."""
+    table, unwritten = selector.task_table(), selector.unwritten()
+    selection, ref = selector.for_stack(4, 2), selector.reference()
+    for module in ("quantized_kv", "scheduler", "speculative", "tensor_parallel"):
+        for name, task in table[module].items():
+            chosen = resolve(getattr(selection, module), name)
+            written = name not in unwritten.get(module, {})
+            if task.day_key == (4, 2) or ((3, 1) <= task.day_key < (4, 2) and written):
+                assert code_file(chosen).endswith(f"src/tiny_llm/{module}.py"), f"{module}.{name} is the student's"
+            else:
+                assert chosen.__code__ is resolve(getattr(ref, module), name).__code__, f"{module}.{name}: the reference's"
+
+
 def test_commands_take_only_unwritten_tasks_from_the_reference():
     selection = selector.for_student()
     ref = selector.reference()

@@ -19,15 +19,16 @@ import random
 import mlx.core as mx
 import pytest
 
-from tests.harness import reference, solution
+from tests.chi_square import assert_distribution, chi_square_p_value
+from tests.harness import reference, solution, stack
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
 from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
+from tests.week4_stack import check_speculative_stack
 
 sol = solution(week=4, day=1)
 ref = reference()
 Params = ref.sequence.SamplingParams
 STEP_LIMIT = 2000  # no engine run in this file needs more steps; more means a sequence stopped moving
-FALSE_ALARM = 1e-3  # each statistical test fails a correct solution with at most this probability
 
 
 # ---------------------------------------------------------------- the fake model and runner
@@ -68,6 +69,7 @@ class FakeSpeculativeRunner:
         self.logits_of = logits_of
         self.slots: dict[int, tuple] = {}
         self.plans = []
+        self.logprobs = {}  # what the engine reads after sampling: none asked here
 
     def slot(self, seq, position):
         block_size = self.engine.block_manager.block_size
@@ -210,43 +212,6 @@ def engine_is_sound(engine, shared: bool = False):
     """Every check after a step: blocks, and what each verify chunk gave."""
     blocks_are_sound(engine, shared)
     verifications_are_exact(engine)
-
-
-# ---------------------------------------------------------------- chi-square, without scipy
-
-
-def chi_square_p_value(statistic: float, dof: int) -> float:
-    """P(X >= statistic) for X ~ chi-square(dof): the regularized upper incomplete gamma Q(dof/2, statistic/2)."""
-    a, x = dof / 2, statistic / 2
-    if x <= 0:
-        return 1.0
-    term = total = 1.0 / a
-    for n in range(1, 10_000):  # the series of the lower incomplete gamma; converges for every x
-        term *= x / (a + n)
-        total += term
-        if term < total * 1e-15:
-            break
-    lower = math.exp(a * math.log(x) - x - math.lgamma(a)) * total
-    return max(0.0, 1.0 - lower)
-
-
-def assert_distribution(counts: dict, probs: dict, what: str):
-    """Chi-square goodness of fit of observed `counts` to `probs` (cells with tiny expectations pooled)."""
-    n = sum(counts.values())
-    assert set(counts) <= set(probs), f"{what}: outcomes the target can never give: {set(counts) - set(probs)}"
-    cells, pooled_expected, pooled_observed = [], 0.0, 0
-    for cell, p in probs.items():
-        if n * p >= 5:
-            cells.append((counts.get(cell, 0), n * p))
-        else:
-            pooled_expected += n * p
-            pooled_observed += counts.get(cell, 0)
-    if pooled_expected > 0:
-        cells.append((pooled_observed, pooled_expected))
-    statistic = sum((o - e) ** 2 / e for o, e in cells)
-    p_value = chi_square_p_value(statistic, len(cells) - 1)
-    assert p_value > FALSE_ALARM, (f"{what}: the samples do not follow the target's distribution "
-                                   f"(chi-square {statistic:.1f} on {len(cells) - 1} dof, p = {p_value:.2g})")
 
 
 # ---------------------------------------------------------------- Task 1: n-gram prompt lookup
@@ -541,10 +506,43 @@ def test_task_4_backs_off_when_guesses_fail():
     engine.add_request(prompt, Params(max_tokens=max_tokens), request_id="r")
     run_to_end(engine)
     decode_steps = max_tokens - 1
-    # The first guess fails (rate 0 < 0.5); from then on one probe per 5 decode steps.
-    assert Wrong.calls <= 1 + decode_steps // 5 + 1, f"{Wrong.calls} proposals in {decode_steps} decode steps"
+    # Two failed guesses turn it down (the rate starts at 1); then probes after 2 and 4 steps, then every 5.
+    assert Wrong.calls <= 2 + 2 + decode_steps // 5 + 1, f"{Wrong.calls} proposals in {decode_steps} decode steps"
     assert Wrong.calls >= decode_steps // 5, "a turned-down sequence must still probe now and then"
     assert engine.speculation.accepted == 0
+
+
+def test_task_4_guesses_follow_what_gets_accepted():
+    """A sequence whose first guess is always right and the rest wrong: after its first verification it asks for
+    2 guesses (one more than it gets accepted), not k; all right again, it grows back by one a step."""
+
+    class FirstRight:
+        def __init__(self, right_after: int):
+            self.asked, self.right_after = [], right_after
+
+        def propose(self, seq, k):
+            self.asked.append(k)
+            history, draft = list(seq.token_ids), []
+            for i in range(k):
+                row = fake_logits(history)
+                token = row.index(max(row))
+                draft.append(token if i == 0 or len(self.asked) > self.right_after else (token + 1) % EOS)
+                history.append(draft[-1])
+            return draft
+
+        def forget(self, request_id):
+            pass
+
+    prompt = next([start, 8, 7] for start in range(EOS) if fake_greedy([start, 8, 7], 40)[1] == "length")
+    expected, _ = fake_greedy(prompt, 40)
+    proposer = FirstRight(right_after=6)
+    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, min_acceptance_rate=0.2, token_budget=64)
+    engine.add_request(prompt, Params(max_tokens=len(expected)), request_id="r")
+    run_to_end(engine)
+    asked = proposer.asked
+    assert asked[0] == 4, "a new sequence guesses as many as it may"
+    assert asked[1:6] == [2] * 5, f"one guess accepted a time: it should ask for 2, asked {asked[:6]}"
+    assert asked[6:9] == [2, 3, 4], f"every guess right from the 7th proposal: 2, 3, 4 guesses; asked {asked[6:9]}"
 
 
 # ---------------------------------------------------------------- Task 5: accept, count, roll back
@@ -639,7 +637,7 @@ def real(model32):
 
 
 @pytest.mark.parametrize("budget,k", [(5, 2), (16, 4), (256, 3)])
-def test_task_5_your_stack_so_far_greedy_equals_mlx_lm(real, budget, k):
+def test_task_5_whole_day_on_the_embedded_model_equals_mlx_lm(real, budget, k):
     """The student's day 4.1 on week 3's engine and the embedded Qwen2, with a draft model (the same
     checkpoint through mlx-lm, so most guesses are right) and prompt lookup: mlx-lm's greedy output."""
     model, mlx_model, tokenizer = real
@@ -657,3 +655,12 @@ def test_task_5_your_stack_so_far_greedy_equals_mlx_lm(real, budget, k):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         if isinstance(proposer, sol.speculative.DraftModelProposer):
             assert engine.speculation.accepted > 0, "the target as its own draft: its guesses are right"
+
+
+# ---------------------------------------------------------------- Task 6: your stack so far
+
+
+def test_task_6_your_stack_so_far():
+    """Your week-3 engine with your day 4.1 on server workloads (tests/week4_stack.py): preemptions, EOS, aborts, a
+    failing model, exact acceptance, requests that cannot speculate, and the sampled distribution."""
+    check_speculative_stack(stack(week=4, day=1))

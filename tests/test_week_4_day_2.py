@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from tests.harness import reference, solution
+from tests.harness import reference, solution, stack
+from tests.week4_stack import check_quantized_stack
 
 sol = solution(week=4, day=2)
 ref = reference()
@@ -331,7 +332,7 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_task_3_your_stack_end_to_end_with_preemption(wide_model, bits):
+def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
     """Your pool in the engine, memory tight enough to preempt and reuse blocks: MLX's tokens, every block back."""
     model, tokenizer = wide_model
     memory = 12 * 4 * sol.quantized_kv.model_bytes_per_token(model, bits)
@@ -346,3 +347,12 @@ def test_task_3_your_stack_end_to_end_with_preemption(wide_model, bits):
     assert oracle.num_preemptions == engine.num_preemptions
     with pytest.raises(ValueError):
         make_engine(model, tokenizer, kv_cache_bytes=100, kv_bits=bits)
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far():
+    """Your week-3 engine over your 8-bit and 4-bit pools on server workloads (tests/week4_stack.py): sized by
+    memory, preemptions, EOS, aborts, a failing model, seeded sampling; every token MLX's round trip's."""
+    check_quantized_stack(stack(week=4, day=2))

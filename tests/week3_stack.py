@@ -30,7 +30,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import qwen2 as mlx_qwen2
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tests.harness import reference
 from tests.serve_fakes import running_server, wait_until
@@ -60,6 +60,38 @@ def tiny_mlx_model():
     model.update(tree_map(lambda p: p * 5 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+@functools.cache
+def wide_mlx_model():
+    """Day 4.2's model: `tiny_mlx_model` twice as wide, so head_dim is 32, a group size MLX's `mx.quantize` (the
+    oracle) supports, over 2 KV heads (a token's heads quantized apart); weights scaled up 5x likewise."""
+    args = mlx_qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                               max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(20272)  # a seed under which four of the nine pressure requests meet EOS
+    model = mlx_qwen2.Model(args)
+    model.update(tree_map(lambda p: p * 5 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class RoundTripCache(KVCache):
+    """mlx-lm's KV cache storing what MLX's own quantize then dequantize give (scales and biases rounded to
+    float16): what a quantized paged pool must hand attention back, written once per token."""
+
+    def __init__(self, bits: int):
+        super().__init__()
+        self.num_bits = bits  # not `bits`: mlx-lm would take the cache for its own quantized one
+
+    def round_trip(self, x: mx.array) -> mx.array:
+        head_dim = x.shape[-1]
+        packed, scales, biases = mx.quantize(x.reshape(-1, head_dim), head_dim, self.num_bits)
+        scales, biases = (a.astype(mx.float16).astype(x.dtype) for a in (scales, biases))
+        return mx.dequantize(packed, scales, biases, head_dim, self.num_bits).reshape(x.shape)
+
+    def update_and_fetch(self, keys, values):
+        return super().update_and_fetch(self.round_trip(keys), self.round_trip(values))
 
 
 class Tokenizer:
@@ -110,6 +142,7 @@ class Request:
     abort: int | None = None  # the step before which it is aborted
     priority: int = 0
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed
+    kv_bits: int | None = None  # day 4.2: served from a pool of this format, on `wide_mlx_model` (oracle: `RoundTripCache`)
 
     def params(self):
         return ref.sequence.SamplingParams(max_tokens=self.max_tokens, **self.sampling)
@@ -124,9 +157,15 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 @functools.cache
-def _alone(prompt: tuple, max_tokens: int, sampling: tuple) -> tuple[tuple, str]:
-    model, options = tiny_mlx_model(), dict(sampling)
-    cache, history, output = make_prompt_cache(model), list(prompt), []
+def _alone(prompt: tuple, max_tokens: int, sampling: tuple, kv_bits: int | None) -> tuple[tuple, str]:
+    options = dict(sampling)
+    if kv_bits is None:
+        model = tiny_mlx_model()
+        cache = make_prompt_cache(model)
+    else:
+        model = wide_mlx_model()
+        cache = [RoundTripCache(kv_bits) for _ in model.layers]
+    history, output = list(prompt), []
     sampler = None
     if options.get("temperature", 0) > 0:  # what the runner passes to make_sampler: None for a filter that is off
         sampler = ref.sampler.make_sampler(options["temperature"], options.get("top_p", 1.0) if
@@ -148,7 +187,8 @@ def _alone(prompt: tuple, max_tokens: int, sampling: tuple) -> tuple[tuple, str]
 
 def expected(request: Request) -> tuple[list[int], str]:
     """(tokens, finish reason) of `request` generated alone by mlx-lm's model."""
-    output, reason = _alone(tuple(request.prompt), request.max_tokens, tuple(sorted(request.sampling.items())))
+    output, reason = _alone(tuple(request.prompt), request.max_tokens, tuple(sorted(request.sampling.items())),
+                            request.kv_bits)
     return list(output), reason
 
 
@@ -164,9 +204,11 @@ class Run:
         self.aborted: set[str] = set()
         self.step_index = 0
         self.refusals = 0  # steps ending with a sequence waiting although a sequence slot was free
+        self.pending = sorted(requests, key=lambda r: r.arrive)
 
-    def drive(self, until_done=True):
-        pending = sorted(self.requests, key=lambda r: r.arrive)
+    def drive(self, until_done=True, after_step=None):
+        """Step to the end (or once): requests join and abort at their steps; `after_step(self)` after each."""
+        pending = self.pending
         while pending or self.engine.has_work() or any(r.abort is not None and r.abort >= self.step_index
                                                         for r in self.requests):
             if self.step_index >= STEP_LIMIT:
@@ -184,6 +226,8 @@ class Run:
             if self.engine.num_waiting and self.engine.num_running < self.max_num_seqs:
                 self.refusals += 1
             self.step_index += 1
+            if after_step:
+                after_step(self)
             if not until_done:
                 return
 
@@ -472,11 +516,15 @@ WORKLOADS = [  # (first day it runs on, workload)
 
 def check_stack(package, day: int) -> None:
     """Run every workload of days 3.1 .. 3.D on `package`; fail once, naming each workload that broke."""
+    check_workloads(package, [w for first, w in WORKLOADS if first <= day], lambda workload: workload(package, day))
+
+
+def check_workloads(package, workloads: list, call) -> None:
+    """`call(workload)` for each workload; fail once, naming each that broke (a student sees the whole picture)."""
     failures = []
-    workloads = [w for first, w in WORKLOADS if first <= day]
     for workload in workloads:
         try:
-            workload(package, day)
+            call(workload)
         except NotImplementedError:
             raise
         except Exception as error:  # noqa: BLE001: a student's engine may fail in any way; report them all

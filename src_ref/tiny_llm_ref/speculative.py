@@ -21,18 +21,20 @@ was accepted, and blocks wholly past it go back to the pool.
 - `accept_greedy`, `accept_sampled`: the two acceptance rules.
 - `SpeculativeEngine`: week 3's engine, with proposals planned into the step's leftover budget and
   verified in the same model call. Speculation backs off by itself: only the tokens the decodes and
-  prefills leave in the budget are proposed, and a sequence whose guesses keep failing stops
-  guessing (it tries again now and then).
+  prefills leave in the budget are proposed, a sequence guesses about one more token than it has been
+  getting accepted, and one whose guesses keep failing stops guessing (it tries one now and then).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .engine import EngineConfig, LLMEngine
+from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .scheduler import ScheduledChunk, StepOutput, StepPlan
 from .sequence import Sequence
 
@@ -203,52 +205,89 @@ class SpeculationStats:
 
 
 class AcceptanceTracker:
-    """Per sequence, a moving average of its acceptance rate; below `min_rate` it stops guessing (provided).
+    """Per sequence, how well its guesses do, and so how many it should make this step (provided).
 
-    A sequence that stopped tries again after `probe_interval` plain decode steps, so one that starts
-    copying (a quote, a code block) is noticed.
+    Two moving averages per sequence: its acceptance rate and its accepted guesses per verification.
+    A guess the target rejects still costs a row of the verify chunk, so a sequence
+
+    - guesses one more than it has been getting accepted (`k` while every guess is right, 2 when about
+      one is), so a chunk is not padded with guesses that will be thrown away;
+    - stops guessing when its acceptance rate falls below `min_rate`, and probes with a single guess
+      after 2 plain decode steps, then 4, 8, ... up to `probe_interval` while the probes keep failing,
+      so one that starts copying (a quote, a code block) is noticed soon and fresh text is left alone:
+      a right probe grows its guesses again.
+
+    `min_rate` 0 switches all of this off: every sequence always guesses as many as it may.
     """
 
-    def __init__(self, min_rate: float = 0.5, probe_interval: int = 16, smoothing: float = 0.5):
-        """A rate in 0..1, a probe every `probe_interval` >= 1 steps, a smoothing weight in (0, 1]."""
+    def __init__(self, min_rate: float = 0.3, probe_interval: int = 16, smoothing: float = 0.5):
+        """A rate in 0..1, at most `probe_interval` >= 1 steps between probes, a smoothing weight in (0, 1]."""
         if not 0 <= min_rate <= 1 or probe_interval < 1 or not 0 < smoothing <= 1:
             raise ValueError("need 0 <= min_rate <= 1, probe_interval >= 1 and 0 < smoothing <= 1, got "
                              f"{min_rate}, {probe_interval}, {smoothing}")
         self.min_rate = min_rate
         self.probe_interval = probe_interval
         self.smoothing = smoothing
-        self.rates: dict[object, float] = {}
+        self.rates: dict[object, float] = {}  # request id -> moving average of accepted / proposed
+        self.lengths: dict[object, float] = {}  # request id -> moving average of accepted guesses per verification
         self.waits: dict[object, int] = {}  # steps left before a turned-down sequence probes again
+        self.intervals: dict[object, int] = {}  # its current wait between probes: 2, 4, 8, ... up to probe_interval
 
-    def wants(self, request_id) -> bool:
-        """Should this sequence propose this step? Counts a step of waiting when it should not."""
-        if self.rates.get(request_id, 1.0) >= self.min_rate:
-            return True
-        self.waits[request_id] = self.waits.get(request_id, self.probe_interval) - 1
+    def num_guesses(self, request_id, most: int) -> int:
+        """How many guesses (0 .. `most`) this sequence should make this step; counts a step of waiting at 0."""
+        if self.min_rate == 0 or request_id not in self.rates:
+            return most
+        if self.rates[request_id] >= self.min_rate:
+            self.intervals.pop(request_id, None)  # guessing again: a later turn-down starts with a short wait
+            return min(most, math.ceil(self.lengths[request_id]) + 1)  # all right: one more each time
+        if request_id not in self.waits:  # just turned down, or its probe failed: wait twice as long as last time
+            self.intervals[request_id] = min(2 * self.intervals.get(request_id, 1), self.probe_interval)
+            self.waits[request_id] = self.intervals[request_id]
+        self.waits[request_id] -= 1
         if self.waits[request_id] > 0:
-            return False
+            return 0
         del self.waits[request_id]
-        return True
+        return min(most, 1)  # a probe: one guess, the cheapest question
 
     def observe(self, request_id, proposed: int, accepted: int) -> None:
-        """Fold one verify chunk's outcome into the sequence's average."""
-        rate = accepted / proposed
-        old = self.rates.get(request_id)
-        self.rates[request_id] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        """Fold one verify chunk's outcome into the sequence's averages.
+
+        The rate starts from 1 (as if a sequence's first guesses had all been right), so one unlucky
+        verification only shrinks its guesses: it takes two failures in a row to turn it down.
+        """
+        old_rate = self.rates.get(request_id, 1.0)
+        self.rates[request_id] = (1 - self.smoothing) * old_rate + self.smoothing * accepted / proposed
+        old_length = self.lengths.get(request_id, float(accepted))
+        self.lengths[request_id] = (1 - self.smoothing) * old_length + self.smoothing * accepted
 
     def forget(self, request_id) -> None:
         """Drop a finished request."""
-        self.rates.pop(request_id, None)
-        self.waits.pop(request_id, None)
+        for state in (self.rates, self.lengths, self.waits, self.intervals):
+            state.pop(request_id, None)
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Greedy sequences and plain temperature sampling; top-k/top-p ones decode as usual (provided).
+    """Whether a sequence may guess; one that may not decodes as in week 3, in the same step (provided).
 
-    Rejection sampling needs the target's exact distribution, which here is softmax(logits / temperature).
+    Verification picks each row's token from the target's raw logits: the argmax, or rejection
+    sampling against softmax(logits / temperature). So it serves greedy sequences and plain
+    temperature sampling, and not a request whose token comes from other logits or that wants more
+    than tokens back: top-k or top-p (a filtered distribution), penalties, min_p or logit_bias (logits
+    that depend on the output so far, guesses included), or logprobs (a verify chunk computes none).
     """
+    return why_not_speculate(seq) is None
+
+
+def why_not_speculate(seq: Sequence) -> str | None:
+    """None when `seq` may guess, else the reason it decodes without guesses (provided)."""
     params = seq.sampling
-    return params.greedy or (params.top_k == 0 and params.top_p == 1)
+    if not params.greedy and (params.top_k or params.top_p < 1):
+        return "top-k or top-p sampling"
+    if params.processes_logits:
+        return "penalties, min_p or logit_bias"
+    if params.logprobs is not None:
+        return "logprobs"
+    return None
 
 
 class SpeculativeRunner:
@@ -257,6 +296,7 @@ class SpeculativeRunner:
     def __init__(self, runner):
         """`runner`: a week-3 `ModelRunner` (its `prepare`, model, pool and `sample` are used as they are)."""
         self.runner = runner
+        self.logprobs: dict[object, TokenLogprobs] = {}  # the last step's, by request id (requests that asked)
 
     def logit_rows(self, plan: StepPlan) -> mx.array:
         """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk."""
@@ -274,8 +314,10 @@ class SpeculativeRunner:
         return logits
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
-        """Week 3's sampling for ordinary chunks."""
-        return self.runner.sample(logits, seqs)
+        """Week 3's sampling for ordinary chunks, after each request's logits processing, with its logprobs."""
+        tokens = self.runner.sample(process_logits(logits, seqs), seqs)
+        self.logprobs = token_logprobs(logits, seqs, tokens)  # only for the requests that ask
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -283,8 +325,8 @@ class SpeculativeConfig:
     """Speculation's knobs, beside the engine's `EngineConfig` (provided)."""
 
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # k: the most guesses one verify chunk checks
-    min_acceptance_rate: float = 0.5  # a sequence whose acceptance falls below this stops guessing...
-    probe_interval: int = 16  # ...and tries again after this many plain decode steps
+    min_acceptance_rate: float = 0.3  # below this a sequence stops guessing (0: no back-off, always k guesses)...
+    probe_interval: int = 16  # ...and probes with one guess after 2, 4, ... up to this many plain decode steps
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
@@ -315,6 +357,17 @@ class SpeculativeEngine(LLMEngine):
         self.log(f"speculative decoding: up to {self.num_speculative_tokens} tokens proposed by "
                  f"{type(self.proposer).__name__}, turned down below {100 * speculation.min_acceptance_rate:.0f}% "
                  f"acceptance")
+
+    def add_request(self, prompt, sampling=None, **options) -> Sequence:
+        """Week 3's `add_request`; a request verification cannot serve is logged with the reason (provided).
+
+        It is served all the same, one token a step, exactly as week 3's engine serves it.
+        """
+        seq = super().add_request(prompt, sampling, **options)
+        reason = why_not_speculate(seq)
+        if reason:
+            self.log(f"request {seq.request_id!r} decodes without speculation: {reason}")
+        return seq
 
     def step(self) -> list[StepOutput]:
         """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
@@ -353,10 +406,10 @@ class SpeculativeEngine(LLMEngine):
     def propose(self, plan: StepPlan) -> None:
         """Turn decodes into verify chunks with the budget the plan leaves, the free blocks and `max_tokens`."""
         # BEGIN TASK Week 4 Day 1 Task 4: plan proposals into the step
-        # TODO: room = step budget - planned tokens; for each decode (while room is left) that can speculate and
-        # TODO: whose tracker wants to: k = min(num_speculative_tokens, room, tokens it may still emit - 1);
-        # TODO: ask the proposer; cut the draft to what the held and free blocks cover; allocate; swap the
-        # TODO: decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
+        # TODO: room = step budget - planned tokens; for each decode (while room is left) that can speculate:
+        # TODO: most = min(num_speculative_tokens, room, tokens it may still emit - 1); k = the tracker's
+        # TODO: num_guesses(request id, most); ask the proposer for k; cut the draft to what the held and free
+        # TODO: blocks cover; allocate; swap the decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
         room = self.step_budget(plan) - plan.num_tokens
         block_size = self.block_manager.block_size
         for chunk in list(plan.decodes):
@@ -364,8 +417,11 @@ class SpeculativeEngine(LLMEngine):
                 return
             seq = chunk.seq
             # The last token emitted is always the target's own, so at most max_tokens - outputs - 1 guesses.
-            k = min(self.num_speculative_tokens, room, seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
-            if k <= 0 or not can_speculate(seq) or not self.tracker.wants(seq.request_id):
+            most = min(self.num_speculative_tokens, room, seq.sampling.max_tokens - len(seq.output_token_ids) - 1)
+            if most <= 0 or not can_speculate(seq):
+                continue
+            k = self.tracker.num_guesses(seq.request_id, most)  # fewer, or none, where guesses have been failing
+            if k == 0:
                 continue
             draft = self.proposer.propose(seq, k)[:k]
             # Speculation never preempts: only positions the held and the free blocks can take.
@@ -391,6 +447,9 @@ class SpeculativeEngine(LLMEngine):
         ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
         tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
         outputs = self.scheduler.update_from_output(ordinary, tokens)
+        for output in outputs:  # as week 3's step: each ordinary token's logprobs, for the requests that asked
+            if output.token is not None:
+                output.logprobs = self.runner.logprobs.get(output.request_id)
         for chunk in plan.prefills:
             if isinstance(chunk, VerifyChunk):
                 first, last = rows[id(chunk)]
