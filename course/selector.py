@@ -8,8 +8,9 @@ the student's files with some functions and methods swapped for the reference's:
 - `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
   every other day's task, even one the student has written. So each day is graded on its own code.
 - `for_stack(W, D)` (the day's "your stack so far" tests): the student's code for day W.D's tasks and
-  every earlier day of week W they have written, the reference's for the rest. So the engine the
-  student will serve with is tested as a whole, not only function by function.
+  every earlier day of week W they have written (for week 4, from day 3.1 on: days 4.3 and 4.4 run
+  week 3's engine), the reference's for the rest. So the engine the student will serve with is tested
+  as a whole, not only function by function.
 - `for_command("student")` (main, batch-main, compare, the benchmarks): the student's code for every
   task written, the reference's for every task whose body still raises the marker. `describe()` says
   which, in one line.
@@ -288,20 +289,26 @@ def for_day(week: int, day: int) -> Selection:
                                lambda task, written: task.day_key == (week, day))
 
 
+STACK_STARTS = {4: (3, 1)}  # week 4's engine days run on week 3's engine: their stack starts at day 3.1
+
+
 def for_stack(week: int, day: int) -> Selection:
     """The code a day's "your stack so far" tests run: the student's for day W.D's tasks and for every task
-    of an earlier day of week W they have written; the reference's for the other weeks, for later days,
-    and for an earlier day's task still raising its marker (a student who starts at day W.D has none).
+    of an earlier day of the stack they have written (from day W.1; for week 4, from day 3.1: the engine
+    days 4.3 and 4.4 shard and distribute is week 3's); the reference's for everything before the stack,
+    for later days, and for an earlier day's task still raising its marker (a student who starts at day
+    W.D has none).
 
     So a planner bug of day 3.1 shows in day 3.2's end-to-end tests too: they run the engine the student
     will actually serve with.
     """
     from course.course_map import DAYS
 
-    days = [(d.week, d.day) for d in DAYS if d.week == week and d.day <= day]
+    start = STACK_STARTS.get(week, (week, 1))
+    days = [(d.week, d.day) for d in DAYS if start <= (d.week, d.day) <= (week, day)]
     return _selection_for_days(f"tiny_llm_stack_week{week}_day{day}", days,
-                               lambda task, written: task.week == week and
-                               (task.day == day or (task.day < day and written)))
+                               lambda task, written: task.day_key == (week, day) or
+                               (start <= task.day_key < (week, day) and written))
 
 
 def _selection_for_days(name: str, days: list[tuple[int, int]], students) -> Selection:
