@@ -1,16 +1,17 @@
-"""Plant the bugs a student would make in week 3, one at a time, and check each costs most of a day's points.
+"""Plant the bugs a student would make in weeks 3 and 4, one at a time, and check each costs most of a day's points.
 
     pdm run python -m maint.mutations                    # the honest solution, then every mutation
     pdm run python -m maint.mutations --list             # the mutations, by name
     pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
+    pdm run python -m maint.mutations --day 4.3 4.4      # those of days 4.3 and 4.4 (tensor parallelism)
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
-every week-3 module replaced by the reference's (the week-3 days written, honestly). It must score
-full marks on every week-3 day. Then each mutation, a small textual patch of that submission's code
-(the bug a student writes), is graded by the grader itself (`scripts/grade.py --src`, the course's
-isolated pytest runner, its time limits included) on the days it must hurt, and must lose more than
-half of each one's points. The table printed names, per mutation and day, the points lost and the
-tests that failed.
+every module of week 3 and of days 4.3 and 4.4 replaced by the reference's (those days written,
+honestly). It must score full marks on every day the chosen mutations hurt. Then each mutation, a
+small textual patch of that submission's code (the bug a student writes), is graded by the grader
+itself (`scripts/grade.py --src`, the course's isolated pytest runner, its time limits included) on
+the days it must hurt, and must lose more than half of each one's points. The table printed names,
+per mutation and day, the points lost and the tests that failed.
 
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
 the new code. Takes a few minutes (every mutation is a grading run); not part of CI.
@@ -33,15 +34,20 @@ from course.course_map import DAYS, find_day
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
-WEEK = 3
+WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 3), (4, 4)]  # the honest submission's days
 
 
 @dataclass(frozen=True)
 class Mutation:
     name: str
     what: str  # the bug, as a student would describe what they wrote
-    days: tuple[int, ...]  # the week-3 days it must cost most of the points of
+    days: tuple[int, ...]  # the days of `week` it must cost most of the points of
     patches: tuple[tuple[str, str, str], ...]  # (module, text in the reference, replacement)
+    week: int = 3
+
+    @property
+    def day_keys(self) -> list[tuple[int, int]]:
+        return [(self.week, day) for day in self.days]
 
 
 MUTATIONS = [
@@ -91,23 +97,46 @@ MUTATIONS = [
              (4,), (
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n"
                       "            self.preempt(self.running[-1], plan)\n", ""),)),
+    # Day 4.3: sharding.
+    Mutation("tp-second-matmuls-split-by-outputs", "o_proj and down_proj split by outputs, like q/k/v and gate/up",
+             (3,), (
+        ("tensor_parallel", "            own_copy(split_inputs(mlp.w_down, rank, world_size)),\n",
+         "            own_copy(split_outputs(mlp.w_down, rank, world_size)),\n"),
+        ("tensor_parallel", "            own_copy(split_inputs(attention.wo, rank, world_size)),\n",
+         "            own_copy(split_outputs(attention.wo, rank, world_size)),\n"),), week=4),
+    Mutation("tp-mlp-without-all-sum", "the MLP's partial output returned without the all_sum", (3,), (
+        ("tensor_parallel", "        return mx.distributed.all_sum(self.local(x), group=self.group)\n",
+         "        return self.local(x)\n"),), week=4),
+    Mutation("tp-kv-heads-not-divided", "the model's KV pool keeps every KV head on every rank", (3,), (
+        ("tensor_parallel", "        self.num_kv_heads //= group.size()\n", ""),), week=4),
+    # Day 4.4: the engine across ranks.
+    Mutation("plan-not-broadcast", "rank 0 runs its own plan and never sends it", (4,), (
+        ("distributed_engine", "        received = decode_plan(self.exchange(encode_plan(plan, self.capacity)))\n",
+         "        received = plan\n"),), week=4),
+    Mutation("follower-reads-its-own-message", "all_sum taken as in-place (as torch.distributed's): rank 1 decodes "
+             "the zeros it sent, a stale plan", (4,), (
+        ("distributed_engine", "        while (plan := decode_plan(self.exchange(mx.zeros(self.capacity, dtype=mx.int32)))) "
+                               "is not None:\n",
+         "        message = mx.zeros(self.capacity, dtype=mx.int32)\n"
+         "        while self.exchange(message) is not None and (plan := decode_plan(message)) is not None:\n"),),
+             week=4),
+    Mutation("follower-samples", "rank 1 samples its own token from the logits it computed", (4,), (
+        ("distributed_engine", "            self.forward(plan)\n            steps += 1\n",
+         "            self.runner.sample(self.forward(plan), [chunk.seq for chunk in plan.chunks if chunk.samples])\n"
+         "            steps += 1\n"),), week=4),
 ]
 
 
-def week_days() -> list[int]:
-    return [d.day for d in DAYS if d.week == WEEK]
-
-
-def week_modules() -> set[str]:
-    return {module for d in DAYS if d.week == WEEK for module in d.modules}
+def written_modules() -> set[str]:
+    return {module for d in DAYS if (d.week, d.day) in WRITTEN_DAYS for module in d.modules}
 
 
 def honest_submission(dest: Path) -> None:
-    """The skeleton's files, with every week-3 module the reference's: week 3 written, weeks 1-2 not."""
+    """The skeleton's files, with the modules of WRITTEN_DAYS the reference's: week 3 and days 4.3-4.4 written."""
     dest.mkdir(parents=True)
     for path in SKELETON.glob("*.py"):
         shutil.copyfile(path, dest / path.name)
-    for module in week_modules():
+    for module in written_modules():
         shutil.copyfile(REFERENCE / f"{module}.py", dest / f"{module}.py")
 
 
@@ -124,14 +153,25 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
     return stale
 
 
-def grade(submission: Path, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
-    """Grade `days` of week 3 with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
+def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path) -> dict[tuple[int, int], dict] | str:
+    """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}."""
+    results = {}
+    for week in sorted({w for w, _ in day_keys}):
+        graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work)
+        if isinstance(graded, str):
+            return graded
+        results.update({(week, day): result for day, result in graded.items()})
+    return results
+
+
+def grade_week(submission: Path, week: int, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
+    """Grade `days` of `week` with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
 
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
     not start in time) is tried again once; if it fails again, the grader's last lines (a str).
     """
     report = work / "results.json"
-    command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(WEEK),
+    command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
                "--day", *map(str, days), "--json", str(report)]
     for _ in range(attempts):
         report.unlink(missing_ok=True)
@@ -141,7 +181,7 @@ def grade(submission: Path, days: list[int], work: Path, attempts: int = 2) -> d
     else:
         lines = (finished.stdout + finished.stderr).strip().splitlines()
         return f"the grader failed (status {finished.returncode}): " + " | ".join(lines[-6:])
-    results = {day: {"lost": 0.0, "max": float(sum(find_day(WEEK, day).points.values())), "failed": []} for day in days}
+    results = {day: {"lost": 0.0, "max": float(sum(find_day(week, day).points.values())), "failed": []} for day in days}
     for test in json.loads(report.read_text())["tests"]:
         day = int(test["tags"][1].split(".")[1])
         if test["score"] < test["max_score"]:
@@ -167,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdm run python -m maint.mutations", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="only these mutations (default: all)")
+    parser.add_argument("--day", nargs="+", default=None, metavar="W.D",
+                        help="only the mutations that hurt these days, e.g. 4.3 4.4 (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     return parser
 
@@ -175,24 +217,26 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         for mutation in MUTATIONS:
-            print(f"{mutation.name:32} day(s) {', '.join(f'{WEEK}.{d}' for d in mutation.days)}: {mutation.what}")
+            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)}: {mutation.what}")
         return 0
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         build_parser().error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
-    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    days = {tuple(int(part) for part in day.split(".")) for day in args.day or []}
+    chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
+              and (not days or days & set(m.day_keys))]
     problems = 0
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, week_days(), Path(tmp))
+        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp))
         if isinstance(baseline, str):
-            print(f"FAIL honest week-3 solution: {baseline}")
+            print(f"FAIL honest solution: {baseline}")
             return 1
-        for day, result in baseline.items():
+        for (week, day), result in baseline.items():
             ok = result["lost"] == 0
             problems += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} honest week-3 solution, day {WEEK}.{day}: "
+            print(f"{'ok  ' if ok else 'FAIL'} honest solution, day {week}.{day}: "
                   f"{result['max'] - result['lost']:g}/{result['max']:g}"
                   + ("" if ok else f"; failed: {describe_failures(result['failed'])}"), flush=True)
         for mutation in chosen:
@@ -203,15 +247,15 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
                 continue
-            results = grade(submission, list(mutation.days), Path(tmp))
+            results = grade(submission, mutation.day_keys, Path(tmp))
             if isinstance(results, str):
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)
                 continue
-            for day, result in results.items():
+            for (week, day), result in results.items():
                 caught = result["lost"] > result["max"] / 2
                 problems += not caught
-                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}), day {WEEK}.{day}: "
+                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}), day {week}.{day}: "
                       f"lost {result['lost']:g} of {result['max']:g}; failed: "
                       f"{describe_failures(result['failed']) or 'nothing'}", flush=True)
     print(f"mutations: {'every one caught' if not problems else f'{problems} problem(s)'}")
