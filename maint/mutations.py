@@ -4,6 +4,7 @@
     pdm run python -m maint.mutations --list             # the mutations, by name
     pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
     pdm run python -m maint.mutations --day 4.3 4.4      # those of days 4.3 and 4.4 (tensor parallelism)
+    pdm run python -m maint.mutations --day-budget 300   # each day's time budget (default: the grader's)
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
 every module of week 3 and of days 4.3 and 4.4 replaced by the reference's (those days written,
@@ -153,18 +154,20 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
     return stale
 
 
-def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path) -> dict[tuple[int, int], dict] | str:
+def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path,
+          options: tuple[str, ...] = ()) -> dict[tuple[int, int], dict] | str:
     """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}."""
     results = {}
     for week in sorted({w for w, _ in day_keys}):
-        graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work)
+        graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work, options)
         if isinstance(graded, str):
             return graded
         results.update({(week, day): result for day, result in graded.items()})
     return results
 
 
-def grade_week(submission: Path, week: int, days: list[int], work: Path, attempts: int = 2) -> dict[int, dict] | str:
+def grade_week(submission: Path, week: int, days: list[int], work: Path, options: tuple[str, ...] = (),
+               attempts: int = 2) -> dict[int, dict] | str:
     """Grade `days` of `week` with the grader: day -> {"lost", "max", "failed": [(test, points lost)]}.
 
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
@@ -172,7 +175,7 @@ def grade_week(submission: Path, week: int, days: list[int], work: Path, attempt
     """
     report = work / "results.json"
     command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
-               "--day", *map(str, days), "--json", str(report)]
+               "--day", *map(str, days), "--json", str(report), *options]
     for _ in range(attempts):
         report.unlink(missing_ok=True)
         finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -209,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("names", nargs="*", help="only these mutations (default: all)")
     parser.add_argument("--day", nargs="+", default=None, metavar="W.D",
                         help="only the mutations that hurt these days, e.g. 4.3 4.4 (default: all)")
+    parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
+                        help="the grader's time budget of one day (default: its own, from course/grading_times.json; "
+                             "give one when those times are stale, e.g. after adding tests to a day)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     return parser
 
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp))
+        options = () if args.day_budget is None else ("--day-budget", str(args.day_budget))
+        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp), options)
         if isinstance(baseline, str):
             print(f"FAIL honest solution: {baseline}")
             return 1
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
                 continue
-            results = grade(submission, mutation.day_keys, Path(tmp))
+            results = grade(submission, mutation.day_keys, Path(tmp), options)
             if isinstance(results, str):
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)
