@@ -146,7 +146,7 @@ def lead_stack(package, model) -> dict:
         finally:
             engine.shutdown()
         steps.append(engine.num_steps)
-    return {"failures": failures, "steps": steps}
+    return {"failures": failures, "steps": steps, "pool_kv_heads": engine.runner.pool.keys[0].shape[1]}
 
 
 def follow_stack(package, model) -> dict:
@@ -157,7 +157,7 @@ def follow_stack(package, model) -> dict:
         sampled = count_samples(runner)
         steps.append(runner.follow())
         sample_calls += sampled[0]
-    return {"steps": steps, "sample_calls": sample_calls}
+    return {"steps": steps, "sample_calls": sample_calls, "pool_kv_heads": runner.pool.keys[0].shape[1]}
 
 
 def run_stack(group) -> dict:

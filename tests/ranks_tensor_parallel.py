@@ -132,12 +132,18 @@ class ShardedStack:
 
 def check_stack(package, group) -> dict:
     """Days 3.1-3.4's workloads through the stack's engine on its sharded model, on every rank in step: each
-    stream mlx-lm's for the request alone, every rank's pool back to full (tests/week3_stack.py)."""
+    stream mlx-lm's for the request alone, every rank's pool back to full (tests/week3_stack.py); and the
+    pool the engine allocates holds this rank's share of the KV heads only (else each rank holds the whole cache)."""
+    stack = ShardedStack(package, group)
+    model = stack.qwen2_week3.Qwen2ModelWeek3(week3_stack.tiny_mlx_model())
+    kv_heads, share = model.make_kv_pool(1, 4).keys[0].shape[1], model.args.num_key_value_heads // group.size()
+    pool = None if kv_heads == share else (f"the engine's KV pool holds {kv_heads} KV heads per slot on each rank, "
+                                           f"not the rank's {share}: every rank keeps the whole cache")
     try:
-        week3_stack.check_stack(ShardedStack(package, group), day=4)
+        week3_stack.check_stack(stack, day=4)
     except pytest.fail.Exception as failure:
-        return {"failures": str(failure)}
-    return {"failures": None}
+        return {"failures": "\n".join(filter(None, [str(failure), pool]))}
+    return {"failures": pool}
 
 
 def attempt(check, *args) -> dict:
