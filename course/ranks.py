@@ -148,7 +148,9 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
     (two ranks on two cores with two threads each would fight over them); None leaves them alone.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}
+    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
+    import_paths = os.pathsep.join(path for path in sys.path if path)
+    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir), "PYTHONPATH": import_paths}
     if threads_per_rank is not None:
         for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             rank_env[name] = str(threads_per_rank)
@@ -156,9 +158,7 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
         command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
     else:
         command = launch_command(program, world_size, hostfile, rank_env)
-    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
-    import_paths = os.pathsep.join(path for path in sys.path if path)
-    child_env = {**os.environ, "PYTHONPATH": import_paths, **rank_env}
+    child_env = {**os.environ, **rank_env}
     with tempfile.TemporaryFile() as log:
         # stdin a pipe we never write to: mlx.launch polls its stdin, and /dev/null would make it spin.
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
