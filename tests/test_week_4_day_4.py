@@ -235,9 +235,6 @@ def test_task_3_every_rank_ran_every_step_and_the_pool_is_full(two_ranks):
 def test_task_3_only_rank_0_samples(two_ranks):
     leader, follower = rank_results(two_ranks)
     assert follower["sample_calls"] == 0, f"rank 1 sampled {follower['sample_calls']} times: only rank 0 samples"
-    assert leader["pool_kv_heads"] == follower["pool_kv_heads"] == 1, (
-        f"each rank's KV pool must hold its one KV head of the model's two: rank 0's holds {leader['pool_kv_heads']}, "
-        f"rank 1's {follower['pool_kv_heads']}")
     assert leader["sample_calls"] == leader["steps"], "rank 0 samples once a step"
 
 
