@@ -9,6 +9,7 @@ and releases what it holds (`close()`).
 - `Day27`: day 2.7's `batch.Scheduler` of a selection (student or reference), on its week-2 model.
 - `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget, adaptive or not, policy, ...).
 - `Speculative`: day 4.1's `SpeculativeEngine` of a selection (a `Week3` with guesses and their counters).
+- `TensorParallel`: day 4.4's `TensorParallelEngine` of a selection on rank 0 (the other ranks follow it).
 
 `week3_engine` is the one place a lab or `compare` builds an `LLMEngine` (`speculative_engine`: a
 `SpeculativeEngine`).
@@ -108,6 +109,18 @@ class Speculative(Week3):
         stats = self.engine.speculation
         return {**super().counters(), "speculative_proposed": stats.proposed, "speculative_accepted": stats.accepted,
                 "speculative_verifications": stats.verifications}
+
+
+class TensorParallel(Week3):
+    """Day 4.4's `TensorParallelEngine` on rank 0 of `model.group`; `close` stops the other ranks' loops."""
+
+    def __init__(self, selection, model, tokenizer, **config):
+        self.engine = selection.distributed_engine.TensorParallelEngine(model, tokenizer,
+                                                                        selection.engine.EngineConfig(**config))
+        self.sampling = selection.sequence.SamplingParams
+
+    def close(self):
+        self.engine.shutdown()
 
 
 # ---------------------------------------------------------------- day 2.7

@@ -1,11 +1,16 @@
-"""One rank of bench-tensor-parallel: greedy decoding of one request, timed, on this rank's shard.
+"""One rank of bench-tensor-parallel: greedy decoding of one request (day 4.3) or a batch (day 4.4), timed.
 
     python -m benches.tensor_parallel_worker --engine ours|mlx-lm --model M --prompt-tokens P --decode-tokens D
+    python -m benches.tensor_parallel_worker --requests N ...   # day 4.4: N requests at once, the engines' way
 
 Started by `course.ranks.launch` (mlx.launch, one or more ranks). With one rank there is no backend and
 `mx.distributed.init()` gives a group of one: the same code runs, every all_sum a no-op.
 - ours: day 4.3's `Qwen2TensorParallel` driven by week 3's engine (one request, one step per token);
 - mlx-lm: its own model, `model.shard(group)` when there are several ranks, with its KV cache.
+With `--requests N` (day 4.4), N requests arrive at once and run to the end through benches/runner.py:
+- ours: day 4.4's `TensorParallelEngine` on rank 0 (it plans and samples), `follow_engine` on the others;
+- mlx-lm: its `BatchGenerator` on its sharded model, the same on every rank (its ranks stay in step
+  because every rank makes the same greedy choices; only the collectives inside the model cross).
 With several ranks, rank 0 also times `all_sum` of one hidden-size vector: the latency of one all-reduce.
 Rank 0 writes the figures (course/ranks.py).
 """
@@ -19,7 +24,8 @@ import time  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from benches.workloads import random_prompt  # noqa: E402
+from benches import engines, runner  # noqa: E402
+from benches.workloads import Arrival, random_prompt  # noqa: E402
 from course import ranks, selector  # noqa: E402
 from course.models import load_model  # noqa: E402
 
@@ -61,6 +67,31 @@ def mlx_lm(group, mlx_model, prompt: list[int], decode_tokens: int) -> tuple[lis
     return tokens, times
 
 
+def batch_config(requests: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    """Day 4.4's engine sized for the whole batch at once: EngineConfig fields (the same on every rank)."""
+    return dict(token_budget=max(256, requests), max_num_seqs=requests, block_size=16,
+                num_blocks=requests * ((prompt_tokens + decode_tokens) // 16 + 2))
+
+
+def batch(engine: str, selection, group, mlx_model, tokenizer, args) -> dict | None:
+    """Day 4.4: `args.requests` requests at once to the end; rank 0's summary (benches/runner.py), None elsewhere."""
+    arrivals = [Arrival("batch", random_prompt(args.prompt_tokens, seed=i), args.decode_tokens)
+                for i in range(args.requests)]
+    config = batch_config(args.requests, args.prompt_tokens, args.decode_tokens)
+    if engine == "mlx-lm":
+        if group.size() > 1:
+            mlx_model.shard(group)
+        adapter = engines.MlxLm(mlx_model, tokenizer, prefill_step=config["token_budget"], batch_size=args.requests)
+    else:
+        model = selection.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
+        if group.rank() != 0:
+            selection.distributed_engine.follow_engine(model, selection.engine.EngineConfig(**config)).follow()
+            return None
+        adapter = engines.TensorParallel(selection, model, tokenizer, **config)
+    done = runner.run(adapter, arrivals, engine)
+    return {**runner.summarize(done), "outputs": [done.outputs[i] for i in range(len(arrivals))]}
+
+
 def all_sum_latency(group, width: int) -> float:
     """Seconds per all_sum of one float32 hidden-size vector, averaged over ALL_SUM_REPEATS after a warm-up."""
     x = mx.ones((1, width))
@@ -78,13 +109,19 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompt-tokens", type=int, required=True)
     parser.add_argument("--decode-tokens", type=int, required=True)
+    parser.add_argument("--requests", type=int, default=None, help="day 4.4: this many requests at once")
     parser.add_argument("--solution", choices=("ref", "student"), default="ref")
     args = parser.parse_args()
     group = mx.distributed.init()
     mlx_model, tokenizer = load_model(args.model)
+    selection = selector.for_command(args.solution)
+    if args.requests:
+        result = batch(args.engine, selection, group, mlx_model, tokenizer, args)
+        if result is not None:
+            ranks.write_result(0, {**result, "world_size": group.size()})
+        return
     prompt = random_prompt(args.prompt_tokens, seed=0)
     if args.engine == "ours":
-        selection = selector.for_command(args.solution)
         tokens, times = ours(selection, group, mlx_model, tokenizer, prompt, args.decode_tokens)
     else:
         tokens, times = mlx_lm(group, mlx_model, prompt, args.decode_tokens)

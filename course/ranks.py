@@ -1,18 +1,27 @@
 """Running a program on N ranks with `mlx.launch`, bounded and cleaned up (tests, benchmarks, serve).
 
-The parent side, `launch(...)`, starts `mlx.launch --backend ring` in a process group of its own,
-waits at most `timeout` seconds, and then kills the whole group, whatever happened: no rank outlives
-the call. `mlx.launch` stops the other ranks when one exits with an error, but its own exit status
-stays 0, so a run counts as finished only for the ranks that wrote their result file.
+The parent side:
+- `launch_command(...)` is the one place an `mlx.launch --backend ring` command line is written, for
+  N ranks of this machine or for the hosts of a hostfile (`read_hostfile` checks one first);
+- `launch(...)` (tests, benchmarks) runs it in a process group of its own, waits at most `timeout`
+  seconds, and then kills the whole group, whatever happened: no rank outlives the call;
+- `LaunchWatch` reads `mlx.launch`'s output as it goes (serve): `mlx.launch` stops the other ranks
+  when one exits with an error, but its own exit status stays 0, so the watch finds the first rank
+  it reported failing, and that rank's last line, to make the failure one line and a non-zero status.
 
 The rank side, `join()`, is `mx.distributed.init(strict=True)` with a one-line error when the
-program was not started by `mlx.launch`; `write_result` leaves the rank's JSON where the parent reads it.
+program was not started by `mlx.launch`; from then on every line the rank writes to stderr starts
+with `[rank R] ` (torchrun does the same), so a line in the launcher's mixed output names its rank.
+`write_result` leaves the rank's JSON where the parent reads it.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +33,12 @@ from pathlib import Path
 
 RESULT_NAME = "rank{rank}.json"
 GROUP_EXIT_WAIT = 5.0  # seconds
+RANK_TAG = "[rank {rank}] "  # the start of every stderr line of a rank (after `join()`)
+TAGGED_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+# What mlx.launch prints (in colour) when a rank ends badly: "exited with code C" for the rank that failed
+# (C < 0: killed by signal -C), "was killed" for the ranks it then terminated itself.
+EXIT_LINE = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass
@@ -40,8 +55,12 @@ class RankRun:
         if not missing:
             return None
         why = "killed after the time limit" if self.timed_out else "exited without a result"
+        watch = LaunchWatch()
+        for line in self.output.splitlines():
+            watch.read(line)
+        first = f" ({watch.failure()})" if watch.failure() else ""
         tail = "\n".join(self.output.strip().splitlines()[-15:])
-        return f"rank(s) {', '.join(map(str, missing))} {why}; the ranks' last output:\n{tail}"
+        return f"rank(s) {', '.join(map(str, missing))} {why}{first}; the ranks' last output:\n{tail}"
 
 
 def mlx_launch_command() -> list[str]:
@@ -50,6 +69,53 @@ def mlx_launch_command() -> list[str]:
     if not launcher.exists():
         raise FileNotFoundError(f"mlx.launch is not installed beside {sys.executable} (it comes with the mlx package)")
     return [str(launcher)]
+
+
+def read_hostfile(path: str) -> list[dict]:
+    """The hosts of an mlx.launch hostfile the ring backend can use; ValueError (one line) for any other file.
+
+    The format is mlx.launch's own JSON: a list of hosts, or an object whose "hosts" is that list, each
+    host `{"ssh": "name or address to ssh to", "ips": ["address the ranks connect to", ...]}`. A host
+    whose "ssh" is 127.0.0.1 is started here, without ssh.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"hostfile {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"hostfile {path} is not a JSON file ({error})") from None
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if not isinstance(hosts, list) or len(hosts) < 2:
+        raise ValueError(f"hostfile {path}: expected a list of at least 2 hosts (or {{\"hosts\": [...]}}), "
+                         "each {\"ssh\": NAME, \"ips\": [ADDRESS]}")
+    for index, host in enumerate(hosts):
+        if not (isinstance(host, dict) and isinstance(host.get("ssh"), str) and host["ssh"]
+                and isinstance(host.get("ips"), list) and host["ips"]):
+            raise ValueError(f"hostfile {path}: host {index} must be {{\"ssh\": NAME, \"ips\": [ADDRESS, ...]}}, "
+                             f"got {json.dumps(host)[:80]}")
+        for address in host["ips"]:
+            try:
+                ipaddress.ip_address(address)
+            except (ValueError, TypeError):
+                raise ValueError(f"hostfile {path}: host {index}'s ip {address!r} is not an IP address "
+                                 "(the ring backend connects to addresses, not names)") from None
+    return hosts
+
+
+def launch_command(program: list[str], world_size: int, hostfile: str | None = None,
+                   env: dict | None = None) -> list[str]:
+    """The `mlx.launch` command running `program` on `world_size` ranks of this machine, or on `hostfile`'s hosts.
+
+    Ranks started through ssh get only the variables of `env` (passed as `--env`); local ones inherit
+    the launcher's environment. The ring listens on consecutive ports from one free here.
+    """
+    if hostfile:
+        forwarded = [arg for name, value in (env or {}).items() for arg in ("--env", f"{name}={value}")]
+        hosts = ["--hostfile", hostfile, *forwarded]
+    else:
+        hosts = ["-n", str(world_size)]
+    return [*mlx_launch_command(), "--backend", "ring", *hosts, "--starting-port", str(free_ports(world_size)),
+            "--", *program]
 
 
 def free_ports(count: int, attempts: int = 20) -> int:
@@ -82,22 +148,17 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
     (two ranks on two cores with two threads each would fight over them); None leaves them alone.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir)}
+    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
+    import_paths = os.pathsep.join(path for path in sys.path if path)
+    rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir), "PYTHONPATH": import_paths}
     if threads_per_rank is not None:
         for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             rank_env[name] = str(threads_per_rank)
     if world_size == 1 and not hostfile:
         command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
-    elif hostfile:
-        # Ranks on other hosts start through ssh with only the variables named here.
-        forwarded = [arg for name, value in rank_env.items() for arg in ("--env", f"{name}={value}")]
-        command = [*mlx_launch_command(), "--backend", "ring", "--hostfile", hostfile, *forwarded, "--", *program]
     else:
-        ports = ["--starting-port", str(free_ports(world_size))]
-        command = [*mlx_launch_command(), "--backend", "ring", "-n", str(world_size), *ports, "--", *program]
-    # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
-    import_paths = os.pathsep.join(path for path in sys.path if path)
-    child_env = {**os.environ, "PYTHONPATH": import_paths, **rank_env}
+        command = launch_command(program, world_size, hostfile, rank_env)
+    child_env = {**os.environ, **rank_env}
     with tempfile.TemporaryFile() as log:
         # stdin a pipe we never write to: mlx.launch polls its stdin, and /dev/null would make it spin.
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -138,18 +199,87 @@ def read_result(out_dir: Path, rank: int) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+class LaunchWatch:
+    """What mlx.launch's output says, line by line: each rank's last line, and the first rank that failed."""
+
+    def __init__(self):
+        self.last_lines: dict[int, str] = {}
+        self.failed: tuple[int, int] | None = None  # (rank, exit code) of the first failure reported
+
+    def read(self, line: str) -> None:
+        plain = COLOUR.sub("", line).strip()
+        tagged = TAGGED_LINE.match(plain)
+        if tagged and tagged[2].strip():
+            self.last_lines[int(tagged[1])] = tagged[2].strip()
+        ended = EXIT_LINE.search(plain)
+        if ended and self.failed is None:
+            self.failed = (int(ended[1]), int(ended[2]))
+
+    def follow(self, stream, echo) -> None:
+        """Read `stream` (bytes) to its end, writing each line on to `echo` (text) as it comes."""
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            echo.write(line)
+            echo.flush()
+            self.read(line)
+
+    def failure(self) -> str | None:
+        """'rank R exited with code C: its last line', or None when no rank failed."""
+        if self.failed is None:
+            return None
+        rank, code = self.failed
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        last = self.last_lines.get(rank)
+        return f"rank {rank} {how}" + (f": {last}" if last else " (it wrote no error line)")
+
+    @property
+    def exit_status(self) -> int:
+        """The status to exit with after a failure: the failed rank's own, when it is one (2, a user error), else 1."""
+        return self.failed[1] if self.failed and self.failed[1] > 0 else 1
+
+
 # ---------------------------------------------------------------------------------------- rank side
 
 
 def join():
-    """This rank's `mx.distributed` group; exits with one line when not started by `mlx.launch`."""
+    """This rank's `mx.distributed` group; exits with one line when not started by `mlx.launch`.
+
+    From here on, every line this rank writes to `sys.stderr` starts with `[rank R] `.
+    """
     import mlx.core as mx
 
     try:
-        return mx.distributed.init(strict=True)
+        group = mx.distributed.init(strict=True)
     except RuntimeError as error:
         raise SystemExit(f"{Path(sys.argv[0]).name}: error: no distributed backend ({error}); "
                          "start the ranks with mlx.launch") from None
+    sys.stderr = TaggedLines(sys.stderr, RANK_TAG.format(rank=group.rank()))
+    return group
+
+
+class TaggedLines(io.TextIOBase):
+    """A text stream that starts every line it passes on to `stream` with `tag`."""
+
+    def __init__(self, stream, tag: str):
+        self.stream, self.tag = stream, tag
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for piece in text.splitlines(keepends=True):
+            pieces.append(self.tag + piece if self.at_line_start else piece)
+            self.at_line_start = piece.endswith("\n")
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
 
 
 def write_result(rank: int, result: dict) -> None:

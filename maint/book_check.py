@@ -200,18 +200,21 @@ def _ignored(root: Path, path: str) -> bool:
 
 # ---------------------------------------------------------------- pdm run commands
 
+ERROR_LINE = re.compile(r"^pdm run [\w-]+: error: ")  # a command's one-line error message, not a command
+
+
 def shown_commands(root: Path) -> list[tuple[Path, int, str]]:
-    """Every `pdm run ...` a chapter shows: in inline code and in code blocks."""
+    """Every `pdm run ...` a chapter shows: in inline code and in code blocks (not the errors commands print)."""
     found = []
     for chapter in chapters(root):
         for number, line, in_code in lines_outside_code(chapter.read_text()):
             if in_code:
                 text = re.sub(r"^\s*\$\s+", "", line)
-                if text.strip().startswith("pdm run "):
+                if text.strip().startswith("pdm run ") and not ERROR_LINE.match(text.strip()):
                     found.append((chapter, number, text.strip()))
             else:
                 for _, span in CODE_SPAN.findall(line):
-                    if span.strip().startswith("pdm run "):
+                    if span.strip().startswith("pdm run ") and not ERROR_LINE.match(span.strip()):
                         found.append((chapter, number, span.strip()))
     return found
 

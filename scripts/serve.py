@@ -6,6 +6,7 @@
     pdm run serve --max-num-batched-tokens 128 --max-num-seqs 8 --block-size 16 --num-blocks 512
     pdm run serve --target-itl 0.2 --scheduling-policy priority --api-key sesame --log-level warning
     pdm run serve --tensor-parallel 2               # day 4.4: two ranks on this machine (mlx.launch), HTTP on rank 0
+    pdm run serve --hostfile hosts.json             # day 4.4: one rank per host of mlx.launch's hostfile
 
 Then, from another shell:
 
@@ -65,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "aborted (default 5)")
     parser.add_argument("--log-interval", type=float, default=5.0,
                         help="seconds between the engine's throughput lines (default 5)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="day 4.4: run the model on N ranks of this machine, started with mlx.launch; the HTTP "
-                             "server on rank 0 (default 1: one process)")
+                             "server on rank 0 (default 1: one process; with --hostfile, one rank per host)")
+    parser.add_argument("--hostfile", default=None, metavar="FILE",
+                        help="day 4.4: put the ranks on these hosts (mlx.launch's JSON hostfile, ring backend; the "
+                             "same repository path, environment and model on each); rank 0 on the first host")
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set by the launch itself
     return parser
 
@@ -97,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     positive(parser, "tensor_parallel", args.tensor_parallel)
-    if args.tensor_parallel > 1 and not args.as_rank:
+    world_size = ranks_wanted(parser, args)
+    if world_size > 1 and not args.as_rank:
         check_port(parser, args.host, args.port)
-        return launch_ranks(args.tensor_parallel, sys.argv[1:] if argv is None else argv)
+        return launch_ranks(parser.prog, world_size, args.hostfile, sys.argv[1:] if argv is None else argv)
     if not args.as_rank:
         check_port(parser, args.host, args.port)
     try:
@@ -111,31 +116,56 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def launch_ranks(world_size: int, argv: list[str]) -> int:
-    """This command again on `world_size` ranks of this machine, under mlx.launch; its exit status.
-
-    Ctrl-C: rank 0's server drains and stops the other ranks, which (like mlx.launch) ignore it.
-    """
-    command = [*ranks.mlx_launch_command(), "--backend", "ring", "-n", str(world_size),
-               "--starting-port", str(ranks.free_ports(world_size)), "--",
-               sys.executable, "-m", "scripts.serve", *argv, "--as-rank"]
-    threads = {name: "1" for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    ignore_ctrl_c = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - rank 0's server re-enables it
-    process = subprocess.Popen(command, env={**os.environ, **threads}, stdin=subprocess.PIPE, preexec_fn=ignore_ctrl_c)
+def ranks_wanted(parser, args) -> int:
+    """How many ranks: --tensor-parallel, or the hostfile's hosts (which --tensor-parallel, if given, must match)."""
+    if args.hostfile is None or args.as_rank:
+        return args.tensor_parallel or 1
     try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.wait()  # rank 0 drains, then stops the others
-        return 130
+        hosts = ranks.read_hostfile(args.hostfile)
+    except ValueError as error:
+        raise SystemExit(user_error(parser.prog, str(error))) from None
+    if args.tensor_parallel not in (None, len(hosts)):
+        parser.error(f"--tensor-parallel {args.tensor_parallel} but the hostfile names {len(hosts)} hosts")
+    return len(hosts)
+
+
+def launch_ranks(prog: str, world_size: int, hostfile: str | None, argv: list[str]) -> int:
+    """This command again on `world_size` ranks (of this machine, or one per host), under mlx.launch.
+
+    mlx.launch exits 0 even when a rank fails, so its output is read on the way through: a rank that
+    died (at start-up or later) ends this command with one line naming it and its last line, and a
+    non-zero status. Ctrl-C: rank 0's server drains and stops the other ranks, which (like mlx.launch)
+    ignore it.
+    """
+    program = [sys.executable, "-m", "scripts.serve", *argv, "--as-rank"]
+    # One BLAS thread per rank; and pdm's import paths, which a rank started through ssh would not inherit.
+    env = {name: "1" for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    command = ranks.launch_command(program, world_size, hostfile, env=env)
+    ignore_ctrl_c = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - rank 0's server re-enables it
+    process = subprocess.Popen(command, env={**os.environ, **env}, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=ignore_ctrl_c)
+    watch, interrupted = ranks.LaunchWatch(), False
+    while True:
+        try:
+            watch.follow(process.stderr, sys.stderr)  # until every rank has ended
+            break
+        except KeyboardInterrupt:
+            interrupted = True  # rank 0 drains, then stops the others: keep reading
+    process.wait()
+    if watch.failure():
+        user_error(prog, f"{watch.failure()}; every rank stopped")
+        return watch.exit_status
+    return 130 if interrupted else process.returncode
 
 
 def serve_rank(parser, args) -> int:
     """One rank of `--tensor-parallel N`: rank 0 serves HTTP over a `TensorParallelEngine`; the others follow it."""
+    fast_mlx.setup()  # before mlx.core is imported (by join)
+    group = ranks.join()  # then every line this rank writes to stderr names it, the log's too
     logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s", stream=sys.stderr)
-    fast_mlx.setup()
     from course.models import load_model
 
-    group = ranks.join()
     selection = selector.from_arguments(args)
     try:
         mlx_model, tokenizer = load_model(default_model_name(args))

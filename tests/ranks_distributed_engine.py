@@ -6,8 +6,12 @@ over PROMPTS, then shuts it down; every other rank follows its plans (`follow_en
 Each rank writes what it saw to `rank<r>.json` (course/ranks.py): rank 0 its outputs and the
 oracles' (the single-process week-3 engine of the reference on the whole model, and mlx-lm's model
 recomputing every token), every rank the steps it ran, how often it sampled and its pool's shape.
-With `--stack`, the code is the student's for every task written so far (the reference's for the
-rest), not only day 4.4's. With `--die-rank R`, rank R exits after its first step: rank 0 must then fail with `RankLost`, not wait.
+Then "your stack so far" (`stack(4, 4)`: the student's week-3 engine, day-4.3 shards and day-4.4
+distribution together) serves week 3's pressure and seeded-sampling workloads (tests/week3_stack.py)
+on the sharded tiny model: rank 0 runs `TensorParallelEngine`, the others follow, one engine per
+workload; its record is added after the day's is written, so a stack that breaks the ranks cannot
+take the day's results with it. With `--die-rank R`, rank R exits after its first step (and nothing
+else runs): rank 0 must then fail with `RankLost`, not wait.
 """
 
 from course import fast_mlx
@@ -23,8 +27,8 @@ import mlx.core as mx  # noqa: E402
 
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
-from course import selector  # noqa: E402
-from tests.harness import reference, solution, solution_name  # noqa: E402
+from tests import week3_stack  # noqa: E402
+from tests.harness import reference, solution, stack  # noqa: E402
 
 # Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
 # chunks share steps, and the pool is small enough that the run preempts and recomputes.
@@ -33,6 +37,14 @@ PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5, 88, 3, 1000, 11, 12, 13
 MAX_TOKENS = 8
 STEP_LIMIT = 200
 DIED = 3  # the exit status of a rank told to die
+
+
+# Your stack so far: (name, requests, EngineConfig fields) of each engine rank 0 runs and the others follow.
+STACK_RUNS = [
+    ("pressure", week3_stack.pressure_requests(4), dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14)),
+    ("seeded sampling", week3_stack.seeded_requests(), dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=10)),
+]
+STACK_OPTIONS = week3_stack.engine_options(4)  # prefix caching and priorities on, as a server runs them
 
 
 def engine_config(sol):
@@ -113,37 +125,75 @@ def follow(sol, model, die: bool) -> dict:
     return {"steps": steps, "sample_calls": sampled[0], "pool_shape": list(runner.pool.keys[0].shape)}
 
 
+def lead_stack(package, model) -> dict:
+    """Rank 0 of your stack: each of STACK_RUNS through your TensorParallelEngine, then the stop message.
+
+    Every stream is checked against mlx-lm's model on the request alone, and every block must be back.
+    """
+    failures, steps = [], []
+    for name, requests, options in STACK_RUNS:
+        probe = week3_stack.ModelProbe(model)
+        config = package.engine.EngineConfig(**options, **STACK_OPTIONS)
+        engine = package.distributed_engine.TensorParallelEngine(probe, week3_stack.Tokenizer(), config,
+                                                                 clock=probe.clock)
+        run = week3_stack.Run(engine, probe, requests, options["max_num_seqs"])
+        try:
+            run.drive()
+            run.check_outputs()
+            run.check_clean()
+        except AssertionError as error:
+            failures.append(f"{name}: {error}")
+        finally:
+            engine.shutdown()
+        steps.append(engine.num_steps)
+    return {"failures": failures, "steps": steps, "pool_kv_heads": engine.runner.pool.keys[0].shape[1]}
+
+
+def follow_stack(package, model) -> dict:
+    """Every other rank of your stack: follow each of STACK_RUNS' engines until rank 0 stops it."""
+    steps, sample_calls = [], 0
+    for _, _, options in STACK_RUNS:
+        runner = package.distributed_engine.follow_engine(model, package.engine.EngineConfig(**options, **STACK_OPTIONS))
+        sampled = count_samples(runner)
+        steps.append(runner.follow())
+        sample_calls += sampled[0]
+    return {"steps": steps, "sample_calls": sample_calls, "pool_kv_heads": runner.pool.keys[0].shape[1]}
+
+
+def run_stack(group) -> dict:
+    package = stack(4, 4)
+    model = package.tensor_parallel.Qwen2TensorParallel(week3_stack.tiny_mlx_model(), group)
+    return lead_stack(package, model) if group.rank() == 0 else follow_stack(package, model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--die-rank", type=int, default=None)
-    parser.add_argument("--stack", action="store_true", help="the student's code for every task written so far")
     args = parser.parse_args()
     group = ranks.join()
-    if args.stack and solution_name() == "student":
-        sol = selector.for_student()
-    else:
-        sol = solution(4, 4)
+    sol = solution(4, 4)
     if args.die_rank is not None and group.rank() != args.die_rank:
         # mlx.launch terminates the other ranks when one fails: ignore it here, so that what is tested is
         # this rank's own reaction to the lost peer (the launch's timeout still bounds the run).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     mlx_model, tokenizer = load_model("embedded")
+    result = {}
     try:
         model = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
         if group.rank() == 0:
             result = lead(sol, model, tokenizer, mlx_model, args.die_rank)
         else:
             result = follow(sol, model, group.rank() == args.die_rank)
-    except NotImplementedError as error:
-        result = {"not_implemented": str(error)}
-        # The other ranks may wait for this one in a collective: end the launch rather than hang.
         ranks.write_result(group.rank(), result)
-        os._exit(1)
+        if args.die_rank is None:
+            ranks.write_result(group.rank(), {**result, "stack": run_stack(group)})
     except Exception as error:  # noqa: BLE001 - the student's code may raise anything; the test reports it
-        result = {"error": "".join(traceback.format_exception_only(error)).strip()}
-        ranks.write_result(group.rank(), result)
+        # Recorded for the day's part or, once that is written, for the stack's; then the launch ends
+        # (the other ranks may wait for this one in a collective).
+        record = ({"not_implemented": str(error)} if isinstance(error, NotImplementedError)
+                  else {"error": "".join(traceback.format_exception_only(error)).strip()})
+        ranks.write_result(group.rank(), {**result, "stack": record} if result else record)
         os._exit(1)
-    ranks.write_result(group.rank(), result)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Every rank builds the code under test the way the tests do (`solution(4, 3)`: th
 for day 4.3's tasks), runs the checks below on the embedded model, and writes what it saw to
 `rank<r>.json` (course/ranks.py). The oracle is mlx-lm's own Qwen2 on the same weights, run whole in
 each rank. A check that raises is recorded, not fatal, so one unwritten task does not hide another.
+Then "your stack so far" (`stack(4, 3)`: the student's week-3 engine and model with their day-4.3
+shards): week 3's workloads (tests/week3_stack.py) on the sharded tiny model, every rank running the
+same engine in step; its record is written after the others', so a stack that breaks the ranks
+cannot take the day's checks with it.
 With `--die-rank R`, rank R exits just before the tensor-parallel model's first forward pass: the
 others must then fail, not wait forever.
 """
@@ -15,12 +19,15 @@ fast_mlx.setup(quiet=True)
 import argparse  # noqa: E402
 import os  # noqa: E402
 import traceback  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
 
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
-from tests.harness import solution  # noqa: E402
+from tests import week3_stack  # noqa: E402
+from tests.harness import solution, stack  # noqa: E402
 
 TOKENS = 12  # rows of the prefill the checks run
 GREEDY_PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5], [151000, 12]]
@@ -110,6 +117,35 @@ def mlx_lm_greedy(mlx_model, prompt: list[int]) -> list[int]:
     return tokens[len(prompt):]
 
 
+class ShardedStack:
+    """A stack whose week-3 model is built sharded: week3_stack's workloads build theirs as
+    `package.qwen2_week3.Qwen2ModelWeek3(mlx_model)`, which here is `Qwen2TensorParallel(mlx_model, group)`."""
+
+    def __init__(self, package, group):
+        self.package = package
+        sharded = lambda mlx_model: package.tensor_parallel.Qwen2TensorParallel(mlx_model, group)  # noqa: E731
+        self.qwen2_week3 = SimpleNamespace(Qwen2ModelWeek3=sharded)
+
+    def __getattr__(self, name):
+        return getattr(self.package, name)
+
+
+def check_stack(package, group) -> dict:
+    """Days 3.1-3.4's workloads through the stack's engine on its sharded model, on every rank in step: each
+    stream mlx-lm's for the request alone, every rank's pool back to full (tests/week3_stack.py); and the
+    pool the engine allocates holds this rank's share of the KV heads only (else each rank holds the whole cache)."""
+    stack = ShardedStack(package, group)
+    model = stack.qwen2_week3.Qwen2ModelWeek3(week3_stack.tiny_mlx_model())
+    kv_heads, share = model.make_kv_pool(1, 4).keys[0].shape[1], model.args.num_key_value_heads // group.size()
+    pool = None if kv_heads == share else (f"the engine's KV pool holds {kv_heads} KV heads per slot on each rank, "
+                                           f"not the rank's {share}: every rank keeps the whole cache")
+    try:
+        week3_stack.check_stack(stack, day=4)
+    except pytest.fail.Exception as failure:
+        return {"failures": "\n".join(filter(None, [str(failure), pool]))}
+    return {"failures": pool}
+
+
 def attempt(check, *args) -> dict:
     """Run one check; a failure is recorded with its message (a skeleton's NotImplementedError apart)."""
     try:
@@ -138,9 +174,11 @@ def main() -> None:
             "attention": attempt(check_attention, sol, group, full, mlx_model),
             "model": attempt(check_model, sol, group, full, mlx_model, tokenizer, args.die_rank),
         }
+        ranks.write_result(group.rank(), result)
+        if args.die_rank is None:
+            ranks.write_result(group.rank(), {**result, "stack": attempt(check_stack, stack(4, 3), group)})
     except RuntimeError as error:
         raise SystemExit(f"rank {group.rank()}: lost a peer in a collective: {error}") from None
-    ranks.write_result(group.rank(), result)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,16 @@ def test_a_week_4_stack_starts_at_day_3_1():
                 assert chosen.__code__ is resolve(getattr(ref, module), name).__code__, f"{module}.{name}: the reference's"
 
 
+def test_a_week_4_stack_starts_at_week_3():
+    """Days 4.3 and 4.4 shard and distribute week 3's engine: their stack is the student's from day 3.1 on."""
+    selection, ref = selector.for_stack(4, 3), selector.reference()
+    assert code_file(resolve(selection.engine, "LLMEngine.__init__")).endswith("src/tiny_llm/engine.py"), \
+        "a day-3.1 module is the student's file in a week-4 stack"
+    assert code_file(resolve(selection.tensor_parallel, "ShardedMLP.__call__")).endswith("src/tiny_llm/tensor_parallel.py")
+    assert selection.distributed_engine is ref.distributed_engine, "a later day's module is the reference's"
+    assert selection.batch is ref.batch, "week 2 is not in the stack"
+
+
 def test_commands_take_only_unwritten_tasks_from_the_reference():
     selection = selector.for_student()
     ref = selector.reference()

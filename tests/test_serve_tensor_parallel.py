@@ -1,22 +1,29 @@
-"""`pdm run serve --tensor-parallel 2` (day 4.4), the reference solution, over HTTP.
+"""`pdm run serve --tensor-parallel 2` and `--hostfile` (day 4.4), the reference solution, over HTTP.
 
-One server for the module: the command itself, in a process group of its own, which starts two ranks
-with mlx.launch on loopback; HTTP on rank 0. Oracle: the reference's single-process engine on the
-whole model (what `pdm run serve` without the option runs), greedy. Bounded: every wait has a limit,
-and the whole process group is killed at the end, whatever happened.
+One server for the module: the command itself, in a process group of its own, given a hostfile that
+names 127.0.0.1 twice (mlx.launch starts both ranks here, as `-n 2` would; on two Macs it is the same
+command with their addresses); HTTP on rank 0. Oracle: the reference's single-process engine on the
+whole model (what `pdm run serve` without the option runs), greedy. A second server, `--tensor-parallel
+2`, loses rank 1 on purpose; a third fails at start-up (a model whose one KV head does not divide
+between two ranks). Bounded: every wait has a limit, and the whole process group is killed at the end,
+whatever happened.
 """
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
 
 from course import ranks
+from course.models import make_random_qwen2
+from scripts import serve
 from tests.harness import reference
 from tests.serve_fakes import parse_prometheus, wait_until
 
@@ -27,12 +34,19 @@ PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5, 88, 3, 1000, 11], [1510
 MAX_TOKENS = 8
 
 
+LOOPBACK_TWICE = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2  # mlx.launch's hostfile format
+
+
+def serve_command(*ranks_option: str, model: str = MODEL) -> list[str]:
+    return [sys.executable, "-m", "scripts.serve", *ranks_option, "--solution", "ref", "--model", model,
+            "--log-level", "warning", "--num-blocks", "64"]
+
+
 @contextlib.contextmanager
-def serve_on_two_ranks():
-    """(base URL, process, log file) of `serve --tensor-parallel 2`; the process group is killed afterwards."""
+def serve_on_two_ranks(*ranks_option: str):
+    """(base URL, process, log file) of `serve` with `ranks_option`; the process group is killed afterwards."""
     port = ranks.free_ports(1)
-    command = [sys.executable, "-m", "scripts.serve", "--tensor-parallel", "2", "--solution", "ref", "--model", MODEL,
-               "--port", str(port), "--log-level", "warning", "--num-blocks", "64"]
+    command = [*serve_command(*ranks_option), "--port", str(port)]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -47,8 +61,10 @@ def serve_on_two_ranks():
 
 
 @pytest.fixture(scope="module")
-def launched():
-    with serve_on_two_ranks() as running:
+def launched(tmp_path_factory):
+    hostfile = tmp_path_factory.mktemp("hosts") / "hosts.json"
+    hostfile.write_text(json.dumps(LOOPBACK_TWICE))
+    with serve_on_two_ranks("--hostfile", str(hostfile)) as running:
         yield running
 
 
@@ -138,7 +154,7 @@ def rank_pid(pgid: int, rank: int) -> int | None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds rank 1's process through /proc (Linux, as CI)")
 def test_a_dead_rank_stops_the_server_with_a_clear_error():
-    with serve_on_two_ranks() as (url, process, log):
+    with serve_on_two_ranks("--tensor-parallel", "2") as (url, process, log):
         follower = rank_pid(process.pid, 1)
         assert follower is not None, "found no rank 1 process"
         os.kill(follower, signal.SIGKILL)
@@ -148,7 +164,61 @@ def test_a_dead_rank_stops_the_server_with_a_clear_error():
         except httpx.HTTPError:
             pass  # the server may already be gone
         try:
-            process.wait(timeout=START_TIMEOUT)
+            status = process.wait(timeout=START_TIMEOUT)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server still runs after rank 1 died: {output(log)}")
-        assert "another rank stopped answering" in output(log), output(log)
+        text = output(log)
+        assert "another rank stopped answering" in text, text
+        # mlx.launch itself exits 0 whatever its ranks did: the command must not.
+        last = text.strip().splitlines()[-1]
+        assert status == 1 and last == "pdm run serve: error: rank 1 was killed by SIGKILL (it wrote no error line); " \
+                                        "every rank stopped", f"status {status}, last line {last!r}"
+
+
+def test_a_rank_that_fails_at_start_up_ends_the_command(tmp_path):
+    """Every rank raises while it shards a model with one KV head: one line naming a rank and its error, status 2."""
+    model = make_random_qwen2(tmp_path / "one-kv-head", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                             num_key_value_heads=1, intermediate_size=128), seed=0)
+    command = [*serve_command("--tensor-parallel", "2", model=str(model)), "--port", str(ranks.free_ports(1))]
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            status = process.wait(timeout=START_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve still runs although its ranks failed at start-up: {output(log)}")
+        finally:
+            ranks.kill_group(process)
+        text = output(log)
+    last = text.strip().splitlines()[-1]
+    assert status == 2, f"exit status {status} (mlx.launch's own is 0 whatever the ranks did): {text}"
+    assert last.startswith("pdm run serve: error: rank ") and "exited with code 2: pdm run serve: error: rank " in last \
+        and "KV heads (1) do not divide among 2 ranks" in last and last.endswith("every rank stopped"), last
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("content, why", [
+    (None, "does not exist"),
+    ("{not json", "is not a JSON file"),
+    (json.dumps(LOOPBACK_TWICE[:1]), "at least 2 hosts"),
+    (json.dumps([{"ssh": "mac1"}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]), "host 0 must be"),
+    (json.dumps([{"ssh": "mac1", "ips": ["mac1.local"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]), "is not an IP address"),
+])
+def test_a_bad_hostfile_is_one_line_and_status_2(tmp_path, capsys, content, why):
+    hostfile = tmp_path / "hosts.json"
+    if content is not None:
+        hostfile.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--hostfile", str(hostfile), "--solution", "ref"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"pdm run serve: error: hostfile {hostfile}") and why in err, err
+
+
+def test_a_hostfile_and_another_rank_count_is_refused(tmp_path, capsys):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps(LOOPBACK_TWICE))
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--hostfile", str(hostfile), "--tensor-parallel", "4", "--solution", "ref"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--tensor-parallel 4 but the hostfile names 2 hosts" in err, err

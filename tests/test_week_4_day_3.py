@@ -9,7 +9,8 @@ partial products add up to the full one). Two kinds of test:
   computed beforehand from their local parts), which must be the whole layer's output;
 - across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
   for the module runs tests/ranks_tensor_parallel.py in each rank, which builds the code under test
-  as these tests do (`solution(4, 3)`); a second launch kills a rank on purpose.
+  as these tests do (`solution(4, 3)`), and then your stack so far (`stack(4, 3)`: your week-3 engine
+  and model, sharded by your day-4.3 code) on week 3's workloads; a second launch kills a rank on purpose.
 
 Tolerance: float32 sums taken in another order (each rank sums half the features, then all_sum adds
 the halves), so |got - mlx-lm| <= 1e-4 + 1e-5 x the largest |value| of mlx-lm's output.
@@ -24,8 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from course import ranks
-from tests.harness import solution
+from course import ranks, selector
+from tests.harness import solution, solution_name
 from tests.ranks_tensor_parallel import DIED, TOKENS, prefill, rope_angles
 
 sol = solution(week=4, day=3)
@@ -264,6 +265,29 @@ def test_task_4_greedy_tokens_on_two_ranks_match_mlx_lm(two_ranks):
         greedy = record["greedy"]
         assert not greedy["unfinished"], f"rank {rank}: the engine did not finish within its step limit"
         assert greedy["got"] == greedy["expected"], f"rank {rank}: week 3's engine on the sharded model"
+
+
+# ---------------------------------------------------------------- Task 5: your stack so far
+
+
+def test_task_5_your_stack_so_far_on_two_ranks(two_ranks):
+    """Your week-3 engine and model, sharded by your day-4.3 code, on two ranks: week 3's workloads (refusals,
+    preemptions, aborts, EOS, a failing model call, the adaptive budget, seeded sampling, prefix caching,
+    priorities), every stream mlx-lm's for the request alone, every rank's pool back to full."""
+    if solution_name() == "student":
+        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
+        for name, task in selector.unwritten().get("tensor_parallel", {}).items():
+            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
+    records = [result and result.get("stack") for result in two_ranks.results]
+    if None in records:
+        pytest.fail(f"the two-rank run ended before your stack so far reported: {two_ranks.failure() or ''}\n"
+                    f"{two_ranks.output[-2000:]}", pytrace=False)
+    for rank, record in enumerate(records):
+        if "not_implemented" in record:
+            raise NotImplementedError(record["not_implemented"])
+        assert "error" not in record, f"rank {rank} raised: {record['error']}"
+        if record["failures"]:
+            pytest.fail(f"rank {rank}: {record['failures']}", pytrace=False)
 
 
 def rank_processes(out_dir: Path) -> list[int]:

@@ -10,8 +10,9 @@ Two kinds of test:
   all_sum is then the message itself) against the single-process engine; a follower fed rank 0's
   messages, whose pool must end up the leader's;
 - across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
-  runs tests/ranks_distributed_engine.py with the day's code, one with the student's whole stack so
-  far, and one kills rank 1 after its first step.
+  runs tests/ranks_distributed_engine.py with the day's code and then with your stack so far (your
+  week-3 engine, day-4.3 shards and day-4.4 code together, on week 3's workloads), and one kills
+  rank 1 after its first step.
 """
 
 import os
@@ -61,13 +62,6 @@ def launch(*args: str) -> ranks.RankRun:
 @pytest.fixture(scope="module")
 def two_ranks():
     return launch()
-
-
-@pytest.fixture(scope="module")
-def your_stack(request):
-    if solution_name() == "ref":  # the reference's stack is the day's code: the same run
-        return request.getfixturevalue("two_ranks")
-    return launch("--stack")
 
 
 def rank_results(run: ranks.RankRun) -> list[dict]:
@@ -244,17 +238,6 @@ def test_task_3_only_rank_0_samples(two_ranks):
     assert leader["sample_calls"] == leader["steps"], "rank 0 samples once a step"
 
 
-def test_task_3_your_stack_so_far_on_two_ranks(request):
-    """Your code for every task written so far (days 4.3 and 4.4 included) across two ranks: mlx-lm's tokens."""
-    if solution_name() == "student":
-        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
-        for name, task in selector.unwritten().get("distributed_engine", {}).items():
-            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
-    leader, follower = rank_results(request.getfixturevalue("your_stack"))
-    assert leader["outputs"] == leader["mlx_lm"] and not leader["unfinished"]
-    assert follower["steps"] == leader["steps"] and leader["free_blocks"] == leader["num_blocks"]
-
-
 def test_task_3_a_dead_rank_fails_rank_0():
     run = launch("--die-rank", "1")
     if run.results[0] and "not_implemented" in run.results[0]:
@@ -263,3 +246,32 @@ def test_task_3_a_dead_rank_fails_rank_0():
     assert run.results[1] is None and f"exited with code {DIED}" in run.output, run.output[-2000:]
     assert run.results[0] is not None, f"rank 0 left no result: {run.failure()}"
     assert "another rank stopped answering" in run.results[0].get("lost", ""), f"rank 0: {run.results[0]}"
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far_on_two_ranks(two_ranks):
+    """Your week-3 engine, day-4.3 shards and day-4.4 code together on two ranks: week 3's pressure workload
+    (refusals, preemptions, aborts, EOS, priorities, prefix caching) and seeded sampling, every stream
+    mlx-lm's for the request alone, every block back in rank 0's pool, rank 1 in step and never sampling."""
+    if solution_name() == "student":
+        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
+        for name, task in selector.unwritten().get("distributed_engine", {}).items():
+            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
+    records = [result and result.get("stack") for result in two_ranks.results]
+    if None in records:
+        pytest.fail(f"the two-rank run ended before your stack so far reported: {two_ranks.failure() or ''}\n"
+                    f"{two_ranks.output[-2000:]}", pytrace=False)
+    for rank, record in enumerate(records):
+        if "not_implemented" in record:
+            raise NotImplementedError(record["not_implemented"])
+        assert "error" not in record, f"rank {rank} raised: {record['error']}"
+    leader, follower = records
+    if leader["failures"]:
+        pytest.fail("your stack so far on two ranks:\n  " + "\n  ".join(leader["failures"]), pytrace=False)
+    assert follower["steps"] == leader["steps"], f"rank 1 ran {follower['steps']} steps per engine, rank 0 {leader['steps']}"
+    assert follower["sample_calls"] == 0, f"rank 1 sampled {follower['sample_calls']} times: only rank 0 samples"
+    assert leader["pool_kv_heads"] == follower["pool_kv_heads"] == 1, (
+        f"each rank's KV pool must hold its one KV head of the model's two: rank 0's holds {leader['pool_kv_heads']}, "
+        f"rank 1's {follower['pool_kv_heads']}")

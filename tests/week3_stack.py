@@ -371,13 +371,17 @@ def workload_adaptive_budget(package, day):
         f"to the measured costs (32 prefill tokens a step beside the decode) it needs 5 steps"
 
 
-def workload_seeded_sampling(package, day):
-    """Seeded sampling under preemption: every draw as the seed rule says, whatever shares the batch."""
+def seeded_requests() -> list[Request]:
+    """Four seeded requests (top-k or top-p) arriving one a step, and a greedy one."""
     requests = [Request(f"s{i}", tokens(5 + 3 * i, 40 + i), max_tokens=10, arrive=i,
                         sampling=dict(temperature=1.0, seed=100 + i, **({"top_k": 20} if i % 2 else {"top_p": 0.9})))
                 for i in range(4)]
-    requests.append(Request("greedy", tokens(9, 49), max_tokens=10))
-    result = run(package, day, requests, token_budget=16, num_blocks=10)
+    return requests + [Request("greedy", tokens(9, 49), max_tokens=10)]
+
+
+def workload_seeded_sampling(package, day):
+    """Seeded sampling under preemption: every draw as the seed rule says, whatever shares the batch."""
+    result = run(package, day, seeded_requests(), token_budget=16, num_blocks=10)
     result.check_outputs()
     result.check_clean()
     assert result.engine.summary()["num_preemptions"] > 0, "a pool of 10 blocks must force preemptions"
