@@ -97,7 +97,8 @@ class Qwen2RaggedAttention:
 
     def chunk_attention(self, q: mx.array, chunk: PrefillChunk, pool: KvPool, layer: int) -> mx.array:
         """One sequence's prefill chunk (`L x H_q x D`) over its cached keys and its own -> `L x H_q x D`."""
-        # TODO: gather the chunk's key slots, H x S x D (mx.contiguous), grouped attention with the chunk mask
+        # TODO: gather the chunk's key slots, H x S x D (mx.contiguous); fold the n = H_q / H query heads of
+        # TODO: each key/value head into n * L rows (mask tiled n times); grouped attention; unfold
         raise NotImplementedError(
             "Week 3 Day 1 Task 3 (book/src/week3-01-token-budget.md): one prefill chunk's attention"
         )
