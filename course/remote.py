@@ -31,14 +31,16 @@ files or replaces weights, and attributes set only to plain data.
 from __future__ import annotations
 
 import builtins
+import collections
 import enum
+import functools
 import inspect
 import itertools
 import json
 import operator
 import os
-import queue
 import re
+import select
 import struct
 import threading
 import traceback
@@ -52,6 +54,7 @@ MAX_BUFFER = 4 << 30
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
 MAX_CHAINS = 512  # threads of calls the other side may start here
+IDLE_POLL = 0.02  # seconds: how often the reader of last resort looks whether it is needed
 
 
 class RemoteGone(RuntimeError):
@@ -110,15 +113,33 @@ def _shared_class(path: str):
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
 
-def _read_exactly(fd: int, count: int) -> bytes:
-    chunks, left = [], count
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise RemoteGone("the other process closed the pipe")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+class PipeReader:
+    """The read end of a pipe, buffered (a message in one system call or few), read by one thread at a time."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pending = fd, bytearray()
+
+    def read(self, count: int) -> bytes:
+        while len(self.pending) < count:
+            chunk = os.read(self.fd, max(count - len(self.pending), 1 << 16))
+            if not chunk:
+                raise RemoteGone("the other process closed the pipe")
+            self.pending += chunk
+        data = bytes(self.pending[:count])
+        del self.pending[:count]
+        return data
+
+    def wait_readable(self) -> None:
+        """Until a message can be read (it may be in the buffer already)."""
+        if not self.pending:
+            try:
+                select.select([self.fd], [], [])
+            except (OSError, ValueError) as error:  # closed by this side
+                raise RemoteGone(f"the pipe was closed ({error})") from None
+
+
+def _read_exactly(reader: PipeReader, count: int) -> bytes:
+    return reader.read(count)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -139,19 +160,20 @@ def send_message(fd: int, header: dict, buffers: list[bytes]) -> None:
     _write_all(fd, b"".join(parts))
 
 
-def receive_message(fd: int) -> tuple[dict, list[bytes]]:
-    (size,) = struct.unpack("<Q", _read_exactly(fd, 8))
+def receive_message(reader) -> tuple[dict, list[bytes]]:
+    """One message from `reader`, a buffered binary file of the pipe."""
+    (size,) = struct.unpack("<Q", _read_exactly(reader, 8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(_read_exactly(fd, size))
+    header = json.loads(_read_exactly(reader, size))
     if not isinstance(header, dict) or not isinstance(header.get("nbuf"), int) or not 0 <= header["nbuf"] <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
     buffers = []
     for _ in range(header["nbuf"]):
-        (length,) = struct.unpack("<Q", _read_exactly(fd, 8))
+        (length,) = struct.unpack("<Q", _read_exactly(reader, 8))
         if length > MAX_BUFFER:
             raise ProtocolError(f"a buffer of {length} bytes")
-        buffers.append(_read_exactly(fd, length))
+        buffers.append(_read_exactly(reader, length))
     return header, buffers
 
 
@@ -233,7 +255,14 @@ class Endpoint:
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
-        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread serving it here
+        self.reader = PipeReader(read_fd)
+        self.chains: dict[str, collections.deque] = {}  # chain -> messages for the thread serving it here
+        self.mutex = threading.Condition()  # guards the inboxes, `reading` and `waiting`
+        self.idle = threading.Condition(self.mutex)  # serve_forever's: notified when the pipe breaks
+        self.takes = 0  # how many times a chain's thread has waited for a message
+        self.reading = False  # a thread is reading the pipe
+        self.waiting = 0  # threads waiting for a message of their chain
+        self.closed = False  # the pipe broke: no more messages
         self.local = threading.local()
         self.counter = itertools.count()
         self.loop = None  # the event loop this side last awaited the other side from
@@ -255,8 +284,10 @@ class Endpoint:
                 self.handle_of[id(obj)] = handle
             return handle
 
-    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
-        """`mirror`: a list or dict that is an attribute of an object here: the other side's changes come back."""
+    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False, fresh: bool = False):
+        """`mirror`: a list or dict that is an attribute of an object here: the other side's changes come back.
+        `fresh`: a call's result, new to its caller: never shared (an empty list a trusted policy returns would
+        otherwise let the sandbox put its objects into a trusted list)."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
@@ -267,10 +298,10 @@ class Endpoint:
         if kind in (tuple, list) and all(type(v) is int for v in value):
             encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
         elif kind in (tuple, list, set, frozenset):
-            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
+            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1, fresh=fresh) for v in value]}
         elif kind is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
-                                          for k, v in value.items()]}
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1, fresh=fresh),
+                                           self.encode(v, buffers, depth + 1, fresh=fresh)] for k, v in value.items()]}
         else:
             encoded = None
         if encoded is not None:
@@ -279,7 +310,7 @@ class Endpoint:
             if self.policy is None:
                 shared = kind in (list, dict) and mirror
             else:
-                shared = kind is list and all(type(v) in (int, str, type(None)) for v in value)
+                shared = not fresh and kind is list and all(type(v) in (int, str, type(None)) for v in value)
             if shared:
                 encoded["h"] = self._export(value)  # changes the other side makes to its copy are made here too
             return encoded
@@ -393,6 +424,12 @@ class Endpoint:
     # other side makes back while serving it carries the same name, and on each side one thread serves a
     # chain: the thread that waits for the reply, or a thread started for a chain the other side began.
     # So a call back runs on the thread that is waiting for it, and MLX sees one thread per chain.
+    #
+    # Whoever waits reads: a thread that waits for its chain's next message reads the pipe itself while no
+    # other thread does, and hands a message of another chain to that chain's inbox. A round trip then
+    # wakes one thread on each side, not two (a reader thread handing each message on cost a time slice
+    # per message on a busy machine). `serve_forever` reads only while no chain's thread waits: it catches
+    # the chains the other side begins.
 
     def pool(self):
         """Threads that wait for the other side on behalf of event loops (each is a chain of its own)."""
@@ -404,7 +441,7 @@ class Endpoint:
             return self._pool
 
     def start(self) -> "Endpoint":
-        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
+        threading.Thread(target=self.serve_forever, name=f"remote-{self.side}", daemon=True).start()
         return self
 
     def _chain(self) -> str:
@@ -421,14 +458,15 @@ class Endpoint:
         if self.broken:
             raise RemoteGone(self.broken)
         chain = self._chain()
-        inbox = self.chains.setdefault(chain, queue.SimpleQueue())
+        with self.mutex:
+            self.chains.setdefault(chain, collections.deque())
         buffers: list[bytes] = []
         header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
         if self.pending_seed is not None:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
             self._send(header, buffers)
-            return self._wait(inbox)
+            return self._wait(chain)
         except _RaisedThere as raised:
             raise raised.error from None  # the call raised on the other side: the process is fine
         except (RemoteGone, ProtocolError) as error:
@@ -439,9 +477,9 @@ class Endpoint:
             self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
             raise
 
-    def _wait(self, inbox: queue.SimpleQueue):
+    def _wait(self, chain: str):
         while True:
-            item = inbox.get()
+            item = self._take(chain)
             if item is None:
                 raise RemoteGone(self.broken or "the other process closed the pipe")
             header, buffers = item
@@ -461,30 +499,86 @@ class Endpoint:
             else:
                 raise ProtocolError(f"an unknown message kind {kind!r}")
 
-    def read_forever(self) -> None:
-        """Hand each message to the thread of its chain (starting one for a chain the other side began)."""
+    def _take(self, chain: str):
+        """The next message of `chain` (None once the pipe is broken): from its inbox, or read by this thread."""
+        inbox = self.chains[chain]
+        with self.mutex:
+            self.waiting += 1
+            self.takes += 1
         try:
             while True:
-                header, buffers = receive_message(self.read_fd)
-                chain = header.get("c")
-                if not isinstance(chain, str) or len(chain) > 64:
-                    raise ProtocolError("a message without its chain")
+                with self.mutex:
+                    while not inbox and not self.closed and self.reading:
+                        self.mutex.wait()
+                    if inbox:
+                        return inbox.popleft()
+                    if self.closed:
+                        return None
+                    self.reading = True
+                if self._read_one() == chain:
+                    with self.mutex:
+                        return inbox.popleft()
+        finally:
+            with self.mutex:
+                self.waiting -= 1
+
+    def _read_one(self) -> str | None:
+        """Read one message into its chain's inbox (starting a thread for a chain the other side began)."""
+        chain = None
+        try:
+            header, buffers = receive_message(self.reader)
+            chain = header.get("c")
+            if not isinstance(chain, str) or len(chain) > 64:
+                raise ProtocolError("a message without its chain")
+            with self.mutex:
                 inbox = self.chains.get(chain)
                 if inbox is None:
                     if header.get("k") != "req" or len(self.chains) >= MAX_CHAINS:
                         raise ProtocolError("a reply nobody waits for, or too many threads of calls")
-                    inbox = self.chains[chain] = queue.SimpleQueue()
-                    threading.Thread(target=self._serve_chain, args=(chain, inbox), daemon=True).start()
-                inbox.put((header, buffers))
+                    inbox = self.chains[chain] = collections.deque()
+                    threading.Thread(target=self._serve_chain, args=(chain,), daemon=True).start()
+                inbox.append((header, buffers))
         except (RemoteGone, ProtocolError, OSError, ValueError, struct.error) as error:
             self.broken = self.broken or f"{error}{self.explain_loss()}"
-        for inbox in list(self.chains.values()):
-            inbox.put(None)
+            self.closed = True
+        except BaseException:
+            self.closed = True  # interrupted mid-message (a time limit): the stream cannot be trusted from here
+            self.broken = self.broken or "a call was interrupted (a time limit): the submission's process was stopped"
+            raise
+        finally:
+            with self.mutex:
+                self.reading = False
+                self.mutex.notify_all()
+                if self.closed:
+                    self.idle.notify_all()
+        return chain
 
-    def _serve_chain(self, chain: str, inbox: queue.SimpleQueue) -> None:
+    def serve_forever(self) -> None:
+        """Read the messages no waiting thread reads: the first request of each chain the other side begins."""
+        while not self.closed:
+            with self.mutex:
+                while not self.closed:
+                    seen = self.takes
+                    self.idle.wait(IDLE_POLL)  # not woken at each round trip: that would cost one more switch
+                    if not self.waiting and self.takes == seen:
+                        break  # no chain's thread has read for a while: this one listens
+            try:
+                self.reader.wait_readable()
+            except RemoteGone as error:
+                with self.mutex:
+                    self.broken, self.closed = self.broken or str(error), True
+                    self.mutex.notify_all()
+                return
+            with self.mutex:
+                if self.reading or self.waiting or self.closed:
+                    continue
+                self.reading = True
+            self._read_one()
+
+    def _serve_chain(self, chain: str) -> None:
         self.local.chain = chain
         while True:
-            item = inbox.get()
+            item = self._take(chain)
             if item is None:
                 return
             header, buffers = item
@@ -507,7 +601,8 @@ class Endpoint:
                 raise ProtocolError("a request for a handle this side never gave out")
             args = self.decode(header.get("a"), buffers)
             result = self._perform(str(header.get("op")), self.exported[handle], args)
-            reply = {"k": "ok", "v": self.encode(result, out, mirror=header.get("op") == "getattr")}
+            op = header.get("op")
+            reply = {"k": "ok", "v": self.encode(result, out, mirror=op == "getattr", fresh=op != "getattr")}
         except (RemoteGone, ProtocolError):
             raise
         except Exception as error:
@@ -543,6 +638,12 @@ class Endpoint:
             if policy and not inspect.isawaitable(target):
                 raise PermissionError("the grader awaits only awaitables for submitted code")
             return _run_awaitable(self, target)
+        if op == "fetch":
+            objects, paths = args
+            if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
+                raise ProtocolError("fetch takes a list of objects and attribute paths")
+            read = (lambda obj, name: policy.attribute(obj, name)) if policy else getattr
+            return [[functools.reduce(read, path.split("."), obj) for path in paths] for obj in objects]
         if op == "vars":
             if policy:
                 return {k: policy.attribute(target, k) for k in vars(target) if policy.allows(target, k)}
@@ -555,6 +656,22 @@ class Endpoint:
                 policy.check_result(result, op)
             return result
         raise ProtocolError(f"an unknown operation {op!r}")
+
+
+def fetch(objects, *paths: str) -> list[list]:
+    """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
+
+    Objects of the other process are read in one round trip for all of them, not one per attribute (a test's
+    fake reads a whole plan at once); objects of this process are read here, so a test works either way.
+    """
+    objects = list(objects)
+    remote = [o for o in objects if type(o) is Remote]
+    if not remote:
+        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+    endpoint = object.__getattribute__(remote[0], "_endpoint")
+    if len(remote) < len(objects) or any(object.__getattribute__(o, "_endpoint") is not endpoint for o in remote):
+        raise ValueError("fetch reads objects of one process at a time")
+    return endpoint.request("fetch", object.__getattribute__(remote[0], "_handle"), objects, list(paths))
 
 
 def describe_exception(error: BaseException) -> dict:

@@ -351,7 +351,7 @@ def _worker_main(argv: list[str]) -> None:
 
     selection = selector.for_stack(week, day) if kind == "stack" else selector.for_day(week, day)
     endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selection)
-    endpoint.read_forever()
+    endpoint.serve_forever()
 
 
 if __name__ == "__main__":
