@@ -253,6 +253,7 @@ class Endpoint:
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
+        self.stand_ins: dict[int, type] = {}  # handle of an exception class of the sandbox -> its stand-in here
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
         self.reader = PipeReader(read_fd)
@@ -332,13 +333,32 @@ class Endpoint:
         mx = _mlx() if "mlx" in kind.__module__ else None
         if mx is not None and kind is mx.array:
             return self._encode_array(value, buffers)
+        if mx is not None and kind is mx.distributed.Group and value.size() == 1:
+            return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
+        if self.policy is None and isinstance(value, type) and issubclass(value, Exception) \
+                and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
+            return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         cls = type(value)
         path = f"{cls.__module__}:{cls.__qualname__}"
         if isinstance(value, enum.Enum) and _shared_class(path) is cls:
             return {"$": "enum", "cls": path, "name": value.name}
         return {"$": "h", "h": self._export(value), "cls": path}
+
+    def _describe_class(self, cls: type) -> dict:
+        """An exception class of the sandbox, for the trusted side's stand-in: handle, name, nearest built-in base."""
+        return {"h": self._export(cls), "name": cls.__qualname__[:200], "base": _nearest_builtin(cls).__name__}
+
+    def _stand_in(self, value: dict) -> type:
+        """The trusted side's class for an exception class of the sandbox: a subclass of its nearest built-in
+        exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
+        handle, base = value.get("h"), BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
+        if not isinstance(handle, int) or self.policy is None:
+            raise ProtocolError("an exception class only the sandbox may send")
+        if handle not in self.stand_ins:
+            self.stand_ins[handle] = type(str(value.get("name", "Error"))[:200], (base,), {"__module__": "submission"})
+        return self.stand_ins[handle]
 
     def _encode_array(self, value, buffers):
         mx = _mlx()
@@ -391,6 +411,13 @@ class Endpoint:
             return self.exported[handle]
         if tag == "h":
             return self._proxy(int(value["h"]), str(value.get("cls", "")))
+        if tag == "group1":
+            group = _mlx().distributed.init()
+            if group.size() != 1:
+                raise ProtocolError("a group of one rank sent to a process that is a rank of a larger one")
+            return group
+        if tag == "exc":
+            return self._stand_in(value)
         if tag == "enum":
             cls = _shared_class(str(value["cls"]))
             if cls is None or not issubclass(cls, enum.Enum):
@@ -492,7 +519,8 @@ class Endpoint:
                 origin = header.get("origin")
                 if isinstance(origin, int) and isinstance(self.exported.get(origin), BaseException):
                     raise _RaisedThere(self.exported[origin])
-                error = rebuild_exception(header)
+                error = rebuild_exception(header, self._stand_in(header["cls"]) if isinstance(header.get("cls"), dict)
+                                          and self.policy is not None else None)
                 if isinstance(header.get("own"), int):
                     error.remote_origin = (self, header["own"])
                 raise _RaisedThere(error)
@@ -614,6 +642,8 @@ class Endpoint:
             else:
                 error.__traceback__ = None  # kept for the other side to send back: without its frames
                 reply["own"] = self._export(error)
+                if self.policy is None and BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
+                    reply["cls"] = self._describe_class(type(error))
         reply["c"] = header.get("c")
         self._send(reply, out)
 
@@ -674,16 +704,20 @@ def fetch(objects, *paths: str) -> list[list]:
     return endpoint.request("fetch", object.__getattribute__(remote[0], "_handle"), objects, list(paths))
 
 
+def _nearest_builtin(cls: type) -> type:
+    return next((c for c in cls.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
+
+
 def describe_exception(error: BaseException) -> dict:
     """An exception as the nearest built-in type, its message and a short traceback."""
-    base = next((c for c in type(error).__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
+    base = _nearest_builtin(type(error))
     where = "".join(traceback.format_exception(error)[-12:])
     message = str(error) if base is not KeyError or not error.args else repr(error.args[0])
     return {"k": "err", "type": base.__name__, "msg": message[:20_000], "tb": where[-6000:]}
 
 
-def rebuild_exception(header: dict) -> BaseException:
-    cls = BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
+def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseException:
+    cls = stand_in or BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
     if cls is StopIteration:
         return StopIteration()
     try:

@@ -23,8 +23,7 @@ import mlx.core as mx  # noqa: E402
 
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
-from course import selector  # noqa: E402
-from tests.harness import reference, solution, solution_name  # noqa: E402
+from tests.harness import reference, solution, written  # noqa: E402
 
 # Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
 # chunks share steps, and the pool is small enough that the run preempts and recomputes.
@@ -119,8 +118,8 @@ def main() -> None:
     parser.add_argument("--stack", action="store_true", help="the student's code for every task written so far")
     args = parser.parse_args()
     group = ranks.join()
-    if args.stack and solution_name() == "student":
-        sol = selector.for_student()
+    if args.stack:
+        sol = written()
     else:
         sol = solution(4, 4)
     if args.die_rank is not None and group.rank() != args.die_rank:

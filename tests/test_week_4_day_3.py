@@ -57,17 +57,18 @@ def simulated_all_sum(partials: list[mx.array]):
     With `partials[r]` what rank r's local part computes, a rank that all_sums its partial gets the full
     output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage.
     """
-    real = mx.distributed.all_sum
+    distributed = sol.tensor_parallel.mx.distributed  # where the code under test runs (while grading, its sandbox)
+    real = distributed.all_sum
 
     def all_sum(x, *args, group=None, **kwargs):
         rank = (group if group is not None else args[0]).rank()
         return x + sum(p for r, p in enumerate(partials) if r != rank)
 
-    mx.distributed.all_sum = all_sum
+    distributed.all_sum = all_sum
     try:
         yield
     finally:
-        mx.distributed.all_sum = real
+        distributed.all_sum = real
 
 
 def assert_close(got: mx.array, expected: mx.array, what: str):
