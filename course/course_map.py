@@ -22,10 +22,6 @@ class Day:
     # "batch" (batch_generate, prompts prefilled whole), "chunked-prefill" (batch_generate, small chunks),
     # "engine" (week 3's LLMEngine step by step on a small KV pool: scripts/compare_week3.py).
     compare: str = ""
-    # False for a day whose tests cannot reach the student's code through the grader's sandboxed worker
-    # yet (they hand it objects the pipe refuses, or start processes of their own): graded in-process,
-    # with the weaker guarantees book/src/grading.md lists, and the report says so.
-    sandboxed: bool = True
 
     @property
     def key(self) -> str:
