@@ -14,18 +14,24 @@ What crosses, and how (never pickle: nothing that arrives is ever unpickled or e
   are requests to its owner. The same object always comes back as the same proxy (so `is` works), and
   a proxy sent back is the original object again;
 - a list or dict that is an attribute of an object of the sandbox (a scheduler's slots, a ref count
-  table), and a trusted list of plain values (a sequence's block table), arrive as mirrors: a copy to
-  read, and every change made to the original too; enum members of shared modules travel by value;
+  table), and a list of plain values that is an attribute of a trusted object of the reference (a
+  sequence's block table), arrive as mirrors: a copy to read, and every change made to the original
+  too; every other list goes as a copy; enum members of shared modules travel by value, and so does an
+  `mx.distributed` group of one rank;
 - an exception travels as the nearest built-in exception type with its message and the remote
-  traceback as a note: `pytest.raises(ValueError)` and "not implemented yet" work unchanged; an
+  traceback as a note (one of a class of the sandbox's, as a stand-in subclass of that type, one per
+  class, so `except sol.module.SomeError` works): `pytest.raises(ValueError)` and "not implemented
+  yet" work unchanged; an
   exception that comes back to the side that raised it first is the original object again;
 - calls nest both ways and come from several threads: a trusted object handed to the student's code
   (a model, a tokenizer, a fake) is called back through its handle while the outer call waits, on the
   thread that waits (see "chains" below); awaiting a proxy (an ASGI app's coroutine) works too.
 
 A trusted endpoint serves the sandbox only a narrow surface of the objects it handed over (`Policy`):
-public attributes, calls and item access, no module, class or built-in function, nothing that writes
-files or replaces weights, and attributes set only to plain data.
+public attributes, calls and item access, no module, class, code, frame, traceback or built-in function,
+nothing that writes files or replaces weights; attributes set only to plain data and only on the
+reference's objects (never on a test's fake); no seed of its random numbers; messages of at most
+MAX_MESSAGE bytes. `fetch` reads many attributes of many objects in one round trip.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import weakref
 import numpy as np
 
 MAX_HEADER = 64 << 20
-MAX_BUFFER = 4 << 30
+MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
 MAX_CHAINS = 512  # threads of calls the other side may start here
@@ -168,11 +174,12 @@ def receive_message(reader) -> tuple[dict, list[bytes]]:
     header = json.loads(_read_exactly(reader, size))
     if not isinstance(header, dict) or not isinstance(header.get("nbuf"), int) or not 0 <= header["nbuf"] <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
-    buffers = []
+    buffers, left = [], MAX_MESSAGE
     for _ in range(header["nbuf"]):
         (length,) = struct.unpack("<Q", _read_exactly(reader, 8))
-        if length > MAX_BUFFER:
-            raise ProtocolError(f"a buffer of {length} bytes")
+        if length > left:
+            raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
+        left -= length
         buffers.append(_read_exactly(reader, length))
     return header, buffers
 
@@ -213,15 +220,23 @@ class Policy:
         return value
 
     def check_result(self, value, name: str) -> None:
-        forbidden = (types.ModuleType, type, types.CodeType, types.FrameType)
+        forbidden = (types.ModuleType, type, types.CodeType, types.FrameType, types.TracebackType)
         unbound_builtin = isinstance(value, types.BuiltinFunctionType) and isinstance(
             getattr(value, "__self__", None), (types.ModuleType, type(None)))
         if isinstance(value, forbidden) or unbound_builtin:
             raise PermissionError(f"the grader does not hand modules, classes or built-in functions to submitted "
                                   f"code ({name!r})")
 
+    @staticmethod
+    def writable(obj) -> bool:
+        """Whether submitted code may change `obj`: an object of the reference or MLX a test hands over (a
+        sequence whose block table a scheduler fills), never a test's own fake, which may hold its evidence."""
+        cls = type(obj)
+        return _shared_class(f"{cls.__module__}:{cls.__qualname__}") is cls
+
     def set_attribute(self, obj, name: str, value) -> None:
-        if not isinstance(name, str) or name.startswith("_") or callable(getattr(obj, name, None)):
+        if not isinstance(name, str) or name.startswith("_") or callable(getattr(obj, name, None)) \
+                or not self.writable(obj):
             raise PermissionError(f"the grader does not let submitted code replace {name!r} of a trusted object")
         if _holds_remote(value):
             raise PermissionError(f"submitted code may set {name!r} of a trusted object only to plain data")
@@ -285,10 +300,9 @@ class Endpoint:
                 self.handle_of[id(obj)] = handle
             return handle
 
-    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False, fresh: bool = False):
-        """`mirror`: a list or dict that is an attribute of an object here: the other side's changes come back.
-        `fresh`: a call's result, new to its caller: never shared (an empty list a trusted policy returns would
-        otherwise let the sandbox put its objects into a trusted list)."""
+    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
+        """`mirror`: a list or dict that is an attribute of an object here (of the reference's, on the trusted
+        side): the other side's changes come back. Anything else goes as a copy: a call's result, an argument."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
@@ -299,19 +313,19 @@ class Endpoint:
         if kind in (tuple, list) and all(type(v) is int for v in value):
             encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
         elif kind in (tuple, list, set, frozenset):
-            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1, fresh=fresh) for v in value]}
+            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1,) for v in value]}
         elif kind is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1, fresh=fresh),
-                                           self.encode(v, buffers, depth + 1, fresh=fresh)] for k, v in value.items()]}
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1,),
+                                           self.encode(v, buffers, depth + 1,)] for k, v in value.items()]}
         else:
             encoded = None
         if encoded is not None:
-            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values (a
-            # block table), so no change made through a mirror can reach a trusted model's layers.
+            # The sandbox mirrors its objects' lists and dicts; the trusted side only the reference's objects' lists
+            # of plain values (a block table): no change made through a mirror reaches a model's layers or a fake.
             if self.policy is None:
                 shared = kind in (list, dict) and mirror
             else:
-                shared = not fresh and kind is list and all(type(v) in (int, str, type(None)) for v in value)
+                shared = mirror and kind is list and all(type(v) in (int, str, type(None)) for v in value)
             if shared:
                 encoded["h"] = self._export(value)  # changes the other side makes to its copy are made here too
             return encoded
@@ -566,7 +580,7 @@ class Endpoint:
                     inbox = self.chains[chain] = collections.deque()
                     threading.Thread(target=self._serve_chain, args=(chain,), daemon=True).start()
                 inbox.append((header, buffers))
-        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error) as error:
+        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error, RecursionError) as error:
             self.broken = self.broken or f"{error}{self.explain_loss()}"
             self.closed = True
         except BaseException:
@@ -622,15 +636,16 @@ class Endpoint:
     def _serve(self, header: dict, buffers: list[bytes]) -> None:
         out: list[bytes] = []
         try:
-            if "seed" in header:
+            if "seed" in header and self.policy is None:  # the trusted side's `mx.random.seed(n)`, never the reverse
                 _mlx().random.seed(int(header["seed"]))
             handle = header.get("h")
             if not isinstance(handle, int) or handle not in self.exported:
                 raise ProtocolError("a request for a handle this side never gave out")
             args = self.decode(header.get("a"), buffers)
             result = self._perform(str(header.get("op")), self.exported[handle], args)
-            op = header.get("op")
-            reply = {"k": "ok", "v": self.encode(result, out, mirror=op == "getattr", fresh=op != "getattr")}
+            op, target = header.get("op"), self.exported[handle]
+            mirror = op == "getattr" and (self.policy is None or self.policy.writable(target))
+            reply = {"k": "ok", "v": self.encode(result, out, mirror=mirror)}
         except (RemoteGone, ProtocolError):
             raise
         except Exception as error:
@@ -682,7 +697,7 @@ class Endpoint:
             if policy:
                 policy.operation(op, target, args)
             result = OPERATIONS[op](target, *args)
-            if policy and op in ("__getitem__", "__iter__", "__next__"):
+            if policy:
                 policy.check_result(result, op)
             return result
         raise ProtocolError(f"an unknown operation {op!r}")
