@@ -19,6 +19,11 @@ files except its private /tmp, and limits on CPU time, address space, file size 
 processes (RLIMIT_NPROC, or where the kernel exempts root from it, a watchdog of the trusted side). Its
 output goes to a file of the trusted side, cut off at the file-size limit.
 
+Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
+sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
+and runs the rank programs outside it, each reaching its rank's worker through its pipes (`RankLink`):
+the checks a rank program makes stay out of the submission's reach, as every test's do.
+
 Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
 process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
 says what that means; the trusted side still makes every verdict.
@@ -31,6 +36,7 @@ import atexit
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -420,14 +426,18 @@ class RankRoot:
         return self.selections[key]
 
 
-RING_PORT = 40_000  # the first port of the ring: the sandbox's loopback is its own, so any port is free
+def _free_port() -> int:
+    """A port free on this loopback now (the sandbox's own; without bubblewrap, the machine's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _start_ring(week: str, day: str, threads: str, fds: list[str]) -> None:
     """The launcher of a ranks sandbox: one worker per pair of pipes, in a ring on this sandbox's loopback."""
     count = len(fds) // 2
     hostfile = Path(tempfile.mkdtemp()) / "ring.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{RING_PORT + rank}"] for rank in range(count)]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(count)]))
     environment = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
     if int(threads):
         environment.update({name: threads for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
