@@ -18,9 +18,8 @@ student's code either: `solution(week, day)` there reaches the day's package in 
 OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
 files, a private scratch directory, limits), through a pipe that carries data, never code
 (course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
-limits, a time budget of 10 s plus 1.5x the honest run's recorded times (course/grading_times.json)
-that the days share in order (each stops at its part of it), a memory limit, and every descendant
-process killed when the day ends bound the run. results.json is rewritten
+limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json), a memory
+limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
 (atomically) after each day, so an interrupted run leaves a valid report. Without bubblewrap (macOS)
 it says plainly that it runs unsandboxed.
 
@@ -72,7 +71,7 @@ STATUS_WORDS = {
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
 YARDSTICK_KEY = "yardstick"  # seconds of a fixed computation in that run: the machine's speed then
 BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
-MIN_RUN_BUDGET = 10.0  # seconds the days' budget starts with: a short day on a busy machine keeps its points
+MIN_DAY_BUDGET = 10.0
 DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
@@ -149,10 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help="time budget of each day's tests (default: the days share one budget, 10 s plus "
-                             "1.5x the honest run's times recorded in course/grading_times.json, scaled to this "
-                             "machine, 600 for a day not recorded, each day stopping at its part of it); tests "
-                             "left when it runs out score 0")
+                        help="time budget of one day's tests (default: 1.5x the honest run's time recorded in "
+                             "course/grading_times.json, scaled to this machine; 600 for a day not recorded); "
+                             "tests left when it runs out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
                         help="time budget of the whole run (default 3600); days left when it runs out score 0")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
@@ -535,22 +533,12 @@ def integrity_report(submission: Submission) -> list[str]:
     return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
 
 
-def day_share(day: Day, speed: float) -> float:
-    """A day's share of the run's time budget: 1.5x the honest run's recorded time, scaled to this machine."""
+def day_budget(day: Day, args: argparse.Namespace, speed: float) -> float:
+    """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget."""
     recorded = recorded_times().get(day.key)
-    return DEFAULT_DAY_BUDGET if recorded is None else BUDGET_FACTOR * recorded * speed
-
-
-def day_deadline(day: Day, args: argparse.Namespace, speed: float, clock: dict) -> float:
-    """When day `day`'s tests must stop. `clock` holds "start" (when the first day began) and "shares" (the
-    shares of the days begun so far): day i stops MIN_RUN_BUDGET + the first i days' shares after the first
-    day began, so what an honest day leaves unspent is there for the next, and a run that sleeps in every
-    test ends within 1.5x the honest run's time plus MIN_RUN_BUDGET, however many days it has. --day-budget
-    gives each day that many seconds instead."""
-    if args.day_budget is not None:
-        return time.monotonic() + args.day_budget
-    clock["shares"] += day_share(day, speed)
-    return clock["start"] + MIN_RUN_BUDGET + clock["shares"]
+    if args.day_budget is not None or recorded is None:
+        return args.day_budget or DEFAULT_DAY_BUDGET
+    return max(MIN_DAY_BUDGET, BUDGET_FACTOR * recorded * speed)
 
 
 def recorded_times() -> dict[str, float]:
@@ -647,7 +635,6 @@ def grade(args: argparse.Namespace) -> int:
 
         save()
         memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
-        clock = {"start": time.monotonic(), "shares": 0.0}  # the days' time budget (day_deadline)
         for index, day in enumerate(days):
             label = f"week {day.week} day {day.day}"
             if bar is not None and not bar.disable:
@@ -662,8 +649,7 @@ def grade(args: argparse.Namespace) -> int:
             elif time.monotonic() >= run_deadline:
                 reports[index] = placeholder(day, ids, "not run: the run's time budget ran out before this day")
             else:
-                deadline = min(day_deadline(day, args, speed, clock), run_deadline)
-                budget = max(1.0, deadline - time.monotonic())
+                budget = day_budget(day, args, speed)
                 env = trusted_env
                 if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
@@ -672,16 +658,16 @@ def grade(args: argparse.Namespace) -> int:
                     logs.mkdir()
                     env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
                            sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
+                deadline = min(time.monotonic() + budget, run_deadline)
                 run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget), expected=ids,
                                     deadline=deadline, memory_mb=memory_mb,
                                     on_result=(lambda _: bar.update(1)) if bar is not None else None)
                 kill_descendants()
                 reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when the time budget ran out ({budget:.0f} s were "
-                                                f"left for it: {BUDGET_FACTOR:g}x an honest run of the days so far, "
-                                                f"plus {MIN_RUN_BUDGET:g} s; --budget {args.budget:g} s for the whole "
-                                                f"run)")
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({budget:.0f} s: "
+                                                f"{BUDGET_FACTOR:g}x an honest run here; --budget {args.budget:g} s "
+                                                f"for the whole run)")
             if bar is not None:
                 bar.n = sum(len(expected.get(d.test_file, [])) for d in days[: index + 1])
                 bar.refresh()

@@ -676,9 +676,9 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
                                               *ATTACK_ARGS.get(attack, []))
     assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
     assert results["extra_data"]["sandboxed"] is True
-    # 1.5x the honest run plus the run's grade.MIN_RUN_BUDGET (a short day graded on a busy machine must not lose
-    # an honest student points), plus 5 s for the machine's noise on a short run.
-    assert seconds <= 1.5 * honest_seconds + grade.MIN_RUN_BUDGET + 5, (seconds, honest_seconds)
+    # 1.5x the honest run, but a day's budget is never below grade.MIN_DAY_BUDGET (a short day graded on a busy
+    # machine must not lose an honest student points), plus 5 s for the machine's noise on a short run.
+    assert seconds <= max(1.5 * honest_seconds, grade.MIN_DAY_BUDGET) + 5, (seconds, honest_seconds)
     assert repository_state() == before, "the attack changed the repository"
     named = ATTACK_FILES[attack]
     if named is not None:  # the integrity report names it, for the instructor
