@@ -37,7 +37,6 @@ MAX_MESSAGE bytes. `fetch` reads many attributes of many objects in one round tr
 from __future__ import annotations
 
 import builtins
-import collections
 import enum
 import functools
 import inspect
@@ -45,8 +44,8 @@ import itertools
 import json
 import operator
 import os
+import queue
 import re
-import select
 import struct
 import threading
 import traceback
@@ -60,7 +59,6 @@ MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest we
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
 MAX_CHAINS = 512  # threads of calls the other side may start here
-IDLE_POLL = 0.02  # seconds: how often the reader of last resort looks whether it is needed
 
 
 class RemoteGone(RuntimeError):
@@ -134,14 +132,6 @@ class PipeReader:
         data = bytes(self.pending[:count])
         del self.pending[:count]
         return data
-
-    def wait_readable(self) -> None:
-        """Until a message can be read (it may be in the buffer already)."""
-        if not self.pending:
-            try:
-                select.select([self.fd], [], [])
-            except (OSError, ValueError) as error:  # closed by this side
-                raise RemoteGone(f"the pipe was closed ({error})") from None
 
 
 def _read_exactly(reader: PipeReader, count: int) -> bytes:
@@ -272,13 +262,7 @@ class Endpoint:
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
         self.reader = PipeReader(read_fd)
-        self.chains: dict[str, collections.deque] = {}  # chain -> messages for the thread serving it here
-        self.mutex = threading.Condition()  # guards the inboxes, `reading` and `waiting`
-        self.idle = threading.Condition(self.mutex)  # serve_forever's: notified when the pipe breaks
-        self.takes = 0  # how many times a chain's thread has waited for a message
-        self.reading = False  # a thread is reading the pipe
-        self.waiting = 0  # threads waiting for a message of their chain
-        self.closed = False  # the pipe broke: no more messages
+        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread serving it here
         self.local = threading.local()
         self.counter = itertools.count()
         self.loop = None  # the event loop this side last awaited the other side from
@@ -465,12 +449,6 @@ class Endpoint:
     # other side makes back while serving it carries the same name, and on each side one thread serves a
     # chain: the thread that waits for the reply, or a thread started for a chain the other side began.
     # So a call back runs on the thread that is waiting for it, and MLX sees one thread per chain.
-    #
-    # Whoever waits reads: a thread that waits for its chain's next message reads the pipe itself while no
-    # other thread does, and hands a message of another chain to that chain's inbox. A round trip then
-    # wakes one thread on each side, not two (a reader thread handing each message on cost a time slice
-    # per message on a busy machine). `serve_forever` reads only while no chain's thread waits: it catches
-    # the chains the other side begins.
 
     def pool(self):
         """Threads that wait for the other side on behalf of event loops (each is a chain of its own)."""
@@ -482,7 +460,7 @@ class Endpoint:
             return self._pool
 
     def start(self) -> "Endpoint":
-        threading.Thread(target=self.serve_forever, name=f"remote-{self.side}", daemon=True).start()
+        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
         return self
 
     def _chain(self) -> str:
@@ -499,15 +477,14 @@ class Endpoint:
         if self.broken:
             raise RemoteGone(self.broken)
         chain = self._chain()
-        with self.mutex:
-            self.chains.setdefault(chain, collections.deque())
+        inbox = self.chains.setdefault(chain, queue.SimpleQueue())
         buffers: list[bytes] = []
         header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
         if self.pending_seed is not None:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
             self._send(header, buffers)
-            return self._wait(chain)
+            return self._wait(inbox)
         except _RaisedThere as raised:
             raise raised.error from None  # the call raised on the other side: the process is fine
         except (RemoteGone, ProtocolError) as error:
@@ -518,9 +495,9 @@ class Endpoint:
             self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
             raise
 
-    def _wait(self, chain: str):
+    def _wait(self, inbox: queue.SimpleQueue):
         while True:
-            item = self._take(chain)
+            item = inbox.get()
             if item is None:
                 raise RemoteGone(self.broken or "the other process closed the pipe")
             header, buffers = item
@@ -541,86 +518,30 @@ class Endpoint:
             else:
                 raise ProtocolError(f"an unknown message kind {kind!r}")
 
-    def _take(self, chain: str):
-        """The next message of `chain` (None once the pipe is broken): from its inbox, or read by this thread."""
-        inbox = self.chains[chain]
-        with self.mutex:
-            self.waiting += 1
-            self.takes += 1
+    def read_forever(self) -> None:
+        """Hand each message to the thread of its chain (starting one for a chain the other side began)."""
         try:
             while True:
-                with self.mutex:
-                    while not inbox and not self.closed and self.reading:
-                        self.mutex.wait()
-                    if inbox:
-                        return inbox.popleft()
-                    if self.closed:
-                        return None
-                    self.reading = True
-                if self._read_one() == chain:
-                    with self.mutex:
-                        return inbox.popleft()
-        finally:
-            with self.mutex:
-                self.waiting -= 1
-
-    def _read_one(self) -> str | None:
-        """Read one message into its chain's inbox (starting a thread for a chain the other side began)."""
-        chain = None
-        try:
-            header, buffers = receive_message(self.reader)
-            chain = header.get("c")
-            if not isinstance(chain, str) or len(chain) > 64:
-                raise ProtocolError("a message without its chain")
-            with self.mutex:
+                header, buffers = receive_message(self.reader)
+                chain = header.get("c")
+                if not isinstance(chain, str) or len(chain) > 64:
+                    raise ProtocolError("a message without its chain")
                 inbox = self.chains.get(chain)
                 if inbox is None:
                     if header.get("k") != "req" or len(self.chains) >= MAX_CHAINS:
                         raise ProtocolError("a reply nobody waits for, or too many threads of calls")
-                    inbox = self.chains[chain] = collections.deque()
-                    threading.Thread(target=self._serve_chain, args=(chain,), daemon=True).start()
-                inbox.append((header, buffers))
+                    inbox = self.chains[chain] = queue.SimpleQueue()
+                    threading.Thread(target=self._serve_chain, args=(chain, inbox), daemon=True).start()
+                inbox.put((header, buffers))
         except (RemoteGone, ProtocolError, OSError, ValueError, struct.error, RecursionError) as error:
             self.broken = self.broken or f"{error}{self.explain_loss()}"
-            self.closed = True
-        except BaseException:
-            self.closed = True  # interrupted mid-message (a time limit): the stream cannot be trusted from here
-            self.broken = self.broken or "a call was interrupted (a time limit): the submission's process was stopped"
-            raise
-        finally:
-            with self.mutex:
-                self.reading = False
-                self.mutex.notify_all()
-                if self.closed:
-                    self.idle.notify_all()
-        return chain
+        for inbox in list(self.chains.values()):
+            inbox.put(None)
 
-    def serve_forever(self) -> None:
-        """Read the messages no waiting thread reads: the first request of each chain the other side begins."""
-        while not self.closed:
-            with self.mutex:
-                while not self.closed:
-                    seen = self.takes
-                    self.idle.wait(IDLE_POLL)  # not woken at each round trip: that would cost one more switch
-                    if not self.waiting and self.takes == seen:
-                        break  # no chain's thread has read for a while: this one listens
-            try:
-                self.reader.wait_readable()
-            except RemoteGone as error:
-                with self.mutex:
-                    self.broken, self.closed = self.broken or str(error), True
-                    self.mutex.notify_all()
-                return
-            with self.mutex:
-                if self.reading or self.waiting or self.closed:
-                    continue
-                self.reading = True
-            self._read_one()
-
-    def _serve_chain(self, chain: str) -> None:
+    def _serve_chain(self, chain: str, inbox: queue.SimpleQueue) -> None:
         self.local.chain = chain
         while True:
-            item = self._take(chain)
+            item = inbox.get()
             if item is None:
                 return
             header, buffers = item

@@ -466,7 +466,7 @@ def _worker_main(argv: list[str]) -> None:
     else:
         root = _select(int(week), int(day), kind)
     endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", policy=None, root=root)
-    endpoint.serve_forever()
+    endpoint.read_forever()
 
 
 if __name__ == "__main__":
