@@ -14,9 +14,9 @@ What crosses, and how (never pickle: nothing that arrives is ever unpickled or e
   are requests to its owner. The same object always comes back as the same proxy (so `is` works), and
   a proxy sent back is the original object again;
 - a list or dict that is an attribute of an object of the sandbox (a scheduler's slots, a ref count
-  table), and a list of plain values that is an attribute of a trusted object of the reference (a
-  sequence's block table), arrive as mirrors: a copy to read, and every change made to the original
-  too; every other list goes as a copy; enum members of shared modules travel by value, and so does an
+  table), and a trusted list of plain values that the trusted side passes or that is an attribute of
+  one of the reference's objects (a sequence's block table), arrive as mirrors: a copy to read, and
+  every change made to the original too; a call's result, and a test's fake's list, go as copies; enum members of shared modules travel by value, and so does an
   `mx.distributed` group of one rank;
 - an exception travels as the nearest built-in exception type with its message and the remote
   traceback as a note (one of a class of the sandbox's, as a stand-in subclass of that type, one per
@@ -286,7 +286,9 @@ class Endpoint:
 
     def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
         """`mirror`: a list or dict that is an attribute of an object here (of the reference's, on the trusted
-        side): the other side's changes come back. Anything else goes as a copy: a call's result, an argument."""
+        side), or on the trusted side an argument it passes (a test keeps the list it hands over, `engine.tick
+        = now`, and changes it): the other side's changes come back. A call's result goes as a copy."""
+        inner = mirror and self.policy is not None  # the trusted side's lists inside such a value are shared too
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
@@ -297,15 +299,16 @@ class Endpoint:
         if kind in (tuple, list) and all(type(v) is int for v in value):
             encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
         elif kind in (tuple, list, set, frozenset):
-            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1,) for v in value]}
+            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1, inner) for v in value]}
         elif kind is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1,),
-                                           self.encode(v, buffers, depth + 1,)] for k, v in value.items()]}
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1, inner),
+                                           self.encode(v, buffers, depth + 1, inner)] for k, v in value.items()]}
         else:
             encoded = None
         if encoded is not None:
-            # The sandbox mirrors its objects' lists and dicts; the trusted side only the reference's objects' lists
-            # of plain values (a block table): no change made through a mirror reaches a model's layers or a fake.
+            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values that it
+            # passes or that are attributes of the reference's objects (a block table): no change made through a
+            # mirror reaches a model's layers or a fake's evidence.
             if self.policy is None:
                 shared = kind in (list, dict) and mirror
             else:
@@ -479,7 +482,8 @@ class Endpoint:
         chain = self._chain()
         inbox = self.chains.setdefault(chain, queue.SimpleQueue())
         buffers: list[bytes] = []
-        header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
+        header = {"k": "req", "c": chain, "op": op, "h": handle,
+                  "a": self.encode(list(args), buffers, mirror=self.policy is not None)}
         if self.pending_seed is not None:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
