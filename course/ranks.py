@@ -154,6 +154,8 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
     if threads_per_rank is not None:
         for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             rank_env[name] = str(threads_per_rank)
+    if _grading() and not hostfile:
+        return _launch_sandboxed(program, world_size, out_dir, timeout, rank_env, threads_per_rank)
     if world_size == 1 and not hostfile:
         command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
     else:
@@ -172,6 +174,59 @@ def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, e
             kill_group(process)
         log.seek(0)
         output = log.read().decode(errors="replace")
+    return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
+
+
+def _grading() -> bool:
+    """Whether the grader runs this process's tests: the student's code then runs in its sandbox."""
+    from course import sandbox
+
+    return bool(os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE))
+
+
+def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeout: float, rank_env: dict,
+                      threads_per_rank: int | None) -> RankRun:
+    """`launch` while grading: the student's code of every rank runs in one sandbox (course/sandbox.py), its
+    workers in an `mx.distributed` ring on the sandbox's own loopback; the rank programs run here, outside,
+    each reaching its rank's worker through a pipe (`solution(...)`, `join()`), so every check a rank
+    program makes is made where the student's code cannot reach. A rank program that ends badly is
+    reported in mlx.launch's words ("Node with rank R exited with code C")."""
+    from course import sandbox
+
+    ring = sandbox.start_ranks(world_size, threads_per_rank)
+    import_paths = os.pathsep.join(path for path in sys.path if path)
+    ranks, timed_out = [], False
+    with tempfile.TemporaryFile() as log:
+        try:
+            for rank, (read_fd, write_fd) in enumerate(ring.ends):
+                env = {**os.environ, "PYTHONPATH": import_paths, **rank_env,
+                       sandbox.RANK_PIPES_VARIABLE: f"{read_fd},{write_fd}"}
+                ranks.append(subprocess.Popen(program, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, pass_fds=(read_fd, write_fd), start_new_session=True))
+            for fd in ring.fds:  # the rank programs hold them now: a rank that ends closes its worker's pipes
+                os.close(fd)
+            deadline, running = time.monotonic() + timeout, dict(enumerate(ranks))
+            while running and not timed_out:
+                for rank, process in list(running.items()):
+                    status = process.poll()
+                    if status is None:
+                        continue
+                    del running[rank]
+                    if status != 0:  # as mlx.launch does: report it, and ask the other ranks to stop
+                        log.write(f"Node with rank {rank} exited with code {status}\n".encode())
+                        log.flush()
+                        for other in running.values():
+                            other.terminate()
+                timed_out = bool(running) and time.monotonic() > deadline
+                time.sleep(0.02)
+        finally:
+            for process in ranks:
+                kill_group(process)
+            ring.fds = ()
+            ring.stop(wait=GROUP_EXIT_WAIT, keep_log=True)
+        log.seek(0)
+        output = log.read().decode(errors="replace") + ring.output_tail()
+        ring.remove_log()
     return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
 
 
@@ -248,6 +303,11 @@ def join():
     """
     import mlx.core as mx
 
+    from course import sandbox
+
+    graded = sandbox.rank_group()  # started by the grader's launch: the group is the worker's, in its sandbox
+    if graded is not None:
+        return graded
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as error:

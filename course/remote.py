@@ -14,24 +14,31 @@ What crosses, and how (never pickle: nothing that arrives is ever unpickled or e
   are requests to its owner. The same object always comes back as the same proxy (so `is` works), and
   a proxy sent back is the original object again;
 - a list or dict that is an attribute of an object of the sandbox (a scheduler's slots, a ref count
-  table), and a trusted list of plain values (a sequence's block table), arrive as mirrors: a copy to
-  read, and every change made to the original too; enum members of shared modules travel by value;
+  table), and a trusted list of plain values that the trusted side passes or that is an attribute of
+  one of the reference's objects (a sequence's block table), arrive as mirrors: a copy to read, and
+  every change made to the original too; a call's result, and a test's fake's list, go as copies; enum members of shared modules travel by value, and so does an
+  `mx.distributed` group of one rank;
 - an exception travels as the nearest built-in exception type with its message and the remote
-  traceback as a note: `pytest.raises(ValueError)` and "not implemented yet" work unchanged; an
+  traceback as a note (one of a class of the sandbox's, as a stand-in subclass of that type, one per
+  class, so `except sol.module.SomeError` works): `pytest.raises(ValueError)` and "not implemented
+  yet" work unchanged; an
   exception that comes back to the side that raised it first is the original object again;
 - calls nest both ways and come from several threads: a trusted object handed to the student's code
   (a model, a tokenizer, a fake) is called back through its handle while the outer call waits, on the
   thread that waits (see "chains" below); awaiting a proxy (an ASGI app's coroutine) works too.
 
 A trusted endpoint serves the sandbox only a narrow surface of the objects it handed over (`Policy`):
-public attributes, calls and item access, no module, class or built-in function, nothing that writes
-files or replaces weights, and attributes set only to plain data.
+public attributes, calls and item access, no module, class, code, frame, traceback or built-in function,
+nothing that writes files or replaces weights; attributes set only to plain data and only on the
+reference's objects (never on a test's fake); no seed of its random numbers; messages of at most
+MAX_MESSAGE bytes. `fetch` reads many attributes of many objects in one round trip.
 """
 
 from __future__ import annotations
 
 import builtins
 import enum
+import functools
 import inspect
 import itertools
 import json
@@ -48,7 +55,7 @@ import weakref
 import numpy as np
 
 MAX_HEADER = 64 << 20
-MAX_BUFFER = 4 << 30
+MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
 MAX_CHAINS = 512  # threads of calls the other side may start here
@@ -110,15 +117,25 @@ def _shared_class(path: str):
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
 
-def _read_exactly(fd: int, count: int) -> bytes:
-    chunks, left = [], count
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            raise RemoteGone("the other process closed the pipe")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+class PipeReader:
+    """The read end of a pipe, buffered (a message in one system call or few), read by one thread at a time."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pending = fd, bytearray()
+
+    def read(self, count: int) -> bytes:
+        while len(self.pending) < count:
+            chunk = os.read(self.fd, max(count - len(self.pending), 1 << 16))
+            if not chunk:
+                raise RemoteGone("the other process closed the pipe")
+            self.pending += chunk
+        data = bytes(self.pending[:count])
+        del self.pending[:count]
+        return data
+
+
+def _read_exactly(reader: PipeReader, count: int) -> bytes:
+    return reader.read(count)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -139,19 +156,21 @@ def send_message(fd: int, header: dict, buffers: list[bytes]) -> None:
     _write_all(fd, b"".join(parts))
 
 
-def receive_message(fd: int) -> tuple[dict, list[bytes]]:
-    (size,) = struct.unpack("<Q", _read_exactly(fd, 8))
+def receive_message(reader) -> tuple[dict, list[bytes]]:
+    """One message from `reader`, a buffered binary file of the pipe."""
+    (size,) = struct.unpack("<Q", _read_exactly(reader, 8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(_read_exactly(fd, size))
+    header = json.loads(_read_exactly(reader, size))
     if not isinstance(header, dict) or not isinstance(header.get("nbuf"), int) or not 0 <= header["nbuf"] <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
-    buffers = []
+    buffers, left = [], MAX_MESSAGE
     for _ in range(header["nbuf"]):
-        (length,) = struct.unpack("<Q", _read_exactly(fd, 8))
-        if length > MAX_BUFFER:
-            raise ProtocolError(f"a buffer of {length} bytes")
-        buffers.append(_read_exactly(fd, length))
+        (length,) = struct.unpack("<Q", _read_exactly(reader, 8))
+        if length > left:
+            raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
+        left -= length
+        buffers.append(_read_exactly(reader, length))
     return header, buffers
 
 
@@ -191,15 +210,23 @@ class Policy:
         return value
 
     def check_result(self, value, name: str) -> None:
-        forbidden = (types.ModuleType, type, types.CodeType, types.FrameType)
+        forbidden = (types.ModuleType, type, types.CodeType, types.FrameType, types.TracebackType)
         unbound_builtin = isinstance(value, types.BuiltinFunctionType) and isinstance(
             getattr(value, "__self__", None), (types.ModuleType, type(None)))
         if isinstance(value, forbidden) or unbound_builtin:
             raise PermissionError(f"the grader does not hand modules, classes or built-in functions to submitted "
                                   f"code ({name!r})")
 
+    @staticmethod
+    def writable(obj) -> bool:
+        """Whether submitted code may change `obj`: an object of the reference or MLX a test hands over (a
+        sequence whose block table a scheduler fills), never a test's own fake, which may hold its evidence."""
+        cls = type(obj)
+        return _shared_class(f"{cls.__module__}:{cls.__qualname__}") is cls
+
     def set_attribute(self, obj, name: str, value) -> None:
-        if not isinstance(name, str) or name.startswith("_") or callable(getattr(obj, name, None)):
+        if not isinstance(name, str) or name.startswith("_") or callable(getattr(obj, name, None)) \
+                or not self.writable(obj):
             raise PermissionError(f"the grader does not let submitted code replace {name!r} of a trusted object")
         if _holds_remote(value):
             raise PermissionError(f"submitted code may set {name!r} of a trusted object only to plain data")
@@ -231,8 +258,10 @@ class Endpoint:
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
         self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
+        self.stand_ins: dict[int, type] = {}  # handle of an exception class of the sandbox -> its stand-in here
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
+        self.reader = PipeReader(read_fd)
         self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread serving it here
         self.local = threading.local()
         self.counter = itertools.count()
@@ -256,7 +285,10 @@ class Endpoint:
             return handle
 
     def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
-        """`mirror`: a list or dict that is an attribute of an object here: the other side's changes come back."""
+        """`mirror`: a list or dict that is an attribute of an object here (of the reference's, on the trusted
+        side), or on the trusted side an argument it passes (a test keeps the list it hands over, `engine.tick
+        = now`, and changes it): the other side's changes come back. A call's result goes as a copy."""
+        inner = mirror and self.policy is not None  # the trusted side's lists inside such a value are shared too
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
@@ -267,19 +299,20 @@ class Endpoint:
         if kind in (tuple, list) and all(type(v) is int for v in value):
             encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
         elif kind in (tuple, list, set, frozenset):
-            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1) for v in value]}
+            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1, inner) for v in value]}
         elif kind is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
-                                          for k, v in value.items()]}
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1, inner),
+                                           self.encode(v, buffers, depth + 1, inner)] for k, v in value.items()]}
         else:
             encoded = None
         if encoded is not None:
-            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values (a
-            # block table), so no change made through a mirror can reach a trusted model's layers.
+            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values that it
+            # passes or that are attributes of the reference's objects (a block table): no change made through a
+            # mirror reaches a model's layers or a fake's evidence.
             if self.policy is None:
                 shared = kind in (list, dict) and mirror
             else:
-                shared = kind is list and all(type(v) in (int, str, type(None)) for v in value)
+                shared = mirror and kind is list and all(type(v) in (int, str, type(None)) for v in value)
             if shared:
                 encoded["h"] = self._export(value)  # changes the other side makes to its copy are made here too
             return encoded
@@ -301,13 +334,32 @@ class Endpoint:
         mx = _mlx() if "mlx" in kind.__module__ else None
         if mx is not None and kind is mx.array:
             return self._encode_array(value, buffers)
+        if mx is not None and kind is mx.distributed.Group and value.size() == 1:
+            return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
+        if self.policy is None and isinstance(value, type) and issubclass(value, Exception) \
+                and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
+            return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         cls = type(value)
         path = f"{cls.__module__}:{cls.__qualname__}"
         if isinstance(value, enum.Enum) and _shared_class(path) is cls:
             return {"$": "enum", "cls": path, "name": value.name}
         return {"$": "h", "h": self._export(value), "cls": path}
+
+    def _describe_class(self, cls: type) -> dict:
+        """An exception class of the sandbox, for the trusted side's stand-in: handle, name, nearest built-in base."""
+        return {"h": self._export(cls), "name": cls.__qualname__[:200], "base": _nearest_builtin(cls).__name__}
+
+    def _stand_in(self, value: dict) -> type:
+        """The trusted side's class for an exception class of the sandbox: a subclass of its nearest built-in
+        exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
+        handle, base = value.get("h"), BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
+        if not isinstance(handle, int) or self.policy is None:
+            raise ProtocolError("an exception class only the sandbox may send")
+        if handle not in self.stand_ins:
+            self.stand_ins[handle] = type(str(value.get("name", "Error"))[:200], (base,), {"__module__": "submission"})
+        return self.stand_ins[handle]
 
     def _encode_array(self, value, buffers):
         mx = _mlx()
@@ -360,6 +412,13 @@ class Endpoint:
             return self.exported[handle]
         if tag == "h":
             return self._proxy(int(value["h"]), str(value.get("cls", "")))
+        if tag == "group1":
+            group = _mlx().distributed.init()
+            if group.size() != 1:
+                raise ProtocolError("a group of one rank sent to a process that is a rank of a larger one")
+            return group
+        if tag == "exc":
+            return self._stand_in(value)
         if tag == "enum":
             cls = _shared_class(str(value["cls"]))
             if cls is None or not issubclass(cls, enum.Enum):
@@ -423,7 +482,8 @@ class Endpoint:
         chain = self._chain()
         inbox = self.chains.setdefault(chain, queue.SimpleQueue())
         buffers: list[bytes] = []
-        header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
+        header = {"k": "req", "c": chain, "op": op, "h": handle,
+                  "a": self.encode(list(args), buffers, mirror=self.policy is not None)}
         if self.pending_seed is not None:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
@@ -454,7 +514,8 @@ class Endpoint:
                 origin = header.get("origin")
                 if isinstance(origin, int) and isinstance(self.exported.get(origin), BaseException):
                     raise _RaisedThere(self.exported[origin])
-                error = rebuild_exception(header)
+                error = rebuild_exception(header, self._stand_in(header["cls"]) if isinstance(header.get("cls"), dict)
+                                          and self.policy is not None else None)
                 if isinstance(header.get("own"), int):
                     error.remote_origin = (self, header["own"])
                 raise _RaisedThere(error)
@@ -465,7 +526,7 @@ class Endpoint:
         """Hand each message to the thread of its chain (starting one for a chain the other side began)."""
         try:
             while True:
-                header, buffers = receive_message(self.read_fd)
+                header, buffers = receive_message(self.reader)
                 chain = header.get("c")
                 if not isinstance(chain, str) or len(chain) > 64:
                     raise ProtocolError("a message without its chain")
@@ -476,7 +537,7 @@ class Endpoint:
                     inbox = self.chains[chain] = queue.SimpleQueue()
                     threading.Thread(target=self._serve_chain, args=(chain, inbox), daemon=True).start()
                 inbox.put((header, buffers))
-        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error) as error:
+        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error, RecursionError) as error:
             self.broken = self.broken or f"{error}{self.explain_loss()}"
         for inbox in list(self.chains.values()):
             inbox.put(None)
@@ -500,14 +561,16 @@ class Endpoint:
     def _serve(self, header: dict, buffers: list[bytes]) -> None:
         out: list[bytes] = []
         try:
-            if "seed" in header:
+            if "seed" in header and self.policy is None:  # the trusted side's `mx.random.seed(n)`, never the reverse
                 _mlx().random.seed(int(header["seed"]))
             handle = header.get("h")
             if not isinstance(handle, int) or handle not in self.exported:
                 raise ProtocolError("a request for a handle this side never gave out")
             args = self.decode(header.get("a"), buffers)
             result = self._perform(str(header.get("op")), self.exported[handle], args)
-            reply = {"k": "ok", "v": self.encode(result, out, mirror=header.get("op") == "getattr")}
+            op, target = header.get("op"), self.exported[handle]
+            mirror = op == "getattr" and (self.policy is None or self.policy.writable(target))
+            reply = {"k": "ok", "v": self.encode(result, out, mirror=mirror)}
         except (RemoteGone, ProtocolError):
             raise
         except Exception as error:
@@ -519,6 +582,8 @@ class Endpoint:
             else:
                 error.__traceback__ = None  # kept for the other side to send back: without its frames
                 reply["own"] = self._export(error)
+                if self.policy is None and BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
+                    reply["cls"] = self._describe_class(type(error))
         reply["c"] = header.get("c")
         self._send(reply, out)
 
@@ -543,6 +608,12 @@ class Endpoint:
             if policy and not inspect.isawaitable(target):
                 raise PermissionError("the grader awaits only awaitables for submitted code")
             return _run_awaitable(self, target)
+        if op == "fetch":
+            objects, paths = args
+            if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
+                raise ProtocolError("fetch takes a list of objects and attribute paths")
+            read = (lambda obj, name: policy.attribute(obj, name)) if policy else getattr
+            return [[functools.reduce(read, path.split("."), obj) for path in paths] for obj in objects]
         if op == "vars":
             if policy:
                 return {k: policy.attribute(target, k) for k in vars(target) if policy.allows(target, k)}
@@ -551,22 +622,42 @@ class Endpoint:
             if policy:
                 policy.operation(op, target, args)
             result = OPERATIONS[op](target, *args)
-            if policy and op in ("__getitem__", "__iter__", "__next__"):
+            if policy:
                 policy.check_result(result, op)
             return result
         raise ProtocolError(f"an unknown operation {op!r}")
 
 
+def fetch(objects, *paths: str) -> list[list]:
+    """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
+
+    Objects of the other process are read in one round trip for all of them, not one per attribute (a test's
+    fake reads a whole plan at once); objects of this process are read here, so a test works either way.
+    """
+    objects = list(objects)
+    remote = [o for o in objects if type(o) is Remote]
+    if not remote:
+        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+    endpoint = object.__getattribute__(remote[0], "_endpoint")
+    if len(remote) < len(objects) or any(object.__getattribute__(o, "_endpoint") is not endpoint for o in remote):
+        raise ValueError("fetch reads objects of one process at a time")
+    return endpoint.request("fetch", object.__getattribute__(remote[0], "_handle"), objects, list(paths))
+
+
+def _nearest_builtin(cls: type) -> type:
+    return next((c for c in cls.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
+
+
 def describe_exception(error: BaseException) -> dict:
     """An exception as the nearest built-in type, its message and a short traceback."""
-    base = next((c for c in type(error).__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
+    base = _nearest_builtin(type(error))
     where = "".join(traceback.format_exception(error)[-12:])
     message = str(error) if base is not KeyError or not error.args else repr(error.args[0])
     return {"k": "err", "type": base.__name__, "msg": message[:20_000], "tb": where[-6000:]}
 
 
-def rebuild_exception(header: dict) -> BaseException:
-    cls = BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
+def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseException:
+    cls = stand_in or BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
     if cls is StopIteration:
         return StopIteration()
     try:

@@ -19,6 +19,11 @@ files except its private /tmp, and limits on CPU time, address space, file size 
 processes (RLIMIT_NPROC, or where the kernel exempts root from it, a watchdog of the trusted side). Its
 output goes to a file of the trusted side, cut off at the file-size limit.
 
+Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
+sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
+and runs the rank programs outside it, each reaching its rank's worker through its pipes (`RankLink`):
+the checks a rank program makes stay out of the submission's reach, as every test's do.
+
 Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
 process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
 says what that means; the trusted side still makes every verdict.
@@ -28,8 +33,10 @@ from __future__ import annotations
 
 import ast
 import atexit
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +50,7 @@ BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
 SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
 LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
+RANK_PIPES_VARIABLE = "TINY_LLM_RANK_PIPES"  # "read_fd,write_fd": a rank program's pipes to its worker
 LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the grader removes it)
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
@@ -139,7 +147,7 @@ def _python_dirs() -> list[str]:
 def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
     command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
                "--gid", str(NOBODY), "--clearenv", "--proc", "/proc", "--dev", "/dev",
-               "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+               "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]
     for system in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives"):
         if os.path.exists(system):
             command += ["--ro-bind", system, system]
@@ -186,14 +194,17 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | N
 
 
 class Worker:
-    """One sandboxed worker process and the endpoint that talks to it."""
+    """One sandbox and the pipes to its worker process(es): one worker and the endpoint that talks to it, or
+    (`ranks` N) N workers in an `mx.distributed` ring, each reached by the rank program the pipes go to."""
 
-    def __init__(self, root: Path, week: int, day: int, kind: str, cpu_seconds: float | None, memory_mb: int | None):
-        to_worker_r, to_worker_w = os.pipe()
-        from_worker_r, from_worker_w = os.pipe()
+    def __init__(self, root: Path, week: int, day: int, kind: str, cpu_seconds: float | None, memory_mb: int | None,
+                 ranks: int = 0, threads_per_rank: int | None = None):
+        pipes = [(os.pipe(), os.pipe()) for _ in range(max(ranks, 1))]  # (to the worker, from the worker) each
+        inside = [str(fd) for (to_r, _), (_, from_w) in pipes for fd in (to_r, from_w)]
         inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
-        inner = [inner_python, "-s", "-m", "course.sandbox", str(to_worker_r), str(from_worker_w),
-                 str(week), str(day), kind]
+        kind = "ranks" if ranks else kind
+        inner = [inner_python, "-s", "-m", "course.sandbox", str(week), str(day), kind, str(threads_per_rank or 0),
+                 *inside]
         # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
         # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
         counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
@@ -207,13 +218,17 @@ class Worker:
             env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."]),
                    "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
         self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                        stderr=subprocess.STDOUT, pass_fds=(to_worker_r, from_worker_w),
+                                        stderr=subprocess.STDOUT, pass_fds=[int(fd) for fd in inside],
                                         preexec_fn=_limits(cpu_seconds, memory_mb, processes))
-        os.close(to_worker_r)
-        os.close(from_worker_w)
-        self.endpoint = remote.Endpoint(from_worker_r, to_worker_w, "trusted", policy=remote.Policy()).start()
-        self.endpoint.explain_loss = self._why_it_ended
-        self.fds = (from_worker_r, to_worker_w)
+        for fd in inside:
+            os.close(int(fd))
+        # This side's ends: (read, write) per worker.
+        self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
+        self.fds = tuple(fd for pair in self.ends for fd in pair)
+        self.endpoint = None
+        if not ranks:
+            self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
+            self.endpoint.explain_loss = self._why_it_ended
         self.too_many: int | None = None
         threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
 
@@ -252,7 +267,7 @@ class Worker:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 2, keep_log: bool = False) -> None:
         """Close the pipes so the worker ends on its own (and is counted in CPU time); kill it if it does not."""
         for fd in self.fds:
             try:
@@ -260,13 +275,17 @@ class Worker:
             except OSError:
                 pass
         try:
-            self.process.wait(timeout=2)
+            self.process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(self.process.pid, 9)
             except (ProcessLookupError, PermissionError):
                 pass
             self.process.wait()
+        if not keep_log:
+            self.remove_log()
+
+    def remove_log(self) -> None:
         try:
             os.unlink(self.log.name)
         except OSError:
@@ -277,10 +296,12 @@ class RemoteSelection:
     """`solution(week, day)` while grading: the day's package, in the sandboxed worker.
 
     `sol.basics` asks the current worker for its module; a worker that died or was stopped at a time
-    limit is replaced on the next use, so a module-level `sol = solution(...)` survives it.
+    limit is replaced on the next use, so a module-level `sol = solution(...)` survives it. In a rank
+    program started by `course.ranks.launch` while grading, the worker is this rank's, in the ring of
+    the launch's sandbox (`RankLink`).
     """
 
-    _workers: dict[tuple[int, int], Worker] = {}
+    _workers: dict[tuple, Worker] = {}
     _restart_needed = {"flag": False}
 
     def __init__(self, week: int, day: int, kind: str = "day"):
@@ -307,7 +328,46 @@ class RemoteSelection:
     def __getattr__(self, module: str):
         if module.startswith("_"):
             raise AttributeError(module)
+        if os.environ.get(RANK_PIPES_VARIABLE):
+            return getattr(RankLink.get().selection(*self._key), module)
         return self._worker().endpoint.request("getattr", 0, module)
+
+
+class RankLink:
+    """A rank program's pipe to its worker in the launch's sandbox (course/ranks.py starts both)."""
+
+    _link: "RankLink | None" = None
+
+    def __init__(self):
+        read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
+        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted", policy=remote.Policy()).start()
+        self.root = self.endpoint._proxy(0, "course.sandbox:RankRoot")
+        self.selections: dict[tuple, object] = {}
+
+    @classmethod
+    def get(cls) -> "RankLink":
+        if cls._link is None:
+            cls._link = RankLink()
+        return cls._link
+
+    def selection(self, week: int, day: int, kind: str):
+        key = (week, day, kind)
+        if key not in self.selections:
+            self.selections[key] = self.root.select(week, day, kind)
+        return self.selections[key]
+
+
+def rank_group():
+    """In a rank program while grading: this rank's `mx.distributed` group, in its worker; None otherwise."""
+    return RankLink.get().root.group if os.environ.get(RANK_PIPES_VARIABLE) else None
+
+
+def start_ranks(world_size: int, threads_per_rank: int | None) -> Worker:
+    """One sandbox of `world_size` workers in an `mx.distributed` ring on its own loopback; `.ends[r]` are the
+    pipes of rank r's program (pass them on with `RANK_PIPES_VARIABLE`)."""
+    cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
+    return Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), 0, 0, "ranks", float(cpu or 0) or None,
+                  int(memory or 0) or None, ranks=world_size, threads_per_rank=threads_per_rank)
 
 
 def _forward_seeds() -> None:
@@ -341,16 +401,68 @@ def stop_workers() -> None:
 
 # ---------------------------------------------------------------- the worker (inside the sandbox)
 
+def _select(week: int, day: int, kind: str):
+    from course import selector
+
+    if kind == "stack":
+        return selector.for_stack(week, day)
+    return selector.for_day(week, day)
+
+
+class RankRoot:
+    """What a rank's worker serves its rank program: its group of the ring, and the selections it asks for."""
+
+    def __init__(self, group):
+        self.group = group
+        self.selections: dict[tuple, object] = {}
+
+    def select(self, week: int, day: int, kind: str):
+        key = (week, day, kind)
+        if key not in self.selections:
+            self.selections[key] = _select(week, day, kind)
+        return self.selections[key]
+
+
+def _free_port() -> int:
+    """A port free on this loopback now (the sandbox's own; without bubblewrap, the machine's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start_ring(week: str, day: str, threads: str, fds: list[str]) -> None:
+    """The launcher of a ranks sandbox: one worker per pair of pipes, in a ring on this sandbox's loopback."""
+    count = len(fds) // 2
+    hostfile = Path(tempfile.mkdtemp()) / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(count)]))
+    environment = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+    if int(threads):
+        environment.update({name: threads for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")})
+    workers = []
+    for rank in range(count):
+        pair = fds[2 * rank: 2 * rank + 2]
+        workers.append(subprocess.Popen([sys.executable, "-s", "-m", "course.sandbox", week, day, "rank", threads, *pair],
+                                        env={**environment, "MLX_RANK": str(rank)}, pass_fds=[int(fd) for fd in pair]))
+    for fd in fds:
+        os.close(int(fd))
+    for worker in workers:
+        worker.wait()
+
+
 def _worker_main(argv: list[str]) -> None:
-    read_fd, write_fd, week, day = (int(a) for a in argv[:4])
-    kind = argv[4]
+    week, day, kind, threads, *fds = argv
+    if kind == "ranks":
+        return _start_ring(week, day, threads, fds)
     from course import fast_mlx
 
     fast_mlx.setup(quiet=True)
-    from course import selector
+    if kind == "rank":
+        import mlx.core as mx
 
-    selection = selector.for_stack(week, day) if kind == "stack" else selector.for_day(week, day)
-    endpoint = remote.Endpoint(read_fd, write_fd, "sandbox", policy=None, root=selection)
+        root = RankRoot(mx.distributed.init(strict=True, backend="ring"))
+    else:
+        root = _select(int(week), int(day), kind)
+    endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", policy=None, root=root)
     endpoint.read_forever()
 
 

@@ -236,6 +236,11 @@ class Selection:
         known = {**self.tasks.get(name, {}), **unwritten_in_source(Path(module.__file__).read_text())}
         self.used.update(known[n] for n in names if n in known)
 
+    def unwritten(self, module: str) -> dict[str, str]:
+        """The student's functions of `module` still raising their task marker: qualified name -> the task, as
+        text. Asked of the selection, so that while grading the sandbox's copy of the student's package answers."""
+        return {name: str(task) for name, task in unwritten().get(module, {}).items()}
+
     def describe(self) -> str:
         """One line: the tasks the loaded modules took from the reference ('' when none)."""
         if not self.used:

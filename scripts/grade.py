@@ -533,14 +533,6 @@ def integrity_report(submission: Submission) -> list[str]:
     return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
 
 
-def in_process_dir(trusted: Path, package: Path, dest: Path) -> Path:
-    """The grading directory of a day graded without the sandbox: the trusted one plus the graded package
-    as `src/tiny_llm`, where the selector looks for the student's code."""
-    shutil.copytree(trusted, dest, symlinks=True)
-    shutil.copytree(package, dest / "src" / "tiny_llm")
-    return dest
-
-
 def day_budget(day: Day, args: argparse.Namespace, speed: float) -> float:
     """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget."""
     recorded = recorded_times().get(day.key)
@@ -659,13 +651,7 @@ def grade(args: argparse.Namespace) -> int:
             else:
                 budget = day_budget(day, args, speed)
                 env = trusted_env
-                reports_notes, grading_dir = [], trusted
-                if package is not None and not day.sandboxed:
-                    grading_dir = in_process_dir(trusted, package, tmp / f"in-process-{day.key}")
-                    env = {**trusted_env, "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."])}
-                    reports_notes.append(f"{label}: graded in-process, NOT sandboxed: its tests cannot reach the "
-                                         "student's code through the sandboxed worker yet (book/src/grading.md)")
-                if package is not None and day.sandboxed:
+                if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
                                                     REPO_ROOT / "course", day.week, day.day)
                     logs = tmp / f"logs-{day.key}"  # a test process killed at a limit cannot clean up after itself
@@ -673,12 +659,11 @@ def grade(args: argparse.Namespace) -> int:
                     env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
                            sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
                 deadline = min(time.monotonic() + budget, run_deadline)
-                run = run_test_file(day.test_file, grading_dir, env, timeout=min(args.timeout, budget), expected=ids,
+                run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget), expected=ids,
                                     deadline=deadline, memory_mb=memory_mb,
                                     on_result=(lambda _: bar.update(1)) if bar is not None else None)
                 kill_descendants()
                 reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
-                reports[index].notes.extend(reports_notes)
                 if run.out_of_time:
                     reports[index].notes.append(f"{label}: stopped when its time budget ran out ({budget:.0f} s: "
                                                 f"{BUDGET_FACTOR:g}x an honest run here; --budget {args.budget:g} s "

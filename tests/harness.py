@@ -13,12 +13,15 @@ mistake in day 2.7's part of batch.py cannot fail day 2.6's tests.
 
 While grading (`pdm run grade` sets TINY_LLM_SANDBOX_ROOT), that package runs in a sandboxed worker
 process and `solution(...)` reaches it through a pipe (course/sandbox.py): the tests, and the verdict,
-stay in this process, which never imports the student's code.
+stay in this process, which never imports the student's code. There every attribute a test reads of the
+student's objects is a round trip: a fake that reads many at once uses `fetch(objects, "seq.block_table", ...)`,
+one round trip for all of them (and plain `getattr` when the objects are in this process).
 """
 
 import os
 
 from course import sandbox, selector
+from course.remote import fetch  # noqa: F401 - for the tests
 
 
 def solution_name() -> str:

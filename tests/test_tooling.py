@@ -750,6 +750,96 @@ def test_the_sandbox_confines_the_submission(tmp_path):
     assert "not available while this day is graded" in seen["reference"] and "mx.exp" not in seen["reference"]
 
 
+class TrustedFake:
+    """A test's fake handed to submitted code: its counters and lists are the test's evidence."""
+
+    def __init__(self, sequence):
+        self.calls: list[int] = []
+        self.count = 0
+        self.sequence = sequence  # an object of the reference's, which submitted code may change
+
+    def call(self) -> int:
+        return 1
+
+    def steps(self):
+        yield 1
+
+
+def test_the_pipe_refuses_what_would_reach_past_it(tmp_path):
+    """Submitted code holding the test's objects tries each way around the pipe's policy (course/remote.py):
+    writing a fake's evidence, a frame or code object out of a generator, seeding the test's random numbers,
+    a message too large to read, an exception of its own class. Each is refused, or lands where it harms
+    nothing; what a scheduler must do (fill a reference sequence's block table) still works."""
+    import mlx.core as mx
+
+    from course.remote import MAX_MESSAGE, RemoteGone
+    from course.sandbox import Worker, prepare_root
+
+    package = tmp_path / "package"
+    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "probe.py").write_text(textwrap.dedent('''
+        import gc, json, os, struct
+
+        class Sneaky(Exception):
+            pass
+
+        def tamper(fake):
+            outcome = {}
+            for name, attempt in (("list", lambda: fake.calls.append(5)), ("setattr", lambda: setattr(fake, "count", 9)),
+                                  ("frame", lambda: fake.steps().gi_frame), ("code", lambda: fake.steps().gi_code)):
+                try:
+                    attempt()
+                    outcome[name] = "allowed"
+                except Exception as error:
+                    outcome[name] = type(error).__name__
+            fake.sequence.block_table.append(7)  # what a block manager does: allowed
+            return outcome
+
+        def endpoint():
+            return next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
+
+        def seed(fake):
+            endpoint().pending_seed = 1234  # the next request asks the test's process to seed with it
+            return fake.call()
+
+        def huge(fake):
+            ends = endpoint()
+            header = json.dumps({"k": "ok", "c": ends.local.chain, "v": None, "nbuf": 1}).encode()
+            os.write(ends.write_fd, struct.pack("<Q", len(header)) + header + struct.pack("<Q", 1 << 40))
+            return fake.call()
+
+        def sneaky():
+            raise Sneaky("mine")
+    '''))
+    root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
+    worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
+    try:
+        probe = worker.endpoint.request("getattr", 0, "probe")
+        from tiny_llm_ref.sequence import Sequence
+
+        fake = TrustedFake(Sequence("s", [1, 2, 3]))
+        tried = probe.tamper(fake)
+        assert tried == {"list": "allowed", "setattr": "PermissionError", "frame": "PermissionError",
+                         "code": "PermissionError"}, tried
+        assert (fake.calls, fake.count) == ([], 0), "a fake's evidence changed by submitted code"
+        assert fake.sequence.block_table == [7], "a reference sequence's block table is the scheduler's to fill"
+        mx.random.seed(5)
+        expected = mx.random.uniform().item()
+        mx.random.seed(5)
+        probe.seed(fake)
+        assert mx.random.uniform().item() == expected, "submitted code seeded the test's random numbers"
+        with pytest.raises(Exception) as raised:
+            probe.sneaky()
+        assert type(raised.value).__name__ == "Sneaky" and isinstance(raised.value, Exception)
+        assert not isinstance(raised.value, (SystemExit, KeyboardInterrupt))
+        with pytest.raises(probe.Sneaky):  # its own class is caught by name, as in-process
+            probe.sneaky()
+        with pytest.raises(RemoteGone, match=f"more than {MAX_MESSAGE}"):
+            probe.huge(fake)
+    finally:
+        worker.stop()
+
+
 def test_points_add_up_exactly_for_every_day():
     """Every day's per-test points add up to exactly its points, in the report's own decimal numbers."""
     from fractions import Fraction

@@ -13,6 +13,7 @@ selector. The engine tests run the student's whole day 4.1 (their proposer, acce
 planning and roll-back) on that stack.
 """
 
+import functools
 import math
 import random
 
@@ -20,14 +21,14 @@ import mlx.core as mx
 import pytest
 
 from tests.chi_square import assert_distribution, chi_square_p_value
-from tests.harness import reference, solution, stack
+from tests.harness import fetch, reference, solution, stack
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
 from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
 
 sol = solution(week=4, day=1)
 ref = reference()
-Params = ref.sequence.SamplingParams
+Params = sol.sequence.SamplingParams  # made where the engine reads them (while grading, the submission's process)
 STEP_LIMIT = 2000  # no engine run in this file needs more steps; more means a sequence stopped moving
 
 
@@ -66,46 +67,59 @@ class FakeSpeculativeRunner:
 
     def __init__(self, engine, logits_of=fake_logits):
         self.engine = engine
+        self.block_size = engine.block_manager.block_size
         self.logits_of = logits_of
         self.slots: dict[int, tuple] = {}
         self.plans = []
         self.logprobs = {}  # what the engine reads after sampling: none asked here
+        self.verify_classes: dict[int, tuple] = {}  # id of a chunk class -> (the class, whether it is VerifyChunk)
 
-    def slot(self, seq, position):
-        block_size = self.engine.block_manager.block_size
-        assert position // block_size < len(seq.block_table), \
-            f"{seq.request_id!r} position {position} has no block (table {seq.block_table})"
-        return seq.block_table[position // block_size] * block_size + position % block_size
+    def slot(self, seq, table, position):
+        assert position // self.block_size < len(table), \
+            f"{seq.request_id!r} position {position} has no block (table {table})"
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def logit_rows(self, plan):
         self.plans.append(plan)
-        for chunk in plan.chunks:  # the model writes every row's key before anyone reads
-            for i, token in enumerate(chunk.token_ids):
-                self.slots[self.slot(chunk.seq, chunk.start + i)] = (chunk.start + i, token)
+        # Every chunk's fields at once (while grading, the plan lives in the submission's process: one round trip).
+        chunks = plan.chunks
+        fields = fetch(chunks, "__class__", "seq", "seq.block_table", "start", "length", "token_ids", "samples",
+                       "seq.token_ids")
+        for _, seq, table, start, _, tokens, _, _ in fields:  # the model writes every row's key before anyone reads
+            for i, token in enumerate(tokens):
+                self.slots[self.slot(seq, table, start + i)] = (start + i, token)
         rows = []
-        for chunk in plan.chunks:
-            verify = isinstance(chunk, ref_verify_chunks())
-            if not (verify or chunk.samples):
+        for chunk, (cls, seq, table, start, length, tokens, samples, history) in zip(chunks, fields):
+            verify = self.is_verify_chunk(chunk, cls)
+            if not (verify or samples):
                 continue
-            context = chunk.seq.token_ids[: chunk.start] + chunk.token_ids
+            context = list(history[:start]) + list(tokens)
             for position, token in enumerate(context):
-                held = self.slots.get(self.slot(chunk.seq, position))
+                held = self.slots.get(self.slot(seq, table, position))
                 assert held == (position, token), \
-                    f"{chunk.seq.request_id!r} position {position}: its block holds {held}, not token {token}"
-            first = len(context) - (chunk.length if verify else 1)
+                    f"{seq.request_id!r} position {position}: its block holds {held}, not token {token}"
+            first = len(context) - (length if verify else 1)
             rows += [self.logits_of(context[: end + 1]) for end in range(first, len(context))]
         return mx.array(rows) if rows else mx.zeros((0, VOCAB))
 
+    def is_verify_chunk(self, chunk, cls) -> bool:
+        """isinstance(chunk, VerifyChunk), asked once per class `cls` of chunks (while grading, a round trip)."""
+        known = self.verify_classes.get(id(cls))
+        if known is None:
+            known = self.verify_classes[id(cls)] = (cls, isinstance(chunk, ref_verify_chunks()))
+        return known[1]
+
     def sample(self, logits, seqs):
         tokens = []
-        for row, seq in enumerate(seqs):
-            if seq.sampling.greedy:
+        for row, (greedy, temperature) in enumerate(fetch(seqs, "sampling.greedy", "sampling.temperature")):
+            if greedy:
                 tokens.append(mx.argmax(logits[row]).item())
             else:
-                tokens.append(mx.random.categorical(logits[row] / seq.sampling.temperature).item())
+                tokens.append(mx.random.categorical(logits[row] / temperature).item())
         return tokens
 
 
+@functools.cache
 def ref_verify_chunks():
     """VerifyChunk of the student's module and the reference's (a chunk is recognized by either)."""
     return (sol.speculative.VerifyChunk, ref.speculative.VerifyChunk)
@@ -140,7 +154,7 @@ def fake_engine(logits_of=fake_logits, proposer=None, num_speculative_tokens=4, 
                 probe_interval=8, **config):
     """The student's SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
     speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
-    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), ref.engine.EngineConfig(**config),
+    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), sol.engine.EngineConfig(**config),
                                                speculation=speculation, proposer=proposer)
     engine.runner = FakeSpeculativeRunner(engine, logits_of)
     return engine
@@ -171,16 +185,17 @@ def random_prompts(n, seed, longest=30):
 
 def blocks_are_sound(engine, shared: bool = False):
     """No block in two tables (unless `shared`: the prefix cache) or both held and free; none past a sequence's tokens."""
-    manager = engine.block_manager
-    held = [b for seq in engine.scheduler.running for b in seq.block_table]
+    [(block_size, num_free, num_blocks)] = fetch([engine.block_manager], "block_size", "num_free_blocks", "num_blocks")
+    running = fetch(engine.scheduler.running, "request_id", "block_table", "num_tokens")
+    held = [b for _, table, _ in running for b in table]
     if not shared:
         assert len(held) == len(set(held)), "a block is in two block tables"
-    assert len(set(held)) + manager.num_free_blocks == manager.num_blocks, \
-        f"{manager.num_blocks - manager.num_free_blocks - len(set(held))} blocks are neither held nor free: leaked"
-    for seq in engine.scheduler.running:
-        most = ref.block_manager.blocks_for(seq.num_tokens, manager.block_size)
-        assert len(seq.block_table) <= most, \
-            f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
+    assert len(set(held)) + num_free == num_blocks, \
+        f"{num_blocks - num_free - len(set(held))} blocks are neither held nor free: leaked"
+    for request_id, table, num_tokens in running:
+        most = ref.block_manager.blocks_for(num_tokens, block_size)
+        assert len(table) <= most, \
+            f"{request_id!r} holds {len(table)} blocks for {num_tokens} tokens: rejected positions kept"
 
 
 def verifications_are_exact(engine):
@@ -188,24 +203,27 @@ def verifications_are_exact(engine):
 
     Right guesses are counted from the fake model itself; the cache then holds all but the newest token.
     """
-    for chunk in engine.runner.plans[-1].chunks:
-        seq = chunk.seq
-        if not isinstance(chunk, ref_verify_chunks()) or not seq.sampling.greedy or seq.is_finished:
-            continue
-        history, right = seq.token_ids[: chunk.start + 1], 0
-        for guess in chunk.draft:
-            row = engine.runner.logits_of(history)
+    runner = engine.runner
+    chunks = runner.plans[-1].chunks
+    classes = fetch(chunks, "__class__", "seq.sampling.greedy", "seq.is_finished")
+    verified = [chunk for chunk, (cls, greedy, finished) in zip(chunks, classes)
+                if runner.is_verify_chunk(chunk, cls) and greedy and not finished]
+    fields = fetch(verified, "seq.request_id", "seq.token_ids", "start", "draft", "seq.num_tokens", "seq.num_computed_tokens")
+    for request_id, token_ids, start, draft, num_tokens, num_computed in fields:
+        history, right = list(token_ids[: start + 1]), 0
+        for guess in draft:
+            row = runner.logits_of(history)
             if guess != row.index(max(row)):
                 break
             right += 1
             history.append(guess)
-        if seq.num_computed_tokens == 0:
+        if num_computed == 0:
             continue  # preempted since: nothing to check
-        assert seq.num_tokens == chunk.start + 2 + right, (
-            f"{seq.request_id!r}: {right} of {len(chunk.draft)} guesses right, so {right + 1} new tokens; "
-            f"got {seq.num_tokens - chunk.start - 1}")
-        assert seq.num_computed_tokens == seq.num_tokens - 1, \
-            f"{seq.request_id!r}: {seq.num_computed_tokens} positions computed for {seq.num_tokens} tokens"
+        assert num_tokens == start + 2 + right, (
+            f"{request_id!r}: {right} of {len(draft)} guesses right, so {right + 1} new tokens; "
+            f"got {num_tokens - start - 1}")
+        assert num_computed == num_tokens - 1, \
+            f"{request_id!r}: {num_computed} positions computed for {num_tokens} tokens"
 
 
 def engine_is_sound(engine, shared: bool = False):
@@ -392,12 +410,13 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
     engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
                          max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
-    seqs = [engine.add_request([2], Params(temperature=temperature, max_tokens=4), request_id=i) for i in range(n)]
+    add_request, params = engine.add_request, Params(temperature=temperature, max_tokens=4)
+    seqs = [add_request([2], params, request_id=i) for i in range(n)]
     run_to_end(engine, check=blocks_are_sound)
     counts, probs = {}, {}
-    for seq in seqs:
-        assert len(seq.output_token_ids) == 4
-        first, *rest = seq.output_token_ids
+    for (output,) in fetch(seqs, "output_token_ids"):
+        assert len(output) == 4
+        first, *rest = output
         key = (first, *rest)
         counts[key] = counts.get(key, 0) + 1
     for t1, p1 in markov_probs(2, temperature).items():
@@ -646,7 +665,7 @@ def test_task_5_whole_day_on_the_embedded_model_equals_mlx_lm(real, budget, k):
     prompts = [base * 3, [rng.randrange(100, 5000) for _ in range(11)], base[:4]]
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
     for proposer in (sol.speculative.DraftModelProposer(mlx_model), sol.speculative.NgramProposer(3, 1)):
-        config = ref.engine.EngineConfig(token_budget=budget, max_num_seqs=3, block_size=4)
+        config = sol.engine.EngineConfig(token_budget=budget, max_num_seqs=3, block_size=4)
         engine = sol.speculative.SpeculativeEngine(model, tokenizer, config, proposer=proposer,
                                                    speculation=sol.speculative.SpeculativeConfig(k))
         seqs = [engine.add_request(p, Params(max_tokens=10), request_id=i) for i, p in enumerate(prompts)]

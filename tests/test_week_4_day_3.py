@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from course import ranks, selector
+from course import ranks
 from tests.harness import solution, solution_name
 from tests.ranks_tensor_parallel import DIED, TOKENS, prefill, rope_angles
 
@@ -58,17 +58,18 @@ def simulated_all_sum(partials: list[mx.array]):
     With `partials[r]` what rank r's local part computes, a rank that all_sums its partial gets the full
     output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage.
     """
-    real = mx.distributed.all_sum
+    distributed = sol.tensor_parallel.mx.distributed  # where the code under test runs (while grading, its sandbox)
+    real = distributed.all_sum
 
     def all_sum(x, *args, group=None, **kwargs):
         rank = (group if group is not None else args[0]).rank()
         return x + sum(p for r, p in enumerate(partials) if r != rank)
 
-    mx.distributed.all_sum = all_sum
+    distributed.all_sum = all_sum
     try:
         yield
     finally:
-        mx.distributed.all_sum = real
+        distributed.all_sum = real
 
 
 def assert_close(got: mx.array, expected: mx.array, what: str):
@@ -276,7 +277,7 @@ def test_task_5_your_stack_so_far_on_two_ranks(two_ranks):
     priorities), every stream mlx-lm's for the request alone, every rank's pool back to full."""
     if solution_name() == "student":
         # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
-        for name, task in selector.unwritten().get("tensor_parallel", {}).items():
+        for name, task in sol.unwritten("tensor_parallel").items():
             raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
     records = [result and result.get("stack") for result in two_ranks.results]
     if None in records:
