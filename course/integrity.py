@@ -34,7 +34,7 @@ ALLOWED_IMPORTS = {
 # A task module with a job beyond array code may import what that job needs, and nothing more: the
 # server (day 3.5) runs its engine in a thread and speaks HTTP; the prefix cache (day 3.3) hashes blocks.
 ALLOWED_BY_MODULE = {
-    "server": {"asyncio", "concurrent", "fastapi", "json", "queue", "threading", "uuid"},
+    "server": {"asyncio", "concurrent", "contextlib", "fastapi", "json", "queue", "threading", "uuid"},
     "prefix_cache": {"hashlib"},  # a block's name is a hash of its parent's name and its tokens
     "speculative": {"mlx_lm"},  # day 4.1's draft-model proposer keeps its draft's KV cache with mlx-lm's
 }
