@@ -534,9 +534,11 @@ def integrity_report(submission: Submission) -> list[str]:
 
 
 def day_budget(day: Day, args: argparse.Namespace, speed: float) -> float:
-    """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget."""
+    """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget.
+    While recording (--record-times) the old times do not bound the run: a day cut short would record
+    the cut."""
     recorded = recorded_times().get(day.key)
-    if args.day_budget is not None or recorded is None:
+    if args.day_budget is not None or recorded is None or args.record_times:
         return args.day_budget or DEFAULT_DAY_BUDGET
     return max(MIN_DAY_BUDGET, BUDGET_FACTOR * recorded * speed)
 
@@ -549,11 +551,23 @@ def recorded_times() -> dict[str, float]:
 
 
 def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
-    """Keep each day's time (and the yardstick's, the machine's speed) for the budgets of later runs."""
+    """Keep each day's time (and the yardstick's, the machine's speed) for the budgets of later runs: only
+    of a day that passed every test, since a failing or cut-short run is no honest run's time."""
     times = recorded_times()
-    times.update({r.day.key: round(r.seconds, 2) for r in reports if not r.pending and r.seconds})
+    for report in reports:
+        if report.pending:
+            continue
+        if passed_everything(report):
+            times[report.day.key] = round(report.seconds, 2)
+        else:
+            print(f"[grade] week {report.day.week} day {report.day.day}: not every test passed; time not recorded")
     times[YARDSTICK_KEY] = round(yardstick_seconds, 3)
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
+
+
+def passed_everything(report: "DayReport") -> bool:
+    return bool(report.tests) and all(case.passed for case in report.tests) and not report.problems \
+        and not report.review
 
 
 def yardstick() -> float:

@@ -864,3 +864,21 @@ def test_points_add_up_exactly_for_every_day():
         assert sum(Fraction(str(t["score"])) for t in tests) == sum(day.points.values()), tag
     total = sum(sum(d.points.values()) for d in days)
     assert results["score"] == results["extra_data"]["max_score"] == total
+
+
+def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
+    """A day cut short by its budget (or failing) is not an honest run: recording its time would shrink the
+    next budget until honest runs fail."""
+    from course.course_map import find_day
+
+    monkeypatch.setattr(grade, "TIMES_FILE", tmp_path / "times.json")
+    (tmp_path / "times.json").write_text(json.dumps({"week1-day1": 5.0, "week1-day2": 7.0}))
+
+    def report(day, outcome, seconds):
+        case = grade.CaseScore(find_day(1, day), 1, "test_task_1_x", "t::test_task_1_x", outcome, "", 0, 1)
+        return grade.DayReport(find_day(1, day), tests=[case], seconds=seconds)
+
+    grade.record_times([report(1, "passed", 3.0), report(2, "timed out", 2.0)], yardstick_seconds=0.02)
+    times = json.loads((tmp_path / "times.json").read_text())
+    assert times["week1-day1"] == 3.0, "a day that passed everything records its time"
+    assert times["week1-day2"] == 7.0, "a day cut short keeps its earlier time"
