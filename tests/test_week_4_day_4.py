@@ -24,8 +24,9 @@ import mlx.core as mx
 import pytest
 
 from course import ranks
-from tests.harness import reference, solution, solution_name
+from tests.harness import reference, solution
 from tests.ranks_distributed_engine import DIED, MAX_TOKENS, PROMPTS, engine_config, run_engine
+from tests.week4_stack import two_rank_stack_records
 
 sol = solution(week=4, day=4)
 ref = reference()
@@ -255,19 +256,7 @@ def test_task_4_your_stack_so_far_on_two_ranks(two_ranks):
     """Your week-3 engine, day-4.3 shards and day-4.4 code together on two ranks: week 3's pressure workload
     (refusals, preemptions, aborts, EOS, priorities, prefix caching) and seeded sampling, every stream
     mlx-lm's for the request alone, every block back in rank 0's pool, rank 1 in step and never sampling."""
-    if solution_name() == "student":
-        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
-        for name, task in sol.unwritten("distributed_engine").items():
-            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
-    records = [result and result.get("stack") for result in two_ranks.results]
-    if None in records:
-        pytest.fail(f"the two-rank run ended before your stack so far reported: {two_ranks.failure() or ''}\n"
-                    f"{two_ranks.output[-2000:]}", pytrace=False)
-    for rank, record in enumerate(records):
-        if "not_implemented" in record:
-            raise NotImplementedError(record["not_implemented"])
-        assert "error" not in record, f"rank {rank} raised: {record['error']}"
-    leader, follower = records
+    leader, follower = two_rank_stack_records(sol, "distributed_engine", two_ranks)
     if leader["failures"]:
         pytest.fail("your stack so far on two ranks:\n  " + "\n  ".join(leader["failures"]), pytrace=False)
     assert follower["steps"] == leader["steps"], f"rank 1 ran {follower['steps']} steps per engine, rank 0 {leader['steps']}"

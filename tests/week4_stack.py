@@ -32,6 +32,7 @@ import pytest
 
 from tests import week3_stack as w3
 from tests.chi_square import assert_distribution
+from tests.harness import solution_name
 from tests.week3_stack import EOS, VOCAB, ModelFailure, ModelProbe, Request, Run, Tokenizer, expected, tokens
 
 K = 3  # guesses per verify chunk in the speculative workloads
@@ -393,3 +394,22 @@ def check_speculative_stack(package) -> None:
 def check_quantized_stack(package) -> None:
     """Day 4.2's workloads on `package`; fail once, naming each workload that broke."""
     w3.check_workloads(package, QUANTIZED_WORKLOADS, lambda workload: workload(package))
+
+
+def two_rank_stack_records(sol, module: str, run) -> list[dict]:
+    """Each rank's "your stack so far" record from a two-rank run of day 4.3 or 4.4 (their rank programs run the
+    stack after the day's own checks); fails the test cleanly when the day is unwritten, the run ended before the
+    records, or a rank raised."""
+    if solution_name() == "student":
+        # The stack fills unwritten tasks with the reference's: it grades today only once today is written.
+        for name, task in sol.unwritten(module).items():
+            raise NotImplementedError(f"{task} ({name}): your stack so far runs today's code")
+    records = [result and result.get("stack") for result in run.results]
+    if None in records:
+        pytest.fail(f"the two-rank run ended before your stack so far reported: {run.failure() or ''}\n"
+                    f"{run.output[-2000:]}", pytrace=False)
+    for rank, record in enumerate(records):
+        if "not_implemented" in record:
+            raise NotImplementedError(record["not_implemented"])
+        assert "error" not in record, f"rank {rank} raised: {record['error']}"
+    return records
