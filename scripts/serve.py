@@ -143,6 +143,9 @@ def launch_ranks(prog: str, world_size: int, hostfile: str | None, argv: list[st
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
     command = ranks.launch_command(program, world_size, hostfile, env=env)
     ignore_ctrl_c = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - rank 0's server re-enables it
+    # Rank 0's server stops on Ctrl-C whatever this process inherited (a shell's background job starts with
+    # SIGINT ignored, and uvicorn sets its own handler): so does this launcher, which then reports it (130).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     process = subprocess.Popen(command, env={**os.environ, **env}, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                                preexec_fn=ignore_ctrl_c)
     watch, interrupted = ranks.LaunchWatch(), False
