@@ -42,7 +42,7 @@ DAYS: list[Day] = [
     Day(1, 6, "Generating a response", "week1-06-generate-response.md", ("generate",), {1: 10}, compare="model"),
     Day(1, 7, "Sampling", "week1-07-sampling.md", ("sampler",), {1: 5, 2: 5, 3: 5}, compare="model"),
     Day(2, 1, "KV cache", "week2-01-kv-cache.md", ("kv_cache", "qwen2_week2", "generate"),
-        {1: 5, 2: 5, 3: 10}, compare="kv-cache"),
+        {1: 5, 2: 5, 3: 10, 4: 10}, compare="kv-cache"),
     Day(2, 2, "Serving metrics", "week2-02-serving-metrics.md", ("metrics",), {1: 5, 2: 5, 3: 5}),
     Day(2, 3, "Quantized weights", "week2-03-quantized-weights.md", ("quantize",), {1: 5, 2: 5, 3: 10}),
     Day(2, 4, "Flash attention", "week2-04-flash-attention.md", ("flash_attention",), {1: 5, 2: 15}),

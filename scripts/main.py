@@ -7,9 +7,14 @@
     pdm run main --temp 0.7 --top-p 0.9 --top-k 50 # sampling (day 1.7)
     pdm run main --model bench-0.5b --compare-mlx-lm   # also time mlx-lm on the same model and prompt
 
-The text streams as it is generated; then come prompt tokens/s (prefill) and generation tokens/s
-(each step after the first token). With --compare-mlx-lm, mlx-lm's own generation loop runs on the
-same model and prompt in the same process, and both figures are printed side by side with their ratio.
+The text streams as it is generated; then come prompt tokens/s (prompt tokens over the time until the
+first generated token reaches Python) and generation tokens/s (the tokens after the first over the time
+from the first token's arrival to the last's, the rule mlx-lm's figure follows, except that mlx-lm also
+counts the first token). A token arrives when the loop hands it to the tokenizer's streaming
+detokenizer; nothing is evaluated early to time it, so week 2's pipelined loop (day 2.1 Task 4) keeps
+its overlap. With --compare-mlx-lm, mlx-lm's own generation loop (`stream_generate`) runs on the same
+model and prompt in the same process, timed by the same rule from the arrival of its tokens, and both
+figures are printed side by side with their ratio.
 """
 
 import argparse
@@ -46,32 +51,51 @@ def pick_generation(package: selector.Selection, week: int):
     """(build the model from an mlx-lm model, the generate function) for this package.
 
     Week 1: Qwen2ModelWeek1 and simple_generate (every step recomputes the whole sequence).
-    Week 2: Qwen2ModelWeek2 and simple_generate_with_kv_cache (each step feeds only the new token).
+    Week 2: Qwen2ModelWeek2 and pipelined_generate_with_kv_cache (each step feeds only the new token,
+    and is queued before the token before it is read).
     """
     generate = package.generate
     if week == 1:
         return package.qwen2_week1.Qwen2ModelWeek1, generate.simple_generate
     model = package.qwen2_week2.Qwen2ModelWeek2
-    return model, generate.simple_generate_with_kv_cache
+    return model, generate.pipelined_generate_with_kv_cache
 
 
-class TimedModel:
-    """Wraps a model: evaluates each call's logits right away and notes when each call finished."""
+class TimedTokenizer:
+    """Wraps a tokenizer: its streaming detokenizers note the time each generated token reaches them.
 
-    def __init__(self, model):
-        self.model = model
-        self.call_ends: list[float] = []
+    Every generation loop hands each token it keeps to `detokenizer.add_token` right after reading it,
+    so these are the times tokens arrive in Python. Timing the model's calls instead would need an
+    `mx.eval` after each (MLX is lazy), which would undo the pipelined loop's overlap.
+    """
 
-    def __call__(self, *args, **kwargs):
-        import mlx.core as mx
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.arrivals: list[float] = []
 
-        logits = self.model(*args, **kwargs)
-        mx.eval(logits)  # MLX is lazy: without this the time would land wherever the result is first read
-        self.call_ends.append(time.perf_counter())
-        return logits
+    @property
+    def detokenizer(self):
+        detokenizer = self.tokenizer.detokenizer  # a fresh one, as the tokenizer's property gives
+        add_token = detokenizer.add_token
+
+        def timed_add_token(token):
+            self.arrivals.append(time.perf_counter())
+            add_token(token)
+
+        detokenizer.add_token = timed_add_token
+        return detokenizer
 
     def __getattr__(self, name):
-        return getattr(self.model, name)
+        return getattr(self.tokenizer, name)
+
+
+def rates(prompt_tokens: int, start: float, arrivals: list[float]) -> dict:
+    """Prompt and generation tokens/s from the start time and each generated token's arrival time."""
+    prompt_tps = prompt_tokens / (arrivals[0] - start) if arrivals else 0.0
+    gaps = len(arrivals) - 1
+    generation_tps = gaps / (arrivals[-1] - arrivals[0]) if gaps > 0 else 0.0
+    return {"prompt_tokens": prompt_tokens, "prompt_tps": prompt_tps, "generated": len(arrivals),
+            "generation_tps": generation_tps}
 
 
 def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
@@ -89,21 +113,22 @@ def make_our_sampler(package: selector.Selection, args):
 
 
 def run_ours(model, tokenizer, prompt: str, args, package: selector.Selection) -> dict:
+    import mlx.core as mx
+
     model_class, generate = pick_generation(package, args.week)
-    ours = TimedModel(model_class(model))
+    ours = model_class(model)
+    # One token through it first, untimed: the weights it copied are lazy (a quantized checkpoint's are
+    # dequantized on first use), and the prompt's time should not include making them.
+    one_token = mx.array([[0]])
+    mx.eval(ours(one_token) if args.week == 1 else ours(one_token, 0, ours.make_cache()))
+    timed = TimedTokenizer(tokenizer)
     sampler = make_our_sampler(package, args)
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
     start = time.perf_counter()
-    generate(ours, tokenizer, prompt, sampler=sampler, max_tokens=args.max_tokens,
+    generate(ours, timed, prompt, sampler=sampler, max_tokens=args.max_tokens,
              on_text=lambda piece: print(piece, end="", flush=True))
     print()
-    ends = ours.call_ends
-    # The first call reads the prompt and yields the first token; each later call yields one more.
-    prompt_tps = prompt_tokens / (ends[0] - start) if ends else 0.0
-    steps = len(ends) - 1
-    generation_tps = steps / (ends[-1] - ends[0]) if steps > 0 else 0.0
-    return {"prompt_tokens": prompt_tokens, "prompt_tps": prompt_tps, "generated": len(ends),
-            "generation_tps": generation_tps}
+    return rates(prompt_tokens, start, timed.arrivals)
 
 
 def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
@@ -114,12 +139,14 @@ def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
     top_k = min(args.top_k, model.args.vocab_size - 1) if args.top_k else 0
     sampler = make_sampler(args.temp, top_p=args.top_p or 0.0, top_k=top_k)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    last = None
-    for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
-        print(last.text, end="", flush=True)
+    arrivals = []
+    start = time.perf_counter()
+    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
+        if response.finish_reason != "stop":  # each response brings one token; a "stop" one brings EOS, not output
+            arrivals.append(time.perf_counter())
+        print(response.text, end="", flush=True)
     print()
-    return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
-            "generated": last.generation_tokens, "generation_tps": last.generation_tps}
+    return rates(len(ids), start, arrivals)
 
 
 def check_args(args) -> None:

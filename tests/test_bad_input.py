@@ -165,6 +165,12 @@ ROWS = [
      lambda m, t: ref.generate.simple_generate_with_kv_cache(m, t, "hi", max_tokens=2.5)),
     ("generate sampler not callable", TypeError, "sampler",
      lambda m, t: ref.generate.simple_generate_with_kv_cache(m, t, "hi", sampler=0.7)),
+    ("pipelined generate prompt empty", ValueError, "empty",
+     lambda m, t: ref.generate.pipelined_generate_with_kv_cache(m, t, "")),
+    ("pipelined generate max_tokens 0", ValueError, "max_tokens",
+     lambda m, t: ref.generate.pipelined_generate_with_kv_cache(m, t, "hi", max_tokens=0)),
+    ("pipelined generate on_text not callable", TypeError, "on_text",
+     lambda m, t: ref.generate.pipelined_generate_with_kv_cache(m, t, "hi", on_text="print")),
     ("week-1 generate prompt empty", ValueError, "empty", lambda m, t: ref.generate.simple_generate(m, t, "")),
     ("week-1 generate prompt ids", TypeError, "prompt", lambda m, t: ref.generate.simple_generate(m, t, [1, 2])),
     ("temp -1", ValueError, "temp", lambda m, t: ref.sampler.make_sampler(-1)),
@@ -402,6 +408,7 @@ def test_skeleton_has_the_same_checks():
         (ValueError, lambda: skeleton["chunk_policy"].AdaptiveChunkPolicy(target_itl=math.nan)),
         (ValueError, lambda: skeleton["sampler"].make_sampler(math.nan)),
         (ValueError, lambda: skeleton["generate"].simple_generate_with_kv_cache(model, FakeTokenizer(), "")),
+        (ValueError, lambda: skeleton["generate"].pipelined_generate_with_kv_cache(model, FakeTokenizer(), "")),
     ]
     for error, call in cases:
         with pytest.raises(error):

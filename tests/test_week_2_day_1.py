@@ -3,7 +3,9 @@
 Oracles: plain concatenation for the cache; mlx-lm's own Qwen2 on the embedded model's weights for
 the logits (prefill, each decode step, and prefill split into chunks); mlx-lm's greedy generation and
 week 1's cacheless loop for the generated tokens. A spy model checks that generation really feeds one
-token per step after the prompt.
+token per step after the prompt; with a tokenizer that notes how many model calls had been made when
+each token reached its detokenizer, it checks that the pipelined loop queues step n + 1 before reading
+token n.
 """
 
 import mlx.core as mx
@@ -261,3 +263,115 @@ def test_task_3_streams_text(model32, ref_model):
                                                       on_text=pieces.append)
     assert len(pieces) >= 2, "text arrives piece by piece as tokens are generated"
     assert "".join(pieces) == text
+
+
+# ---------------------------------------------------------------- Task 4: pipelined generation
+
+class CallCountingTokenizer:
+    """Wraps a tokenizer: for each token handed to its detokenizer, notes how many calls `spy` had seen.
+
+    A plain loop reads token n, hands it over, then calls the model for step n + 1: n + 1 calls by then.
+    A pipelined loop has already queued step n + 1 when it reads token n: n + 2 calls.
+    """
+
+    def __init__(self, tokenizer, spy):
+        self.tokenizer, self.spy = tokenizer, spy
+        self.calls_at_token = []
+        self.eos_token_ids = tokenizer.eos_token_ids
+
+    def encode(self, text, add_special_tokens=False):
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def detokenizer(self):
+        detokenizer = self.tokenizer.detokenizer
+        add_token = detokenizer.add_token
+
+        def counted_add_token(token):
+            self.calls_at_token.append(len(self.spy.calls))
+            add_token(token)
+
+        detokenizer.add_token = counted_add_token
+        return detokenizer
+
+
+def assert_queued_ahead(counting, max_tokens):
+    """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens)."""
+    read = len(counting.calls_at_token)
+    expected = [min(n + 2, max_tokens) for n in range(read)]
+    assert counting.calls_at_token == expected, (
+        f"model calls made when each of the {read} tokens reached the detokenizer: {counting.calls_at_token}, "
+        f"expected {expected}: queue step n + 1 on token n before reading token n with .item(), and stop "
+        f"calling the model after max_tokens={max_tokens} calls")
+
+
+def pipelined(model, tokenizer, prompt, **kwargs):
+    """Run the pipelined loop with `model` behind a Spy: (text, spy, counting tokenizer)."""
+    spy = model if isinstance(model, Spy) else Spy(model)
+    counting = CallCountingTokenizer(tokenizer, spy)
+    text = sol.generate.pipelined_generate_with_kv_cache(spy, counting, prompt, **kwargs)
+    return text, spy, counting
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "chat", "chinese"])
+def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, prompt):
+    model, tokenizer = model32
+    expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
+    recorder = Recorder()
+    text, _, counting = pipelined(ref_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
+    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
+    assert text == expected_text
+    assert_queued_ahead(counting, MAX_TOKENS)
+    plain = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert text == plain, "the same text as Task 3's loop"
+    default = sol.generate.pipelined_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert default == text, "sampler=None means greedy"
+
+
+def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model):
+    _, tokenizer = model32
+    prompt = PROMPTS[0]
+    prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+    for max_tokens in (1, 2, 6):
+        pieces = []
+        text, spy, counting = pipelined(ref_model, tokenizer, prompt, max_tokens=max_tokens, on_text=pieces.append)
+        # The prompt once at offset 0, then one token per step at the next offset, and no call after the
+        # last token's: max_tokens calls in all.
+        assert spy.calls == [(prompt_len, 0)] + [(1, prompt_len + i) for i in range(max_tokens - 1)], (
+            f"max_tokens={max_tokens}: expected the prompt, then {max_tokens - 1} one-token steps; calls were "
+            f"{spy.calls}")
+        assert len(counting.calls_at_token) == max_tokens, f"max_tokens={max_tokens} tokens generated"
+        assert_queued_ahead(counting, max_tokens)
+        assert text == ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=max_tokens)
+        assert "".join(pieces) == text, "on_text receives the text piece by piece"
+
+    # From the 4th generated token on, EOS is the most likely token.
+    eos = next(iter(tokenizer.eos_token_ids))
+    pieces = []
+    text, spy, counting = pipelined(Spy(ref_model, eos=eos, eos_from=prompt_len + 3), tokenizer, prompt,
+                                    max_tokens=20, on_text=pieces.append)
+    plain = ref.generate.simple_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=prompt_len + 3), tokenizer,
+                                                       prompt, max_tokens=20)
+    assert text == plain and "<|im_end|>" not in text, "EOS ends the text, not part of it"
+    assert len(counting.calls_at_token) == 3, (
+        f"3 tokens before EOS reach the detokenizer, not {len(counting.calls_at_token)}: EOS is not output")
+    assert_queued_ahead(counting, 20)
+    assert "".join(pieces) == text
+    # 4 steps gave the 3 tokens and EOS; the one queued on EOS is the only step wasted.
+    assert len(spy.calls) == 5, f"the prompt, 3 steps and the one queued on EOS: 5 calls, not {len(spy.calls)}"
+
+
+def test_task_4_samples_with_the_sampler(model32, ref_model):
+    _, tokenizer = model32
+    prompt = PROMPTS[1]
+    sampler = ref.sampler.make_sampler(1.0)
+    mx.random.seed(7)
+    text, _, counting = pipelined(ref_model, tokenizer, prompt, sampler=sampler, max_tokens=MAX_TOKENS)
+    assert_queued_ahead(counting, MAX_TOKENS)
+    mx.random.seed(7)
+    plain = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=sampler,
+                                                       max_tokens=MAX_TOKENS)
+    # The sampler draws once per step, in the same order in both loops: one seed, one text.
+    assert text == plain, "with the same seed, the sampled text of Task 3's loop"
+    greedy = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert text != greedy, "the sampler picked the tokens, not argmax"

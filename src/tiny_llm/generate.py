@@ -47,3 +47,29 @@ def simple_generate_with_kv_cache(
     check_generate(prompt, max_tokens, sampler, on_text)
     # TODO: make_cache(); prefill the prompt at offset 0; then feed one token per step at the next offset
     raise NotImplementedError("Week 2 Day 1 Task 3 (book/src/week2-01-kv-cache.md): generation with the KV cache")
+
+
+def pipelined_generate_with_kv_cache(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate like `simple_generate_with_kv_cache`, but queue each step before reading the token before it.
+
+    MLX is lazy: a model call only records a graph, and `mx.async_eval` starts computing it in the
+    background. So step n + 1 can be built from step n's token while that token is still being computed,
+    and the Python work of a step (building the graph of 30 layers, detokenizing, printing) overlaps the
+    computation of the step before, instead of leaving the CPU's compute idle. The price: when a token
+    turns out to be EOS, the step already queued after it is thrown away. Same contract as
+    `simple_generate_with_kv_cache` (the same sampler, EOS and `on_text` behaviour, the same tokens for
+    greedy decoding, the same argument checks), and never more than `max_tokens` model calls: the
+    prompt's, then one per token after the first.
+    """
+    check_generate(prompt, max_tokens, sampler, on_text)
+    # TODO: one helper queues a step: model call -> last row -> logprobs -> token, then mx.async_eval(token)
+    # TODO: queue the prompt's step; then, each step: queue the next one on the unread token, and only then .item() it
+    # TODO: the model runs at most max_tokens times; a token read as EOS ends the text (the step queued on it is dropped)
+    raise NotImplementedError("Week 2 Day 1 Task 4 (book/src/week2-01-kv-cache.md): pipelined generation")

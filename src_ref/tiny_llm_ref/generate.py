@@ -98,3 +98,63 @@ def simple_generate_with_kv_cache(
         on_text(segment)
     return detokenizer.text
     # END TASK
+
+
+def pipelined_generate_with_kv_cache(
+    model,
+    tokenizer,
+    prompt: str,
+    sampler: Callable[[mx.array], mx.array] | None = None,
+    max_tokens: int = 256,
+    on_text: Callable[[str], None] | None = None,
+) -> str:
+    """Generate like `simple_generate_with_kv_cache`, but queue each step before reading the token before it.
+
+    MLX is lazy: a model call only records a graph, and `mx.async_eval` starts computing it in the
+    background. So step n + 1 can be built from step n's token while that token is still being computed,
+    and the Python work of a step (building the graph of 30 layers, detokenizing, printing) overlaps the
+    computation of the step before, instead of leaving the CPU's compute idle. The price: when a token
+    turns out to be EOS, the step already queued after it is thrown away. Same contract as
+    `simple_generate_with_kv_cache` (the same sampler, EOS and `on_text` behaviour, the same tokens for
+    greedy decoding, the same argument checks), and never more than `max_tokens` model calls: the
+    prompt's, then one per token after the first.
+    """
+    check_generate(prompt, max_tokens, sampler, on_text)
+    # BEGIN TASK Week 2 Day 1 Task 4: pipelined generation
+    # TODO: one helper queues a step: model call -> last row -> logprobs -> token, then mx.async_eval(token)
+    # TODO: queue the prompt's step; then, each step: queue the next one on the unread token, and only then .item() it
+    # TODO: the model runs at most max_tokens times; a token read as EOS ends the text (the step queued on it is dropped)
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    cache = model.make_cache()
+    detokenizer = tokenizer.detokenizer
+
+    def queue_step(inputs: mx.array, offset: int) -> mx.array:
+        """Record one model call and the choice of its next token, and start computing them: returns at once."""
+        logits = model(inputs, offset, cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        next_token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+        mx.async_eval(next_token)
+        return next_token
+
+    pending = queue_step(mx.array([tokens]), 0)  # the prompt's step: it computes the first token
+    offset = len(tokens)
+    for generated in range(max_tokens):
+        current = pending
+        if generated + 1 < max_tokens:
+            # The next step reads `current`, a token not computed yet (shape 1 -> 1 x 1): MLX runs it right
+            # after the step computing `current`, while Python below waits for that token and prints it.
+            pending = queue_step(current[:, None], offset)
+            offset += 1
+        token = current.item()  # waits for this step's computation only
+        if token in tokenizer.eos_token_ids:
+            break  # the step queued on the EOS token is never read
+        detokenizer.add_token(token)
+        segment = detokenizer.last_segment
+        if segment and on_text is not None:
+            on_text(segment)
+    detokenizer.finalize()
+    segment = detokenizer.last_segment
+    if segment and on_text is not None:
+        on_text(segment)
+    return detokenizer.text
+    # END TASK
