@@ -6,6 +6,8 @@
     pdm run main --model bench-0.5b --max-tokens 32
     pdm run main --temp 0.7 --top-p 0.9 --top-k 50 # sampling (day 1.7)
     pdm run main --model bench-0.5b --compare-mlx-lm   # also time mlx-lm on the same model and prompt
+    pdm run main --compare-mlx-lm --rounds 3           # both sides 3 times, alternating; medians compared
+    pdm run main --loop plain --compare-mlx-lm         # day 2.1's plain loop (Task 3) instead of the pipelined one
 
 The text streams as it is generated; then come prompt tokens/s (prompt tokens over the time until the
 first generated token reaches Python) and generation tokens/s (the tokens after the first over the time
@@ -14,10 +16,13 @@ counts the first token). A token arrives when the loop hands it to the tokenizer
 detokenizer; nothing is evaluated early to time it, so week 2's pipelined loop (day 2.1 Task 4) keeps
 its overlap. With --compare-mlx-lm, mlx-lm's own generation loop (`stream_generate`) runs on the same
 model and prompt in the same process, timed by the same rule from the arrival of its tokens, and both
-figures are printed side by side with their ratio.
+figures are printed side by side with their ratio (on a quantized checkpoint, mlx-lm runs twice: on the
+weights as they are, and dequantized, the format ours computes in).
 """
 
 import argparse
+import os
+import statistics
 import sys
 import time
 
@@ -36,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "or bench-0.5b, a checkpoint directory or a Hugging Face id")
     parser.add_argument("--week", type=int, choices=[1, 2], default=2,
                         help="2: the KV-cache model and loop of day 2.1 (default); 1: week 1's cacheless loop")
+    parser.add_argument("--loop", choices=["pipelined", "plain"], default="pipelined",
+                        help="week 2's loop: pipelined (day 2.1 Task 4, default) or plain (Task 3)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
@@ -44,20 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as it is")
     parser.add_argument("--compare-mlx-lm", action="store_true",
                         help="also run mlx-lm's generation loop on the same model and prompt, and compare tokens/s")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --compare-mlx-lm: run both sides this many times, alternating, and compare "
+                             "the medians (default 1)")
     return parser
 
 
-def pick_generation(package: selector.Selection, week: int):
+def pick_generation(package: selector.Selection, week: int, loop: str = "pipelined"):
     """(build the model from an mlx-lm model, the generate function) for this package.
 
     Week 1: Qwen2ModelWeek1 and simple_generate (every step recomputes the whole sequence).
     Week 2: Qwen2ModelWeek2 and pipelined_generate_with_kv_cache (each step feeds only the new token,
-    and is queued before the token before it is read).
+    and is queued before the token before it is read), or with `loop="plain"` day 2.1's
+    simple_generate_with_kv_cache (each step waits for the token before it).
     """
     generate = package.generate
     if week == 1:
         return package.qwen2_week1.Qwen2ModelWeek1, generate.simple_generate
     model = package.qwen2_week2.Qwen2ModelWeek2
+    if loop == "plain":
+        return model, generate.simple_generate_with_kv_cache
     return model, generate.pipelined_generate_with_kv_cache
 
 
@@ -112,26 +125,31 @@ def make_our_sampler(package: selector.Selection, args):
     return package.sampler.make_sampler(args.temp, top_p=args.top_p, top_k=args.top_k)
 
 
-def run_ours(model, tokenizer, prompt: str, args, package: selector.Selection) -> dict:
+def warmed_up(ours, week: int):
+    """`ours` after one token through it, untimed: the weights it copied are lazy (a quantized checkpoint's are
+    dequantized on first use), and the prompt's time should not include making them."""
     import mlx.core as mx
 
-    model_class, generate = pick_generation(package, args.week)
-    ours = model_class(model)
-    # One token through it first, untimed: the weights it copied are lazy (a quantized checkpoint's are
-    # dequantized on first use), and the prompt's time should not include making them.
     one_token = mx.array([[0]])
-    mx.eval(ours(one_token) if args.week == 1 else ours(one_token, 0, ours.make_cache()))
+    mx.eval(ours(one_token) if week == 1 else ours(one_token, 0, ours.make_cache()))
+    return ours
+
+
+def print_piece(piece: str) -> None:
+    print(piece, end="", flush=True)
+
+
+def run_ours(ours, generate, tokenizer, prompt: str, args, sampler, show: bool) -> dict:
     timed = TimedTokenizer(tokenizer)
-    sampler = make_our_sampler(package, args)
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
     start = time.perf_counter()
-    generate(ours, timed, prompt, sampler=sampler, max_tokens=args.max_tokens,
-             on_text=lambda piece: print(piece, end="", flush=True))
-    print()
+    generate(ours, timed, prompt, sampler=sampler, max_tokens=args.max_tokens, on_text=print_piece if show else None)
+    if show:
+        print()
     return rates(prompt_tokens, start, timed.arrivals)
 
 
-def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
+def run_mlx_lm(model, tokenizer, prompt: str, args, show: bool) -> dict:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -144,9 +162,33 @@ def run_mlx_lm(model, tokenizer, prompt: str, args) -> dict:
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
         if response.finish_reason != "stop":  # each response brings one token; a "stop" one brings EOS, not output
             arrivals.append(time.perf_counter())
-        print(response.text, end="", flush=True)
-    print()
+        if show:
+            print(response.text, end="", flush=True)
+    if show:
+        print()
     return rates(len(ids), start, arrivals)
+
+
+def mlx_lm_peers(model, args) -> dict:
+    """The mlx-lm models to time beside ours: the one loaded, and a dequantized copy when it is quantized.
+
+    Ours dequantizes a quantized checkpoint once at load; mlx-lm keeps it quantized, and MLX's CPU quantized
+    kernels are slow. The same format on both sides is the fair comparison, so both are timed.
+    """
+    import mlx.core as mx
+
+    from course.models import load_model
+
+    peers = {"mlx-lm": model}
+    if is_quantized(model):
+        from mlx_lm.utils import dequantize_model
+
+        copy, _ = load_model(args.model)
+        peers["mlx-lm dequantized"] = dequantize_model(copy)
+    for peer in peers.values():
+        mx.eval(peer.parameters())
+        mx.eval(peer(mx.array([[0]])))  # one warm-up token, so the first timed run pays no start-up costs
+    return peers
 
 
 def check_args(args) -> None:
@@ -154,6 +196,7 @@ def check_args(args) -> None:
     from tiny_llm_ref.validation import check_int, check_sampling, check_text
 
     check_int("--max-tokens", args.max_tokens, 1)
+    check_int("--rounds", args.rounds, 1)
     check_sampling(args.temp, args.top_p, args.top_k)
     if args.prompt:  # stray bytes on the command line arrive as lone surrogates: not valid UTF-8
         check_text("--prompt", args.prompt)
@@ -183,38 +226,50 @@ def main(argv: list[str] | None = None) -> int:
     # Loading can leave the weights lazy (a float32 cast on the CPU is only recorded): materialize them
     # now, so that neither timed run pays for the conversion.
     mx.eval(model.parameters())
-    if args.compare_mlx_lm:
-        mx.eval(model(mx.array([[0]])))  # one warm-up token, so the first timed run pays no start-up costs
     print(f"[tiny-llm] {args.solution} solution ({package.package}); device {mx.default_device()}"
           f"{'; BLAS ' + blas if blas else ''}", file=sys.stderr)
     if is_embedded(path):
         print(MEANINGLESS_NOTE, file=sys.stderr)
 
-    pick_generation(package, args.week)  # import what runs first, so the line below is complete
-    make_our_sampler(package, args)
+    model_class, generate = pick_generation(package, args.week, args.loop)
+    sampler = make_our_sampler(package, args)
     selector.announce(package)
-    ours = run_ours(model, tokenizer, prompt, args, package)
-    print(f"[{package.package}] prompt: {ours['prompt_tokens']} tokens, {ours['prompt_tps']:.1f} tokens/s; "
-          f"generation: {ours['generated']} tokens, {ours['generation_tps']:.2f} tokens/s")
-
+    ours = warmed_up(model_class(model), args.week)
+    peers = mlx_lm_peers(model, args) if args.compare_mlx_lm else {}
+    runs = {package.package: [], **{name: [] for name in peers}}
     if args.compare_mlx_lm:
-        print("--- mlx-lm (mlx_lm.stream_generate, with its KV cache) on the same model and prompt:")
-        theirs = run_mlx_lm(model, tokenizer, prompt, args)
-        print(f"[mlx-lm] prompt: {theirs['prompt_tokens']} tokens, {theirs['prompt_tps']:.1f} tokens/s; "
-              f"generation: {theirs['generated']} tokens, {theirs['generation_tps']:.2f} tokens/s")
-        print_ratio("mlx-lm", ours, theirs)
-        if is_quantized(model):
-            # Ours dequantizes a quantized checkpoint once at load; mlx-lm keeps it quantized, and MLX's CPU
-            # quantized kernels are slow. The same format on both sides is the fair comparison too.
-            from mlx_lm.utils import dequantize_model
-
-            mx.eval(dequantize_model(model).parameters())
-            print("--- mlx-lm again, on the same weights dequantized (the format ours computes in):")
-            theirs = run_mlx_lm(model, tokenizer, prompt, args)
-            print(f"[mlx-lm dequantized] prompt: {theirs['prompt_tokens']} tokens, {theirs['prompt_tps']:.1f} "
-                  f"tokens/s; generation: {theirs['generated']} tokens, {theirs['generation_tps']:.2f} tokens/s")
-            print_ratio("mlx-lm dequantized", ours, theirs)
+        print(f"[tiny-llm] {args.rounds} round(s), each: ours, then {', then '.join(peers)}; "
+              f"load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    # Alternating the sides in rounds spreads a busy machine's ups and downs over both.
+    for round_number in range(args.rounds):
+        show = round_number == 0  # the text once; later rounds only time
+        runs[package.package].append(run_ours(ours, generate, tokenizer, prompt, args, sampler, show))
+        print_rates(package.package, runs[package.package][-1])
+        for name, peer in peers.items():
+            if show:
+                print(f"--- {name} (mlx_lm.stream_generate, with its KV cache) on the same prompt:")
+            runs[name].append(run_mlx_lm(peer, tokenizer, prompt, args, show))
+            print_rates(name, runs[name][-1])
+    if args.compare_mlx_lm:
+        ours_median = medians(runs[package.package])
+        if args.rounds > 1:
+            print_rates(f"{package.package}, median of {args.rounds}", ours_median)
+        for name in peers:
+            theirs = medians(runs[name])
+            if args.rounds > 1:
+                print_rates(f"{name}, median of {args.rounds}", theirs)
+            print_ratio(name, ours_median, theirs)
     return 0
+
+
+def print_rates(name: str, run: dict) -> None:
+    print(f"[{name}] prompt: {run['prompt_tokens']} tokens, {run['prompt_tps']:.1f} tokens/s; "
+          f"generation: {run['generated']} tokens, {run['generation_tps']:.2f} tokens/s")
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (the token counts are the same in every run of one side)."""
+    return {**runs[0], **{key: statistics.median(run[key] for run in runs) for key in ("prompt_tps", "generation_tps")}}
 
 
 def is_quantized(model) -> bool:
