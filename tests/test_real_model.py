@@ -142,6 +142,14 @@ def test_greedy_text_equals_mlx_lm_generate(answers, oracle, smollm2):
     assert answers[QUESTION] == theirs
 
 
+def test_pipelined_loop_gives_the_same_answer(ours, answers):
+    # Day 2.1 Task 4's loop, which `pdm run main` runs: on a trained model the answer ends at EOS with a
+    # step already queued after it, which must change nothing.
+    model, tokenizer = ours
+    generate = reference().generate.pipelined_generate_with_kv_cache
+    assert generate(model, tokenizer, chat_prompt(tokenizer, QUESTION), max_tokens=48) == answers[QUESTION]
+
+
 def test_request_stops_at_im_end(ours, answers):
     model, tokenizer = ours
     scheduler = reference().batch.Scheduler(model, tokenizer, max_seq_len=128, batch_size=2, prefill_step=16)
