@@ -14,7 +14,9 @@ Workloads (random prompt token ids, greedy, every request runs to its token budg
 Engines, each on the same weights, run one after the other, mlx-lm and ours alternating so that a
 busy machine slows both alike: mlx-lm's BatchGenerator at prefill_step_size 64, 256 and 2048; day
 2.7's Scheduler (prefill_step 256); week 3's LLMEngine at a few fixed token budgets and with the
-adaptive budget. For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated),
+adaptive budget and day 3.4's shortest-prefill-first order (the recommended engine). The mixed
+workload runs mlx-lm at 64 and 256, the recommended engine, and the same adaptive engine first come,
+first served (day 3.1's order: shorts queue behind a long prompt's chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated),
 the long prompt's TTFT, output tokens/s (output tokens over first arrival to last finish), and the
 ratios against mlx-lm's best (lowest ITL p99 among its step sizes; highest throughput), and whether
 the greedy tokens are mlx-lm's. Results: benches/results/week3_hol.json (--out) with every token's
@@ -31,6 +33,7 @@ from course import selector  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
 RECOMMENDED = "week3 adaptive"
+RECOMMENDED_POLICY = "shortest_prefill_first"  # day 3.4: a short prompt is not queued behind a long one's chunks
 COLUMNS = [lab.Column("engine", "label", "{}"), lab.Column("ITL p50", "short_itl_p50_s", "{:.3f}"),
            lab.Column("ITL p99", "short_itl_p99_s", "{:.3f}"), lab.Column("TTFT p50", "short_ttft_p50_s"),
            lab.Column("long TTFT", "long_ttft_mean_s"), lab.Column("out tok/s", "output_tokens_per_s"),
@@ -80,13 +83,18 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
     mlx = [(f"mlx-lm step {s}", lambda s=s: MlxLm(bench.mlx_model, tokenizer, prefill_step=s)) for s in args.mlx_steps]
     # The adaptive budget times its steps on the lab's clock (--clock cpu: CPU seconds, not inflated by a busy machine).
     clock = runner.CLOCKS[args.clock]
-    ours = [(RECOMMENDED, lambda: Week3(selection, model3, tokenizer, clock=clock, token_budget=2048, adaptive_budget=True,
-                                        decode_multiple=args.decode_multiple, max_num_seqs=8))]
+
+    def adaptive(policy):
+        return lambda: Week3(selection, model3, tokenizer, clock=clock, token_budget=2048, adaptive_budget=True,
+                             decode_multiple=args.decode_multiple, max_num_seqs=8, scheduling_policy=policy)
+
+    ours = [(RECOMMENDED, adaptive(RECOMMENDED_POLICY))]
+    if workload == "mixed":
+        # Day 3.1's order beside it: what shortest-prefill-first changes when shorts arrive behind a long prompt.
+        return runner.alternate(mlx[:2], ours + [("week3 adaptive fcfs", adaptive("fcfs"))])
     ours += [(f"week3 budget {b}", lambda b=b: Week3(selection, model3, tokenizer, token_budget=b, max_num_seqs=8))
              for b in args.budgets]
-    if workload == "mixed":
-        mlx, ours = mlx[:2], ours[:2]
-    elif "day27" not in args.skip:
+    if "day27" not in args.skip:
         ours.append(("day2.7 step 256", lambda: Day27(selection, model2, tokenizer, batch_size=5,
                                                       max_seq_len=max_seq_len, prefill_step=256)))
     return runner.alternate(mlx, ours)

@@ -101,6 +101,19 @@ MUTATIONS = [
              (4,), (
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n"
                       "            self.preempt(self.running[-1], plan)\n", ""),)),
+    Mutation("shortest-first-ignores-length", "shortest prefill first ranked by priority and arrival only", (4,), (
+        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+         "        return (-self.effective_priority(seq), 0, self.arrival_step[seq])\n"),)),
+    Mutation("shortest-first-by-prompt-length", "shortest prefill first by the whole prompt's length, not what is left",
+             (4,), (
+        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+         "        return (-self.effective_priority(seq), seq.num_tokens, self.arrival_step[seq])\n"),)),
+    Mutation("shortest-first-before-priority", "length ranked before priority", (4,), (
+        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+         "        return (seq.num_uncomputed_tokens, -self.effective_priority(seq), self.arrival_step[seq])\n"),)),
+    Mutation("shorter-takes-blocks", "a shorter prompt outranks a longer one and preempts it", (4,), (
+        ("priority_scheduler", "        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)\n",
+         "        return self.rank(seq) < self.rank(other)\n"),)),
     # Day 3.5: the server. The first and last live in provided code (the handler's token loop).
     Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (
         ("server", '                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',

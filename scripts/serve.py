@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="day 3.1's adaptive token budget, up to --max-num-batched-tokens (default: fixed)")
     parser.add_argument("--target-itl", type=float, default=None, metavar="SECONDS",
                         help="the adaptive budget's inter-token latency target (implies --adaptive-budget)")
-    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                        help="fcfs, or priority: requests' `priority` field, lower first (day 3.4)")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority", "shortest_prefill_first"), default="fcfs",
+                        help="fcfs; priority: requests' `priority` field, larger first (day 3.4; vLLM's is lower "
+                             "first); shortest_prefill_first: priority, then the fewest prompt tokens left, so a short "
+                             "prompt passes a long one's chunks (day 3.4)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most tokens (prompt + output) of one request (default: what the KV pool and model hold)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")

@@ -4,7 +4,8 @@ Time is counted in engine steps (an injected clock that ticks once per step), ne
 Oracles: the same requests under first-come-first-served give the same greedy tokens (preemption by
 recompute changes when a token comes, never which); every block is back in the pool at the end.
 Task 2's planner takes Task 3's `make_room`/`can_admit` from the reference (`planner_before_task_3`);
-Task 4 runs the student's days 3.1-3.4 together with priorities and caching on (tests/week3_stack.py).
+Task 4's shortest-prefill-first order is tested alone and in day 3.1's planner; Task 5 runs the student's days
+3.1-3.4 together with priorities and caching on, and with shortest prefill first (tests/week3_stack.py).
 """
 
 import random
@@ -24,10 +25,10 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 150_000) for _ in range(n)]
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000):
-    """Day 3.1's one planner with the solution's priority policy plugged in."""
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, policy="PriorityPolicy"):
+    """Day 3.1's one planner with the solution's priority policy (or `policy`, another of its order policies) plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
-    order = sol.priority_scheduler.PriorityPolicy(aging_steps=aging_steps)
+    order = vars(sol.priority_scheduler)[policy](aging_steps=aging_steps)
     return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
 
 
@@ -56,6 +57,7 @@ def complete(plan):
 def engine_factory(model32, monkeypatch):
     """Engines whose priority policy is the solution's (the rest of the engine is the reference's)."""
     monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.priority_scheduler.PriorityPolicy)
+    monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.priority_scheduler.ShortestPrefillFirst)
     mlx_model, tokenizer = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
 
@@ -251,9 +253,63 @@ def test_task_3_aging_bounds_starvation(engine_factory):
     assert low.finish < 40, "aging lets it through long before the urgent stream ends"
 
 
-# ---------------------------------------------------------------- Task 4: your stack so far
+# ---------------------------------------------------------------- Task 4: shortest prefill first
 
 
-def test_task_4_your_stack_so_far():
+def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
+    policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
+    long, partway, short, twin = seq("long", 100), seq("partway", 100, seed=1), seq("short", 20, seed=2), seq("twin", 20, seed=3)
+    urgent_long = seq("urgent long", 200, priority=1, seed=4)
+    for x in (long, partway, short, twin, urgent_long):  # one step apart: arrival order is the last key
+        policy.add(x)
+        policy.next_step()
+    partway.num_computed_tokens = 90  # 10 prompt tokens left: fewer than the short prompt's 20
+    got = [x.request_id for x in policy.order([long, twin, short, partway, urgent_long])]
+    assert got == ["urgent long", "partway", "short", "twin", "long"], \
+        "priority first; then the fewest tokens left to compute (not the prompt's length); then arrival"
+
+
+def test_task_4_length_never_outranks():
+    policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
+    long, short, urgent = seq("long", 100), seq("short", 4, seed=1), seq("urgent", 100, priority=1, seed=2)
+    for x in (long, short, urgent):
+        policy.add(x)
+    assert not policy.outranks(short, long) and not policy.outranks(long, short), "being shorter takes no blocks"
+    assert policy.outranks(urgent, short) and not policy.outranks(short, urgent), "priority still does"
+
+
+def test_task_4_short_prompt_passes_a_long_ones_chunks():
+    s = make_scheduler(budget=32, policy="ShortestPrefillFirst")
+    long = seq("long", 200)
+    s.add(long)
+    complete(s.schedule())  # part-way: 168 tokens left
+    short = seq("short", 20, seed=1)
+    s.add(short)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.length) for c in plan.prefills] == [("short", 20), ("long", 12)], \
+        "the short prompt takes the budget first, the long one's chunk gets the rest"
+    complete(plan)
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.decodes] == ["short"] and plan.prefills[0].seq is long
+
+
+def test_task_4_shorts_stream_early_same_tokens(engine_factory):
+    """A long prompt, then shorts behind it: their first tokens come within two steps, the tokens are FCFS's."""
+    arrivals = {0: [("long", tokens(120, 1), 4, 0)], 1: [(f"short{i}", tokens(10, 2 + i), 4, 0) for i in range(3)]}
+    plain_engine = engine_factory(scheduling_policy="fcfs")
+    plain = run_steps(plain_engine, arrivals)
+    engine = engine_factory(scheduling_policy="shortest_prefill_first")
+    seqs = run_steps(engine, arrivals)
+    ttfts = [engine.metrics.requests[f"short{i}"].ttft for i in range(3)]
+    assert max(ttfts) <= 1, f"short prompts waited {ttfts} steps behind the long one's chunks"
+    assert min(plain_engine.metrics.requests[f"short{i}"].ttft for i in range(3)) > 2  # the contrast: FCFS
+    assert {k: s.output_token_ids for k, s in seqs.items()} == {k: s.output_token_ids for k, s in plain.items()}
+    assert engine.block_manager.num_free_blocks == 64 and engine.num_preemptions == 0
+
+
+# ---------------------------------------------------------------- Task 5: your stack so far
+
+
+def test_task_5_your_stack_so_far():
     """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
     check_stack(stack(week=3, day=4), day=4)

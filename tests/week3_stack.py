@@ -425,6 +425,38 @@ def workload_priorities(package, day):
         "less important sequences must make room for it (slots and blocks)"
 
 
+def workload_shortest_prefill_first(package, day):
+    """Day 3.4: shortest prefill first; a short prompt passes a long one's chunks, but never takes its blocks."""
+    options = dict(scheduling_policy="shortest_prefill_first", token_budget=16)
+    behind = [Request("long", tokens(64, 80), max_tokens=3), Request("short", tokens(6, 81), max_tokens=3, arrive=1)]
+    result = run(package, day, behind, **options)
+    result.check_outputs()
+    result.check_clean()
+    assert result.first_output_step("short") == 1, \
+        f"a 6-token prompt arrived at step 1 behind a 64-token one and got its first output at step " \
+        f"{result.first_output_step('short')}: the fewest tokens left to prefill go first"
+    # Left to prefill, not prompt length: the long prompt has 8 tokens left at step 2, fewer than the new 12.
+    late = [Request("long", tokens(40, 82), max_tokens=3), Request("later", tokens(12, 83), max_tokens=3, arrive=2)]
+    result = run(package, day, late, **options)
+    result.check_outputs()
+    assert result.first_output_step("long") == 2, \
+        f"with 8 prompt tokens left at step 2 the long prompt goes before a new 12-token one; its first output " \
+        f"came at step {result.first_output_step('long')}"
+    ranked = [Request("short", tokens(6, 86), max_tokens=3, arrive=1),
+              Request("urgent", tokens(30, 87), max_tokens=3, arrive=1, priority=1)]
+    result = run(package, day, ranked, **options)
+    result.check_outputs()
+    assert result.first_output_step("urgent") < result.first_output_step("short"), \
+        "a 30-token prompt of priority 1 and a 6-token one of priority 0: priority comes before length"
+    one_slot = [Request("long", tokens(40, 84), max_tokens=3), Request("short", tokens(4, 85), max_tokens=3, arrive=1)]
+    result = run(package, day, one_slot, max_num_seqs=1, **options)
+    result.check_outputs()
+    result.check_clean()
+    preemptions = result.engine.summary()["num_preemptions"]
+    assert preemptions == 0, f"one sequence slot, a long prompt prefilling: {preemptions} preemption(s); being " \
+                             "shorter never takes a running sequence's blocks (it would recompute from the start)"
+
+
 def text_of(tokens: list[int]) -> str:
     """What the server streams for these tokens: the test tokenizer's decode."""
     return Tokenizer().decode(tokens)
@@ -514,7 +546,8 @@ def workload_serving(package, day):
 
 WORKLOADS = [  # (first day it runs on, workload)
     (1, workload_pressure), (1, workload_model_failure), (1, workload_adaptive_budget), (1, workload_seeded_sampling),
-    (3, workload_prefix_cache), (4, workload_priorities), (5, workload_serving),
+    (3, workload_prefix_cache), (4, workload_priorities), (4, workload_shortest_prefill_first),
+    (5, workload_serving),
 ]
 
 

@@ -20,13 +20,14 @@ from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCachingBlockManager
-from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy
+from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy, ShortestPrefillFirst
 from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
 from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
 from .validation import check_kv_pool
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "shortest_prefill_first")  # EngineConfig.scheduling_policy's values
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
 
 
@@ -55,7 +56,7 @@ class EngineConfig:
     block_size: int = 16  # positions per KV block (day 3.2)
     num_blocks: int | None = None  # KV blocks in the pool; None: enough for 8192 tokens
     enable_prefix_caching: bool = False  # day 3.3: share the KV blocks of common prompt prefixes
-    scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (day 3.4)
+    scheduling_policy: str = "fcfs"  # "fcfs", "priority" or "shortest_prefill_first" (day 3.4)
     aging_steps: int = DEFAULT_AGING_STEPS  # priority: waiting this many steps raises a priority by one
     log_interval: float = 5.0  # seconds between two log lines
     kv_bits: int | None = None  # day 4.2: the pool's format, 16 (float16), 8 or 4 (quantized); None: the model's dtype
@@ -75,8 +76,9 @@ class EngineConfig:
                 raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.target_itl is not None and not (isinstance(self.target_itl, (int, float)) and
                                                 math.isfinite(self.target_itl) and self.target_itl > 0):
             raise ValueError(f"target_itl must be a number of seconds > 0 (or None), got {self.target_itl!r}")
@@ -103,9 +105,11 @@ class EngineConfig:
                                    initial_tokens=min(64, self.token_budget))
 
     def make_order(self):
-        """The scheduler's order policy: first come, first served, or by priority with aging."""
+        """The scheduler's order policy: first come, first served, by priority with aging, or shortest prefill first."""
         if self.scheduling_policy == "priority":
             return PriorityPolicy(self.aging_steps)
+        if self.scheduling_policy == "shortest_prefill_first":
+            return ShortestPrefillFirst(self.aging_steps)
         return FirstComeFirstServed()
 
 

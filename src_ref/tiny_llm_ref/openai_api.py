@@ -106,7 +106,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: only logged
-    priority: int = 0  # vLLM's extension, used by --scheduling-policy priority (lower first)
+    priority: int = 0  # vLLM's extension, used by --scheduling-policy priority (larger first; vLLM's: lower first)
     service_tier: Literal["auto", "default"] | None = None
     metadata: dict[str, str] | None = None  # OpenAI's stored-completion tags: accepted, not stored
     presence_penalty: Penalty = 0.0

@@ -18,6 +18,12 @@ waiting (or preempted) forever. So priorities *age*: a sequence's effective prio
 for every `aging_steps` steps since it arrived. A request of priority p thus competes like a new
 request of priority p + k after k * aging_steps steps, and once no fresh arrival outranks it, it is
 neither passed over nor preempted by them: its wait is bounded.
+
+Length is a second key (`ShortestPrefillFirst`): among equal priorities, the sequence with the fewest
+tokens left to prefill goes first. Under first come, first served a short prompt that arrives behind
+a long one waits for all the long one's chunks; with this order it takes the budget first (one or
+two steps), starts decoding, and the long prompt's chunks fill what the decodes leave. Length never
+takes blocks (`outranks` is by priority alone), and aging still bounds a long prompt's wait.
 """
 
 from __future__ import annotations
@@ -86,3 +92,29 @@ class PriorityPolicy:
     def describe(self) -> str:
         """One line for the engine's start-up log (provided)."""
         return f"priority order, aged by one every {self.aging_steps} steps"
+
+
+class ShortestPrefillFirst(PriorityPolicy):
+    """Priority order, and among equals the fewest uncomputed tokens first: a short prompt passes a long one."""
+
+    def rank(self, seq: Sequence) -> tuple[int, int, int]:
+        """Sort key, most urgent first: higher effective priority, then fewer uncomputed tokens, then earlier arrival."""
+        # BEGIN TASK Week 3 Day 4 Task 4: priority, then fewest tokens left to prefill, then arrival
+        # TODO: (-effective priority, uncomputed tokens, arrival step)
+        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])
+        # END TASK
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks: by priority and arrival alone, never for being shorter.
+
+        A preempted prompt is recomputed from its start: taking a long prompt's blocks to admit a short one
+        would throw its chunks away, and the next short arrival would do it again.
+        """
+        # BEGIN TASK Week 3 Day 4 Task 4: length never takes blocks
+        # TODO: compare PriorityPolicy's ranks (priority, then arrival), not this policy's
+        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)
+        # END TASK
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log (provided)."""
+        return f"shortest prefill first within priority order, aged by one every {self.aging_steps} steps"
