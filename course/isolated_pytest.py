@@ -66,6 +66,7 @@ class RunResult:
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (not one test)
     review: list[str] = field(default_factory=list)  # the event stream broke the protocol: untrustworthy
     out_of_time: bool = False  # the deadline (a time budget) stopped the run
+    expected: list[str] = field(default_factory=list)  # the tests the run had to report (given, or first collected)
     processes: int = 0
     seconds: float = 0.0
 
@@ -499,6 +500,7 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
                 break
     if protocol.expected is not None:
         run.results = {nodeid: run.results[nodeid] for nodeid in protocol.expected if nodeid in run.results}
+        run.expected = list(protocol.expected)
     run.seconds = round(time.monotonic() - began, 2)
     return run
 
