@@ -53,7 +53,7 @@ from course import sandbox
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
 from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env,
-                                    default_memory_mb, kill_descendants, run_test_file)
+                                    default_memory_mb, kill_descendants, pause_descendants, resume, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -552,16 +552,54 @@ class DayBudgets:
         self.times = recorded_times()
         self.left: dict[int, float] = {}  # week -> seconds its graded days left unused
 
+    def follows_load(self, day: Day) -> bool:
+        """Whether the day's budget is scaled (not set by hand, not recording, a time recorded)."""
+        return self.by_hand is None and not self.recording and day.key in self.times
+
     def for_day(self, day: Day, slowdown: float) -> float:
-        recorded = self.times.get(day.key)
-        if self.by_hand is not None or recorded is None or self.recording:
+        if not self.follows_load(day):
             return self.by_hand or DEFAULT_DAY_BUDGET
-        return BUDGET_FACTOR * recorded * slowdown + self.left.get(day.week, 0.0)
+        return BUDGET_FACTOR * self.times[day.key] * slowdown + self.left.get(day.week, 0.0)
 
     def spent(self, day: Day, budget: float, seconds: float) -> None:
         """A day used `seconds` of its `budget`: the rest goes to the next days of its week."""
-        if self.by_hand is None and not self.recording and day.key in self.times:
+        if self.follows_load(day):
             self.left[day.week] = max(0.0, budget - seconds)
+
+
+class DayClock:
+    """Whether a day's time is up (the deadline `run_test_file` asks): its budget at the day's mean slowdown.
+
+    The slowdown is timed before the day starts; when the budget runs out, the day's processes are
+    frozen (SIGSTOP), the yardstick is timed again, and the budget is taken at the mean of the slowdowns
+    timed so far: an honest day goes on if the load rose since it started (at least a second more, so
+    the re-timings stay few), and a submission cannot slow the yardstick, frozen while it runs.
+    """
+
+    def __init__(self, budgets: DayBudgets, day: Day, first_slowdown: float, run_deadline: float):
+        self.budgets, self.day, self.run_deadline = budgets, day, run_deadline
+        self.slowdowns = [first_slowdown]
+        self.started = time.monotonic()
+        self.budget = budgets.for_day(day, first_slowdown)
+
+    def end(self) -> float:
+        return min(self.started + self.budget, self.run_deadline)
+
+    def __call__(self, now: float) -> bool:
+        if now < self.end():
+            return False
+        if now >= self.run_deadline or not self.budgets.follows_load(self.day):
+            return True
+        frozen = pause_descendants()
+        try:
+            self.slowdowns.append(slowdown(yardstick()))
+        finally:
+            resume(frozen)
+        budget = self.budgets.for_day(self.day, sum(self.slowdowns) / len(self.slowdowns))
+        if self.started + budget < time.monotonic() + 1.0:
+            return True
+        self.budget = budget
+        return False
 
 
 def recorded_times() -> dict[str, float]:
@@ -677,7 +715,8 @@ def grade(args: argparse.Namespace) -> int:
                 reports[index] = placeholder(day, [], "not run: the run's time budget ran out before this day")
             else:
                 yardsticks.append(yardstick())
-                budget = budgets.for_day(day, slowdown(yardsticks[-1]))
+                clock = DayClock(budgets, day, slowdown(yardsticks[-1]), run_deadline)
+                budget = clock.budget
                 env = trusted_env
                 if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
@@ -686,16 +725,15 @@ def grade(args: argparse.Namespace) -> int:
                     logs.mkdir()
                     env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
                            sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
-                deadline = min(time.monotonic() + budget, run_deadline)
                 # The tests expected are those this trusted process collects: the submission's code runs only in
                 # the sandbox, and no test file decides which tests exist from what the submission returns.
-                run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget),
-                                    deadline=deadline, memory_mb=memory_mb)
+                run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=clock,
+                                    memory_mb=memory_mb)
                 kill_descendants()
-                budgets.spent(day, budget, run.seconds)
+                budgets.spent(day, clock.budget, run.seconds)
                 reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({budget:.0f} s: "
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({clock.budget:.0f} s: "
                                                 f"{BUDGET_FACTOR:g}x an honest run at this machine's speed and load, "
                                                 f"with what earlier days of the week left; --budget "
                                                 f"{args.budget:g} s for the whole run)")

@@ -893,6 +893,33 @@ def test_day_budgets_follow_the_load_and_carry_over_within_a_week(monkeypatch):
     assert recording.for_day(find_day(1, 1), slowdown=1.0) == grade.DEFAULT_DAY_BUDGET
 
 
+def test_a_day_whose_load_rose_goes_on_and_the_yardstick_is_timed_with_the_day_frozen(monkeypatch):
+    """When the budget runs out, the day's processes are frozen while the yardstick is timed again; the budget is
+    taken at the mean slowdown, and the day goes on only if that gives it at least a second more."""
+    import argparse
+    import time
+
+    from course.course_map import find_day
+
+    monkeypatch.setattr(grade, "recorded_times", lambda: {"week1-day1": 4.0, "yardstick": 0.02})
+    frozen = []
+    monkeypatch.setattr(grade, "pause_descendants", lambda: frozen.append("paused") or [])
+    monkeypatch.setattr(grade, "resume", lambda pids: frozen.append("resumed"))
+    timed = iter([0.06, 0.04])  # slowdowns 3, then 2
+    monkeypatch.setattr(grade, "yardstick", lambda: (frozen.append("timed"), next(timed))[1])
+    budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
+    clock = grade.DayClock(budgets, find_day(1, 1), first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
+    assert clock.budget == 6.0 and not clock(clock.started + 5.0) and frozen == []
+    clock.started -= 6.5  # the budget has run out: 6.5 s of the day gone
+    assert not clock(time.monotonic()), "the load rose: slowdown (1 + 3) / 2, 12 s"
+    assert frozen == ["paused", "timed", "resumed"] and clock.budget == 12.0
+    clock.started -= 6.0  # 12.5 s gone
+    assert clock(time.monotonic()), "(1 + 3 + 2) / 3 gives no more time: the day stops"
+    by_hand = grade.DayBudgets(argparse.Namespace(day_budget=5.0, record_times=False))
+    fixed = grade.DayClock(by_hand, find_day(1, 1), first_slowdown=9.0, run_deadline=time.monotonic() + 3600)
+    assert fixed(fixed.started + 5.1) and frozen.count("timed") == 2, "--day-budget is never re-timed"
+
+
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
     """Ten busy processes beside the grader (load 10 on two cores): the budget, scaled by the yardstick the
