@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import stat
+import statistics
 import sys
 import tempfile
 import time
@@ -630,17 +631,19 @@ def passed_everything(report: "DayReport") -> bool:
 
 
 def yardstick() -> float:
-    """Wall seconds of a fixed piece of Python work (the mean of five): how fast this machine runs Python now.
+    """Wall seconds of a fixed piece of Python work (the median of five): how fast this machine runs Python now.
 
     Wall time, not CPU time: on a loaded machine the honest run's tests wait for a processor as this work
     does (at load 10 on 2 cores, about 5x longer), and a budget that ignored that would fail honest runs.
+    The median, so that a burst of a tenth of a second (another process starting) does not count as load.
     """
-    began = time.perf_counter()
-    for _ in range(YARDSTICK_RUNS):
-        total = 0
+    def once() -> float:
+        began, total = time.perf_counter(), 0
         for i in range(1_000_000):
             total += i % 7
-    return (time.perf_counter() - began) / YARDSTICK_RUNS
+        return time.perf_counter() - began
+
+    return statistics.median(once() for _ in range(YARDSTICK_RUNS))
 
 
 def slowdown(seconds: float) -> float:
