@@ -11,7 +11,8 @@
 - a test during which the interpreter dies (segfault, abort, os._exit, out of memory) is scored as
   `crashed`, with the end of pytest's output, and the remaining tests run in a new process;
 - a watchdog on the stream: no event for `timeout` + a grace period, inside a test or between tests,
-  kills the process; a `deadline` (the day's or the whole run's time budget) does the same;
+  kills the process; a `deadline` (the day's or the whole run's time budget) does the same (a callable
+  deadline is asked whether the time is up, so the grader can re-measure the budget before saying so);
 - after every process, its whole process group is killed, and so is every other descendant of this
   process (on Linux this process becomes a "child subreaper", so even a double-forked, detached
   process is re-parented here and found);
@@ -37,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from course.pytest_events import HARD_GRACE, sign
 
@@ -66,12 +68,14 @@ class RunResult:
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (not one test)
     review: list[str] = field(default_factory=list)  # the event stream broke the protocol: untrustworthy
     out_of_time: bool = False  # the deadline (a time budget) stopped the run
+    expected: list[str] = field(default_factory=list)  # the tests the run had to report (given, or first collected)
     processes: int = 0
     seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- starting pytest
 
+Deadline = float | Callable[[float], bool] | None
 TEST_TIME_LIMIT = 60.0  # seconds one test may run: the grader's default and `pdm run test`'s (pytest-timeout)
 
 def pytest_command(args: list[str]) -> list[str]:
@@ -199,6 +203,26 @@ def kill_descendants() -> int:
         time.sleep(0.02)
         _reap()
     return killed
+
+
+def pause_descendants() -> list[int]:
+    """Stop (SIGSTOP) every descendant of this process, for `resume`: while they are stopped, none uses a
+    processor, so what this process measures then is the machine without them."""
+    pids = _descendants(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def resume(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -338,7 +362,7 @@ class _Process:
 
 
 def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_timeout: float,
-                 deadline: float | None, memory_mb: int | None, work: Path, run: RunResult,
+                 deadline: "Deadline", memory_mb: int | None, work: Path, run: RunResult,
                  protocol: _Protocol, index: int, on_result) -> _Process:
     """Run pytest once; record finished tests in `run`."""
     events_path, trace_path, log_path, skip_path = (work / f"events{index}.jsonl", work / f"trace{index}.txt",
@@ -408,7 +432,7 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
             break
         now = time.monotonic()
         current = protocol.current
-        if deadline is not None and now > deadline:
+        if deadline is not None and (deadline(now) if callable(deadline) else now > deadline):
             _kill_group(proc)
             run.out_of_time = True
             if current is not None:
@@ -459,11 +483,12 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
 
 def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
                   pytest_args: tuple[str, ...] = (), expected: list[str] | None = None,
-                  deadline: float | None = None, memory_mb: int | None = None, on_result=None) -> RunResult:
+                  deadline: "Deadline" = None, memory_mb: int | None = None, on_result=None) -> RunResult:
     """Run `test_file` (relative to `cwd`; or a list of files) with per-test time limits; see the module docstring.
 
     `expected`: the test ids the file must report, in order (None: whatever the first process collects).
-    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`.
+    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`; or a callable
+    that says, given `time.monotonic()`, whether that time has come.
     `on_result`: called with each CaseResult as it arrives (progress bars).
     """
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
@@ -499,6 +524,7 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
                 break
     if protocol.expected is not None:
         run.results = {nodeid: run.results[nodeid] for nodeid in protocol.expected if nodeid in run.results}
+        run.expected = list(protocol.expected)
     run.seconds = round(time.monotonic() - began, 2)
     return run
 

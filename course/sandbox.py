@@ -309,6 +309,10 @@ class RemoteSelection:
         so far (`selector.for_stack`, the "your stack so far" tests)."""
         self._key = (week, day, kind)
         _forward_seeds()
+        if not os.environ.get(RANK_PIPES_VARIABLE):
+            # Started now, while this process is still importing and collecting the tests: on two cores the
+            # worker's own start-up (Python, MLX, the package) runs beside this process's, not after it.
+            self._worker()
 
     def _worker(self) -> Worker:
         worker = self._workers.get(self._key)

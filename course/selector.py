@@ -193,6 +193,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         selection = self.selections.get(package)
         if selection is None or "." in module:
             return None
+        if module in selection.borrowed_modules:  # the reference's module itself, imported when first needed
+            return importlib.util.spec_from_loader(fullname, _Borrowed())
         source = STUDENT_DIR / f"{module}.py"
         if not source.exists():
             return None
@@ -207,6 +209,16 @@ class _Loader(importlib.machinery.SourceFileLoader):
     def exec_module(self, module):
         super().exec_module(module)
         self.selection._after_import(module)
+
+
+class _Borrowed(importlib.abc.Loader):
+    """A module of the selection that is the reference's own: the same module object, under both names."""
+
+    def create_module(self, spec):
+        return importlib.import_module(f"{REFERENCE_PACKAGE}.{spec.name.rpartition('.')[2]}")
+
+    def exec_module(self, module):
+        pass  # the reference's import ran it
 
 
 _FINDER = _Finder()
@@ -274,8 +286,7 @@ def _make_package(name: str, selection: Selection, alias_modules) -> None:
     package.__package__ = name
     sys.modules[name] = package
     _FINDER.selections[name] = selection
-    for module in alias_modules:
-        sys.modules[f"{name}.{module}"] = importlib.import_module(f"{REFERENCE_PACKAGE}.{module}")
+    selection.borrowed_modules |= set(alias_modules)  # imported when first needed: a day's worker starts sooner
 
 
 def _modules() -> list[str]:

@@ -12,14 +12,13 @@ copied from the submission into a package of their own; every other file of the 
 and ignored. The integrity scan (course/integrity.py) lists what it finds, for the instructor: it
 decides nothing.
 
-How: the tests expected are collected first in a process that imports no student code. Then each
-day's test file runs in a trusted pytest process (course/isolated_pytest.py) that never imports the
+How: each day's test file runs in a trusted pytest process (course/isolated_pytest.py) that never imports the
 student's code either: `solution(week, day)` there reaches the day's package in a worker process in an
 OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
 files, a private scratch directory, limits), through a pipe that carries data, never code
 (course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
-limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json), a memory
-limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
+limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json) scaled to this
+machine's speed and load (what a day leaves goes to the next days of its week), a memory limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
 (atomically) after each day, so an interrupted run leaves a valid report. Without bubblewrap (macOS)
 it says plainly that it runs unsandboxed.
 
@@ -40,6 +39,7 @@ import re
 import shutil
 import signal
 import stat
+import statistics
 import sys
 import tempfile
 import time
@@ -53,8 +53,8 @@ from pathlib import Path
 from course import sandbox
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_file
-from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env, collect,
-                                    default_memory_mb, kill_descendants, run_test_file)
+from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env,
+                                    default_memory_mb, kill_descendants, pause_descendants, resume, run_test_file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -69,9 +69,10 @@ STATUS_WORDS = {
     "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
 }
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
-YARDSTICK_KEY = "yardstick"  # seconds of a fixed computation in that run: the machine's speed then
+YARDSTICK_KEY = "yardstick"  # wall seconds of a fixed computation in that run: the machine's speed and load then
+YARDSTICK_RUNS = 5
+MAX_SLOWDOWN = 20.0
 BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
-MIN_DAY_BUDGET = 10.0
 DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
@@ -149,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
                         help="time budget of one day's tests (default: 1.5x the honest run's time recorded in "
-                             "course/grading_times.json, scaled to this machine; 600 for a day not recorded); "
-                             "tests left when it runs out score 0")
+                             "course/grading_times.json, scaled to this machine's speed and load now, plus what "
+                             "earlier days of the week left; 600 for a day not recorded); tests left when it runs "
+                             "out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
                         help="time budget of the whole run (default 3600); days left when it runs out score 0")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
@@ -524,8 +526,8 @@ def progress_bar(total: int):
         from tqdm import tqdm
     except ImportError:  # the report does not depend on it
         return None
-    return tqdm(total=total, unit="test", file=sys.stderr, disable=None, dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} tests [{elapsed}<{remaining}]")
+    return tqdm(total=total, unit="day", file=sys.stderr, disable=None, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} days [{elapsed}<{remaining}]")
 
 
 def integrity_report(submission: Submission) -> list[str]:
@@ -533,14 +535,72 @@ def integrity_report(submission: Submission) -> list[str]:
     return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
 
 
-def day_budget(day: Day, args: argparse.Namespace, speed: float) -> float:
-    """Seconds for one day's tests: 1.5x the honest run's recorded time on this machine, or --day-budget.
-    While recording (--record-times) the old times do not bound the run: a day cut short would record
-    the cut."""
-    recorded = recorded_times().get(day.key)
-    if args.day_budget is not None or recorded is None or args.record_times:
-        return args.day_budget or DEFAULT_DAY_BUDGET
-    return max(MIN_DAY_BUDGET, BUDGET_FACTOR * recorded * speed)
+class DayBudgets:
+    """Each day's time budget: 1.5x its honest run's recorded time, scaled by how slow this machine is now,
+    plus what the earlier days of its week left unused in this run.
+
+    The scale is the yardstick's wall time just before the day starts against its time when the honest
+    times were recorded: wall time, so it follows the machine's load as well as its processor, and taken
+    while none of the submission's processes is alive, so the submission cannot stretch it. What a day
+    leaves carries over to the next days of its week: an honest day slowed by a burst of load borrows
+    from the quicker ones, and a submission that sleeps spends every day's share, so a week (and the
+    whole run) never takes more than 1.5x its honest time at the load it was graded under.
+    """
+
+    def __init__(self, args: argparse.Namespace):
+        self.by_hand = args.day_budget  # --day-budget: a fixed budget per day, nothing carried
+        self.recording = args.record_times  # the old times must not bound the run that records new ones
+        self.times = recorded_times()
+        self.left: dict[int, float] = {}  # week -> seconds its graded days left unused
+
+    def follows_load(self, day: Day) -> bool:
+        """Whether the day's budget is scaled (not set by hand, not recording, a time recorded)."""
+        return self.by_hand is None and not self.recording and day.key in self.times
+
+    def for_day(self, day: Day, slowdown: float) -> float:
+        if not self.follows_load(day):
+            return self.by_hand or DEFAULT_DAY_BUDGET
+        return BUDGET_FACTOR * self.times[day.key] * slowdown + self.left.get(day.week, 0.0)
+
+    def spent(self, day: Day, budget: float, seconds: float) -> None:
+        """A day used `seconds` of its `budget`: the rest goes to the next days of its week."""
+        if self.follows_load(day):
+            self.left[day.week] = max(0.0, budget - seconds)
+
+
+class DayClock:
+    """Whether a day's time is up (the deadline `run_test_file` asks): its budget at the day's mean slowdown.
+
+    The slowdown is timed before the day starts; when the budget runs out, the day's processes are
+    frozen (SIGSTOP), the yardstick is timed again, and the budget is taken at the mean of the slowdowns
+    timed so far: an honest day goes on if the load rose since it started (at least a second more, so
+    the re-timings stay few), and a submission cannot slow the yardstick, frozen while it runs.
+    """
+
+    def __init__(self, budgets: DayBudgets, day: Day, first_slowdown: float, run_deadline: float):
+        self.budgets, self.day, self.run_deadline = budgets, day, run_deadline
+        self.slowdowns = [first_slowdown]
+        self.started = time.monotonic()
+        self.budget = budgets.for_day(day, first_slowdown)
+
+    def end(self) -> float:
+        return min(self.started + self.budget, self.run_deadline)
+
+    def __call__(self, now: float) -> bool:
+        if now < self.end():
+            return False
+        if now >= self.run_deadline or not self.budgets.follows_load(self.day):
+            return True
+        frozen = pause_descendants()
+        try:
+            self.slowdowns.append(slowdown(yardstick()))
+        finally:
+            resume(frozen)
+        budget = self.budgets.for_day(self.day, sum(self.slowdowns) / len(self.slowdowns))
+        if self.started + budget < time.monotonic() + 1.0:
+            return True
+        self.budget = budget
+        return False
 
 
 def recorded_times() -> dict[str, float]:
@@ -551,8 +611,8 @@ def recorded_times() -> dict[str, float]:
 
 
 def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
-    """Keep each day's time (and the yardstick's, the machine's speed) for the budgets of later runs: only
-    of a day that passed every test, since a failing or cut-short run is no honest run's time."""
+    """Keep each day's time (and the yardstick's, the machine's speed and load then) for the budgets of later
+    runs: only of a day that passed every test, since a failing or cut-short run is no honest run's time."""
     times = recorded_times()
     for report in reports:
         if report.pending:
@@ -561,7 +621,7 @@ def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
             times[report.day.key] = round(report.seconds, 2)
         else:
             print(f"[grade] week {report.day.week} day {report.day.day}: not every test passed; time not recorded")
-    times[YARDSTICK_KEY] = round(yardstick_seconds, 3)
+    times[YARDSTICK_KEY] = round(yardstick_seconds, 4)
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
@@ -571,26 +631,27 @@ def passed_everything(report: "DayReport") -> bool:
 
 
 def yardstick() -> float:
-    """CPU seconds for a fixed piece of Python work (the best of three): how fast this machine's processor is.
+    """Wall seconds of a fixed piece of Python work (the median of five): how fast this machine runs Python now.
 
-    CPU time, not wall time: the load of the moment swings too much (10x seen on a shared machine) to scale
-    a budget by, and the recorded times come from a busy machine, so they have room for load.
+    Wall time, not CPU time: on a loaded machine the honest run's tests wait for a processor as this work
+    does (at load 10 on 2 cores, about 5x longer), and a budget that ignored that would fail honest runs.
+    The median, so that a burst of a tenth of a second (another process starting) does not count as load.
     """
     def once() -> float:
-        began, total = time.process_time(), 0
+        began, total = time.perf_counter(), 0
         for i in range(1_000_000):
             total += i % 7
-        return time.process_time() - began
+        return time.perf_counter() - began
 
-    return min(once() for _ in range(3))
+    return statistics.median(once() for _ in range(YARDSTICK_RUNS))
 
 
-def machine_speed(seconds: float) -> float:
-    """How much slower this machine's processor is than the one that recorded the times (0.5x to 4x)."""
+def slowdown(seconds: float) -> float:
+    """How much slower this machine runs now than the one that recorded the times did then (1/8x to 20x)."""
     recorded = recorded_times().get(YARDSTICK_KEY)
     if not recorded:
         return 1.0
-    return min(4.0, max(0.5, seconds / recorded))
+    return min(MAX_SLOWDOWN, max(1 / 8, seconds / recorded))
 
 
 def grade(args: argparse.Namespace) -> int:
@@ -633,13 +694,11 @@ def grade(args: argparse.Namespace) -> int:
         trusted = make_grading_dir(tmp / "trusted")
         package = make_package(tmp / "package", submission) if student else None
         trusted_env = child_env(args.solution, ("src_ref", "."))
-        expected, collect_errors = collect([d.test_file for d in days], trusted, child_env("ref", ("src_ref", ".")))
-        yardstick_seconds = yardstick()
-        speed = machine_speed(yardstick_seconds)
-        bar = progress_bar(sum(len(expected.get(d.test_file, [])) for d in days))
+        budgets = DayBudgets(args)
+        yardsticks: list[float] = []  # one before each day, while none of the submission's processes is alive
+        bar = progress_bar(len(days))
 
-        reports: list[DayReport] = [placeholder(d, expected.get(d.test_file, []), "not graded yet", pending=True)
-                                    for d in days]
+        reports: list[DayReport] = [placeholder(d, [], "not graded yet", pending=True) for d in days]
 
         def save() -> None:
             if json_path is not None:
@@ -655,15 +714,12 @@ def grade(args: argparse.Namespace) -> int:
                 bar.set_description(label)
             else:
                 print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
-            ids = expected.get(day.test_file, [])
-            error = collect_errors.get(day.test_file) or (collect_errors.get("collection") if not ids else None)
-            if error:
-                run = RunResult(day.test_file, collect_errors=[error])
-                reports[index] = score_day(day, [], run, task_functions(REPO_ROOT / day.test_file))
-            elif time.monotonic() >= run_deadline:
-                reports[index] = placeholder(day, ids, "not run: the run's time budget ran out before this day")
+            if time.monotonic() >= run_deadline:
+                reports[index] = placeholder(day, [], "not run: the run's time budget ran out before this day")
             else:
-                budget = day_budget(day, args, speed)
+                yardsticks.append(yardstick())
+                clock = DayClock(budgets, day, slowdown(yardsticks[-1]), run_deadline)
+                budget = clock.budget
                 env = trusted_env
                 if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
@@ -672,27 +728,28 @@ def grade(args: argparse.Namespace) -> int:
                     logs.mkdir()
                     env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
                            sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
-                deadline = min(time.monotonic() + budget, run_deadline)
-                run = run_test_file(day.test_file, trusted, env, timeout=min(args.timeout, budget), expected=ids,
-                                    deadline=deadline, memory_mb=memory_mb,
-                                    on_result=(lambda _: bar.update(1)) if bar is not None else None)
+                # The tests expected are those this trusted process collects: the submission's code runs only in
+                # the sandbox, and no test file decides which tests exist from what the submission returns.
+                run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=clock,
+                                    memory_mb=memory_mb)
                 kill_descendants()
-                reports[index] = score_day(day, ids, run, task_functions(REPO_ROOT / day.test_file))
+                budgets.spent(day, clock.budget, run.seconds)
+                reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({budget:.0f} s: "
-                                                f"{BUDGET_FACTOR:g}x an honest run here; --budget {args.budget:g} s "
-                                                f"for the whole run)")
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({clock.budget:.0f} s: "
+                                                f"{BUDGET_FACTOR:g}x an honest run at this machine's speed and load, "
+                                                f"with what earlier days of the week left; --budget "
+                                                f"{args.budget:g} s for the whole run)")
             if bar is not None:
-                bar.n = sum(len(expected.get(d.test_file, [])) for d in days[: index + 1])
-                bar.refresh()
+                bar.update(1)
             save()
     finally:
         if bar is not None:
             bar.close()
         kill_descendants()
         remove_tree(tmp)
-    if args.record_times:
-        record_times(reports, yardstick_seconds)
+    if args.record_times and yardsticks:
+        record_times(reports, sum(yardsticks) / len(yardsticks))
     summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
     print(summary)
     seconds = time.monotonic() - started

@@ -676,9 +676,9 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
                                               *ATTACK_ARGS.get(attack, []))
     assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
     assert results["extra_data"]["sandboxed"] is True
-    # 1.5x the honest run, but a day's budget is never below grade.MIN_DAY_BUDGET (a short day graded on a busy
-    # machine must not lose an honest student points), plus 5 s for the machine's noise on a short run.
-    assert seconds <= max(1.5 * honest_seconds, grade.MIN_DAY_BUDGET) + 5, (seconds, honest_seconds)
+    # 1.5x the honest run (the budget follows this machine's load, measured before the day), plus 5 s for the
+    # load's swings between the two runs on a shared machine.
+    assert seconds <= 1.5 * honest_seconds + 5, (seconds, honest_seconds)
     assert repository_state() == before, "the attack changed the repository"
     named = ATTACK_FILES[attack]
     if named is not None:  # the integrity report names it, for the instructor
@@ -864,6 +864,82 @@ def test_points_add_up_exactly_for_every_day():
         assert sum(Fraction(str(t["score"])) for t in tests) == sum(day.points.values()), tag
     total = sum(sum(d.points.values()) for d in days)
     assert results["score"] == results["extra_data"]["max_score"] == total
+
+
+def test_day_budgets_follow_the_load_and_carry_over_within_a_week(monkeypatch):
+    """1.5x the recorded time, scaled by the slowdown; what a day leaves goes to its week's next days, never to
+    another week's, so a week that sleeps throughout costs at most 1.5x its honest time."""
+    import argparse
+
+    from course.course_map import find_day
+
+    monkeypatch.setattr(grade, "recorded_times", lambda: {"week1-day1": 4.0, "week1-day2": 6.0, "week2-day1": 8.0,
+                                                          "yardstick": 0.02})
+    assert grade.slowdown(0.1) == 5.0 and grade.slowdown(10.0) == grade.MAX_SLOWDOWN
+    budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
+    first = budgets.for_day(find_day(1, 1), slowdown=5.0)
+    assert first == 1.5 * 4.0 * 5.0
+    budgets.spent(find_day(1, 1), first, seconds=20.0)  # an honest day, 10 s under its budget
+    assert budgets.for_day(find_day(1, 2), slowdown=1.0) == 1.5 * 6.0 + 10.0
+    assert budgets.for_day(find_day(2, 1), slowdown=1.0) == 1.5 * 8.0, "another week borrows nothing"
+    second = budgets.for_day(find_day(1, 2), slowdown=1.0)
+    budgets.spent(find_day(1, 2), second, seconds=second)  # a sleeper spends it all, the carried 10 s too
+    assert budgets.left[1] == 0.0
+    assert budgets.for_day(find_day(1, 3), slowdown=1.0) == grade.DEFAULT_DAY_BUDGET, "a day never recorded"
+    by_hand = grade.DayBudgets(argparse.Namespace(day_budget=30.0, record_times=False))
+    by_hand.spent(find_day(1, 1), 30.0, seconds=1.0)
+    assert by_hand.for_day(find_day(1, 2), slowdown=9.0) == 30.0, "--day-budget is the budget, nothing carried"
+    recording = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=True))
+    assert recording.for_day(find_day(1, 1), slowdown=1.0) == grade.DEFAULT_DAY_BUDGET
+
+
+def test_a_day_whose_load_rose_goes_on_and_the_yardstick_is_timed_with_the_day_frozen(monkeypatch):
+    """When the budget runs out, the day's processes are frozen while the yardstick is timed again; the budget is
+    taken at the mean slowdown, and the day goes on only if that gives it at least a second more."""
+    import argparse
+    import time
+
+    from course.course_map import find_day
+
+    monkeypatch.setattr(grade, "recorded_times", lambda: {"week1-day1": 4.0, "yardstick": 0.02})
+    frozen = []
+    monkeypatch.setattr(grade, "pause_descendants", lambda: frozen.append("paused") or [])
+    monkeypatch.setattr(grade, "resume", lambda pids: frozen.append("resumed"))
+    timed = iter([0.06, 0.04])  # slowdowns 3, then 2
+    monkeypatch.setattr(grade, "yardstick", lambda: (frozen.append("timed"), next(timed))[1])
+    budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
+    clock = grade.DayClock(budgets, find_day(1, 1), first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
+    assert clock.budget == 6.0 and not clock(clock.started + 5.0) and frozen == []
+    clock.started -= 6.5  # the budget has run out: 6.5 s of the day gone
+    assert not clock(time.monotonic()), "the load rose: slowdown (1 + 3) / 2, 12 s"
+    assert frozen == ["paused", "timed", "resumed"] and clock.budget == 12.0
+    clock.started -= 6.0  # 12.5 s gone
+    assert clock(time.monotonic()), "(1 + 3 + 2) / 3 gives no more time: the day stops"
+    by_hand = grade.DayBudgets(argparse.Namespace(day_budget=5.0, record_times=False))
+    fixed = grade.DayClock(by_hand, find_day(1, 1), first_slowdown=9.0, run_deadline=time.monotonic() + 3600)
+    assert fixed(fixed.started + 5.1) and frozen.count("timed") == 2, "--day-budget is never re-timed"
+
+
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
+    """Ten busy processes beside the grader (load 10 on two cores): the budget, scaled by the yardstick the
+    grader times before the day, still fits the reference submitted as a student's work. The busy processes
+    inherit this process's niceness: under `nice` on a shared machine they load the grader as load 10 would,
+    and weigh little on other people's work."""
+    spin = "while True:\n    pass\n"
+    # Each in a session of its own: with autogroup scheduling a session shares one group's time, as the grader's
+    # test process (a session of its own) would against all ten in one.
+    busy = [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True) for _ in range(10)]
+    try:
+        honest = tmp_path / "honest"
+        shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", honest, ignore=shutil.ignore_patterns("__pycache__"))
+        done, results, _ = grade_submission(tmp_path, honest)
+        assert all(process.poll() is None for process in busy), "the load ended early: this test checked nothing"
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert results["score"] == results["extra_data"]["max_score"] == 10, done.stdout
 
 
 def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
