@@ -7,6 +7,17 @@ import mlx.core as mx
 from .validation import check_generate
 
 
+def send_new_text(detokenizer, on_text: Callable[[str], None] | None) -> None:
+    """Pass `on_text` the text the streaming detokenizer could spell since the last call, if any (provided).
+
+    A token can end in the middle of a multi-byte character or a word; the detokenizer holds such
+    text back until it can be printed, so `last_segment` may be empty for a step.
+    """
+    segment = detokenizer.last_segment
+    if segment and on_text is not None:
+        on_text(segment)
+
+
 def simple_generate(
     model,
     tokenizer,
@@ -25,7 +36,7 @@ def simple_generate(
     `max_tokens` below 1.
     """
     check_generate(prompt, max_tokens, sampler, on_text)
-    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; detokenize and call on_text
+    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; add_token each token and send_new_text; finalize and send the rest at the end
     raise NotImplementedError("Week 1 Day 6 Task 1 (book/src/week1-06-generate-response.md): greedy generation loop")
 
 

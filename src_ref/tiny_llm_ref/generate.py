@@ -7,6 +7,17 @@ import mlx.core as mx
 from .validation import check_generate
 
 
+def send_new_text(detokenizer, on_text: Callable[[str], None] | None) -> None:
+    """Pass `on_text` the text the streaming detokenizer could spell since the last call, if any (provided).
+
+    A token can end in the middle of a multi-byte character or a word; the detokenizer holds such
+    text back until it can be printed, so `last_segment` may be empty for a step.
+    """
+    segment = detokenizer.last_segment
+    if segment and on_text is not None:
+        on_text(segment)
+
+
 def simple_generate(
     model,
     tokenizer,
@@ -26,7 +37,7 @@ def simple_generate(
     """
     check_generate(prompt, max_tokens, sampler, on_text)
     # BEGIN TASK Week 1 Day 6 Task 1: greedy generation loop
-    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; detokenize and call on_text
+    # TODO: encode, then: model -> last row -> logprobs -> token; stop at EOS; add_token each token and send_new_text; finalize and send the rest at the end
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     detokenizer = tokenizer.detokenizer  # a fresh streaming detokenizer
     for _ in range(max_tokens):
@@ -41,16 +52,10 @@ def simple_generate(
         if token in tokenizer.eos_token_ids:
             break
         tokens.append(token)
-        # A token can end in the middle of a multi-byte character or a word; the detokenizer holds
-        # such text back until it can be printed, so last_segment may be empty for a step.
         detokenizer.add_token(token)
-        segment = detokenizer.last_segment
-        if segment and on_text is not None:
-            on_text(segment)
-    detokenizer.finalize()
-    segment = detokenizer.last_segment
-    if segment and on_text is not None:
-        on_text(segment)
+        send_new_text(detokenizer, on_text)
+    detokenizer.finalize()  # whatever it still held back
+    send_new_text(detokenizer, on_text)
     return detokenizer.text
     # END TASK
 
@@ -89,13 +94,9 @@ def simple_generate_with_kv_cache(
         # The cache already holds everything before this token: next step, the model reads only it.
         new_tokens = [token]
         detokenizer.add_token(token)
-        segment = detokenizer.last_segment
-        if segment and on_text is not None:
-            on_text(segment)
-    detokenizer.finalize()
-    segment = detokenizer.last_segment
-    if segment and on_text is not None:
-        on_text(segment)
+        send_new_text(detokenizer, on_text)
+    detokenizer.finalize()  # whatever it still held back
+    send_new_text(detokenizer, on_text)
     return detokenizer.text
     # END TASK
 
@@ -149,12 +150,8 @@ def pipelined_generate_with_kv_cache(
         if token in tokenizer.eos_token_ids:
             break  # the step queued on the EOS token is never read
         detokenizer.add_token(token)
-        segment = detokenizer.last_segment
-        if segment and on_text is not None:
-            on_text(segment)
-    detokenizer.finalize()
-    segment = detokenizer.last_segment
-    if segment and on_text is not None:
-        on_text(segment)
+        send_new_text(detokenizer, on_text)
+    detokenizer.finalize()  # whatever it still held back
+    send_new_text(detokenizer, on_text)
     return detokenizer.text
     # END TASK
