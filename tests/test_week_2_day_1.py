@@ -326,6 +326,14 @@ def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, pro
     assert text == plain, "the same text as Task 3's loop"
     default = sol.generate.pipelined_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
     assert default == text, "sampler=None means greedy"
+    # The same prompt where EOS becomes the most likely token at the 4th generated one: the text ends there.
+    eos = next(iter(tokenizer.eos_token_ids))
+    eos_from = len(tokenizer.encode(prompt, add_special_tokens=False)) + 3
+    ended = sol.generate.pipelined_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=eos_from), tokenizer, prompt,
+                                                          max_tokens=MAX_TOKENS)
+    plain = ref.generate.simple_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=eos_from), tokenizer, prompt,
+                                                       max_tokens=MAX_TOKENS)
+    assert ended == plain, "EOS ends the text as in Task 3's loop, and is not part of it"
 
 
 def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model):
