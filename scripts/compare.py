@@ -3,6 +3,7 @@
     pdm run compare --week 1 --day 5                 # the week-1 model: logits and greedy text
     pdm run compare --week 2 --day 7                 # batch_generate with chunked prefill
     pdm run compare --week 2 --day 1 --max-tokens 32 --model Qwen/Qwen2-0.5B-Instruct-MLX
+    pdm run compare --week 2 --day 1 --loop plain    # day 2.1's plain loop (Task 3) instead of the pipelined one (Task 4)
     pdm run compare --week 3 --day 2                 # your engine, step by step, on a small KV pool
 
 The student side is your src/tiny_llm as the selector (course/selector.py) runs it: your code for
@@ -22,6 +23,7 @@ arguments.
 """
 
 import argparse
+import itertools
 import re
 import sys
 import time
@@ -53,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="random seed, set before each run")
     parser.add_argument("--repeat", type=int, default=2, help="time each run this many times, keep the fastest")
+    parser.add_argument("--loop", choices=["pipelined", "plain"], default="pipelined",
+                        help="day 2.1: generate with the pipelined loop (Task 4, default) or the plain one (Task 3)")
     parser.add_argument("--batch-size", type=int, default=2, help="decode slots for batch days (default 2)")
     parser.add_argument("--prefill-step", type=int, default=None,
                         help="prefill chunk for batch days (default: whole prompts; 8 on the chunked-prefill day)")
@@ -119,7 +123,12 @@ def generate_each(kind, package, model, tokenizer, prompts, args):
     """Single-request runs: per prompt, (token ids, text, seconds)."""
     import mlx.core as mx
 
-    generate = package.generate.simple_generate if kind == "model" else package.generate.simple_generate_with_kv_cache
+    if kind == "model":
+        generate = package.generate.simple_generate
+    elif args.loop == "plain":
+        generate = package.generate.simple_generate_with_kv_cache
+    else:
+        generate = package.generate.pipelined_generate_with_kv_cache
     runs = []
     for prompt in prompts:
         seconds = []
@@ -130,7 +139,8 @@ def generate_each(kind, package, model, tokenizer, prompts, args):
             text = generate(model, tokenizer, prompt, sampler=sampler, max_tokens=args.max_tokens)
             seconds.append(time.perf_counter() - started)
         seconds = min(seconds)
-        tokens = [t for t in sampler.tokens if t not in tokenizer.eos_token_ids]
+        # Up to the first EOS: the pipelined loop samples one more token, in the step it queued on EOS and drops.
+        tokens = list(itertools.takewhile(lambda t: t not in tokenizer.eos_token_ids, sampler.tokens))
         if not sampler.tokens and text:
             tokens = tokenizer.encode(text, add_special_tokens=False)  # the sampler was not used
         runs.append((tokens, text, seconds))
