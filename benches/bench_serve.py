@@ -3,6 +3,7 @@
     pdm run bench-serve --base-url http://localhost:8000                 # a server that is already running
     pdm run bench-serve --base-url http://gpu-box:8000 --model Qwen/Qwen2-0.5B-Instruct   # vLLM, for one
     pdm run bench-serve --launch --model bench-0.5b --quick              # start ours and mlx_lm.server, compare
+    pdm run bench-serve --launch --quick --solution student               # the same, with your server and engine
     pdm run bench-serve --base-url URL --workload mixed --request-rate 0.5 --num-requests 20
     pdm run bench-serve --base-url URL --workload shared-prefix --concurrency 2
 
@@ -39,7 +40,9 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from tiny_llm_ref.metrics import percentile  # day 2.2's: linear interpolation, as numpy
+from benches.runner import percentile  # day 2.2's, the reference's: linear interpolation, as numpy
+from course import selector
+from course.user_errors import OneLineParser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -54,8 +57,8 @@ WORDS = ("time year people way day man thing woman life child world school state
          "moment air teacher force education").split()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run bench-serve", description=__doc__,
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="pdm run bench-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://localhost:8000")
@@ -88,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--their-args", default="",
                         help="with --launch: extra arguments for mlx_lm.server (default: none, its defaults)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take (default 900)")
+    selector.add_arguments(parser)  # with --launch: whose server and engine `pdm run serve` runs
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"where results go (default {RESULTS_DIR})")
     return parser
 
@@ -353,6 +357,11 @@ def wait_ready(base_url: str, process: subprocess.Popen, name: str, timeout: flo
     raise SystemExit(f"{name} was not ready after {timeout:.0f} s")
 
 
+def solution_arguments(args) -> list[str]:
+    """`pdm run serve`'s options for the solution this bench was asked to launch."""
+    return ["--solution", args.solution] + (["--strict"] if args.strict else [])
+
+
 def launch(command: list[str], name: str, log: Path) -> tuple[subprocess.Popen, str]:
     """Start a server on a free port, its output going to `log`; wait until it answers /v1/models."""
     port = free_port()
@@ -425,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.request_rate is not None and args.request_rate <= 0:
         parser.error(f"--request-rate must be positive, got {args.request_rate}")
+    if args.base_url and (args.solution != "ref" or args.strict):
+        parser.error("--solution and --strict choose the server --launch starts; with --base-url the server is "
+                     "whatever runs there (start yours with `pdm run serve --solution student`)")
     if args.quick:
         apply_quick(args)
     args.workload = args.workload or list(WORKLOADS)
@@ -447,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model or BENCH
         path = str(resolve_model(args.model))
         commands = {
-            "tiny-llm": [sys.executable, "-m", "scripts.serve", "--model", args.model, *args.our_args.split()],
+            "tiny-llm": [sys.executable, "-m", "scripts.serve", "--model", args.model, *solution_arguments(args),
+                         *args.our_args.split()],
             "mlx_lm.server": [sys.executable, "-m", "benches.mlx_lm_peer", "--model", path, *args.their_args.split()],
         }
         args.out.mkdir(parents=True, exist_ok=True)

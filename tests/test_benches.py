@@ -115,3 +115,14 @@ def test_bench_kv_quant_bad_option_is_one_line(capsys, option):
         bench_kv_quant.main(["--model", "embedded", *option])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_bench_serve_launches_the_chosen_solution_and_says_no_to_it_with_base_url(capsys):
+    from benches import bench_serve
+
+    args = bench_serve.build_parser().parse_args(["--launch", "--solution", "student", "--strict"])
+    assert bench_serve.solution_arguments(args) == ["--solution", "student", "--strict"]
+    with pytest.raises(SystemExit) as exit_:  # a server already running is whatever it is: --solution cannot pick it
+        bench_serve.main(["--base-url", "http://127.0.0.1:9", "--solution", "student"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
