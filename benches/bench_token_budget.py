@@ -49,8 +49,8 @@ def build_parser():
     parser.add_argument("--long-after-tokens", type=int, metavar="N",
                         help="instead: once every short request has N tokens (the same moment on a slow or busy machine)")
     parser.add_argument("--budgets", default="32,64,256", help="week 3's fixed token budgets (comma-separated)")
-    parser.add_argument("--decode-multiple", type=float, default=2.5,
-                        help="the adaptive budget's target: this many plain decode steps per step (default 2.5)")
+    parser.add_argument("--decode-multiple", type=float, default=2.0,
+                        help="the adaptive budget's target: this many plain decode steps per step (default 2)")
     parser.add_argument("--mlx-steps", default="64,256,2048", help="mlx-lm's prefill_step_size values")
     parser.add_argument("--skip", default="", help="'mixed', 'hol' (workloads) or 'day27' (engine), comma-separated")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",

@@ -51,7 +51,7 @@ class EngineConfig:
     token_budget: int = 256  # the most tokens one step runs (vLLM: max_num_batched_tokens); the cap of any budget
     adaptive_budget: bool = False  # day 3.1: shrink the budget while requests decode, to hold a latency target
     target_itl: float | None = None  # the adaptive budget's target in seconds; None: `decode_multiple` decode steps
-    decode_multiple: float = 2.5  # "a step may take this many decode-only steps" (adaptive, target_itl None)
+    decode_multiple: float = 2.0  # "a step may take this many decode-only steps" (adaptive, target_itl None)
     max_num_seqs: int = 16  # running sequences (prefilling or decoding) at once
     block_size: int = 16  # positions per KV block (day 3.2)
     num_blocks: int | None = None  # KV blocks in the pool; None: enough for 8192 tokens

@@ -58,12 +58,12 @@ class AdaptiveTokenBudget:
     `initial_tokens` until a prefill token is measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
-    measured decode-only step: "a step may take 2.5 plain decode steps", which holds on a fast machine
+    measured decode-only step: "a step may take 2 plain decode steps", which holds on a fast machine
     and a slow (or busy) one alike.
     """
 
     def __init__(self, target_itl: float | None = 0.4, max_num_batched_tokens: int = 2048, min_tokens: int = 16,
-                 initial_tokens: int = 64, smoothing: float = 0.5, decode_multiple: float = 2.5):
+                 initial_tokens: int = 64, smoothing: float = 0.5, decode_multiple: float = 2.0):
         """A latency target (seconds, or a multiple of a decode step); budgets within `min_tokens .. max_num_batched_tokens`."""
         if not 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens:
             raise ValueError("need 1 <= min_tokens <= initial_tokens <= max_num_batched_tokens, got "
