@@ -604,6 +604,47 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
         assert_still_serving(url, model, engine)
 
 
+class HeldStart:
+    """An app whose responses' first message is held back `hold` seconds: time for a client to leave before
+    the response body is ever read (as a slow machine or a busy event loop can make it)."""
+
+    def __init__(self, app, hold: float):
+        self.app, self.state, self.hold = app, app.state, hold
+
+    async def __call__(self, scope, receive, send):
+        async def held_send(message):
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(self.hold)
+            await send(message)
+
+        await self.app(scope, receive, held_send)
+
+
+def test_task_4_streaming_client_that_leaves_before_the_body_is_aborted_and_counted(model, tokenizer):
+    """A streaming client that leaves before the first byte of the response: the response is cancelled
+    before its body is read, yet the request is aborted and counted (e2e latency, finish reason abort)."""
+    import socket
+
+    engine = make_engine(model)
+    app = sol.server.create_app(engine, tokenizer, MODEL)
+    run = engine.runner.run
+    engine.runner.run = lambda plan: (time.sleep(0.02), run(plan))[1]  # 400 tokens would take 8 s
+    body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True,
+                       "ignore_eos": True}).encode()
+    with running_server(HeldStart(app, hold=0.5)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            assert wait_until(lambda: engine.generation_tokens_total > 0), "the request never ran"
+        assert wait_until(lambda: not engine.has_work() and free_blocks(engine) == all_blocks(engine)), \
+            "a client that leaves must have its request aborted"
+        assert engine.generation_tokens_total < 400, "the request ran to max_tokens for nobody: never aborted"
+        assert wait_until(lambda: scrape(url)[0].get("tiny_llm:e2e_request_latency_seconds_count") == 1), \
+            "the request that left was never counted in e2e_request_latency_seconds"
+        assert_still_serving(url, model, engine)
+
+
 def test_task_4_several_choices(model, tokenizer):
     """A list of prompts and n > 1: one choice per prompt and sample, each the engine's own text."""
     engine = make_engine(model)

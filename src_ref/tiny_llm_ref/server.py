@@ -469,6 +469,7 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the prefix cache served (known when the engine finishes it)
     logprobs: list | None = None  # the tokens' TokenLogprobs not yet sent; None: the request asked for none
     text_offset: int = 0  # where the next token's text starts in the choice's text (completions' logprobs)
+    closed: bool = False  # its end was handled (`close_request`): aborted if unfinished, counted in the metrics
 
     def take_logprobs(self) -> list | None:
         """The log-probabilities gathered since the last call (None when the request asked for none)."""
@@ -624,13 +625,22 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
                 if generation.finish_reason is not None:
                     return
         finally:
-            del active[handle.request_id]
-            if not engine_done or text.stopped:
-                # The client left, the engine failed, a stop string or a shutdown ended it: free its blocks now.
-                engine_thread.abort(handle.request_id)
-            metrics.finished(generation.finish_reason or "abort")
-            metrics.e2e.observe(clock() - arrival)
-            observe_phases(handle, first_token, last_token)
+            # The client left, the engine failed, a stop string or a shutdown ended it: free its blocks now.
+            close_request(handle, generation, arrival, first_token, last_token,
+                          finished=engine_done and not text.stopped)
+
+    def close_request(handle: RequestHandle, generation: Generation, arrival: float, first_token: float | None = None,
+                      last_token: float | None = None, finished: bool = False) -> None:
+        """A request's end, handled once however it came: abort it unless the engine `finished` it; count it."""
+        if generation.closed:
+            return
+        generation.closed = True
+        active.pop(handle.request_id, None)
+        if not finished:
+            engine_thread.abort(handle.request_id)
+        metrics.finished(generation.finish_reason or "abort")
+        metrics.e2e.observe(clock() - arrival)
+        observe_phases(handle, first_token, last_token)
 
     async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float,
                       response_id: str, handles: list[RequestHandle]):
@@ -640,6 +650,15 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         generations = [Generation(h.request_id, prompt_tokens=len(h.prompt),
                                   logprobs=None if h.sampling.logprobs is None else []) for h in handles]
         streams = [tokens(h, body.stop_strings(), g, arrival) for h, g in zip(handles, generations)]
+
+        def close_the_rest(_watcher: asyncio.Task) -> None:
+            for handle, generation in zip(handles, generations):
+                close_request(handle, generation, arrival)
+
+        # A stream's own `finally` closes its request, but only if the stream ever started: a response cancelled
+        # before its body was read (the client left at once) never starts it. The watcher ends with the
+        # response, however it ends (callbacks run even for a task cancelled before it ran): it closes the rest.
+        watcher.add_done_callback(close_the_rest)
         head = {"id": response_id, "created": int(time.time()), "model": model_name}
 
         def total_usage() -> dict:
