@@ -123,7 +123,9 @@ class PipeReader:
     def __init__(self, fd: int):
         self.fd, self.pending = fd, bytearray()
 
-    def read(self, count: int) -> bytes:
+    def read(self, count: int) -> bytes | bytearray:
+        if count > 1 << 16:
+            return self._read_large(count)
         while len(self.pending) < count:
             chunk = os.read(self.fd, max(count - len(self.pending), 1 << 16))
             if not chunk:
@@ -133,27 +135,47 @@ class PipeReader:
         del self.pending[:count]
         return data
 
+    def _read_large(self, count: int) -> bytearray:
+        """An array's bytes, read from the pipe straight into their own buffer (no copy through `pending`)."""
+        data = bytearray(count)
+        view = memoryview(data)
+        filled = min(count, len(self.pending))
+        view[:filled] = self.pending[:filled]
+        del self.pending[:filled]
+        while filled < count:
+            got = os.readv(self.fd, [view[filled:]])
+            if not got:
+                raise RemoteGone("the other process closed the pipe")
+            filled += got
+        return data
 
-def _read_exactly(reader: PipeReader, count: int) -> bytes:
+
+def _read_exactly(reader: PipeReader, count: int) -> bytes | bytearray:
     return reader.read(count)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
+def _write_all(fd: int, parts: list) -> None:
+    """Write every part (bytes, or an array's memoryview, sent without a copy) in as few system calls as fit."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    first = 0  # the first part not yet written whole
+    while first < len(views):
         try:
-            written = os.write(fd, view)
+            written = os.writev(fd, views[first:first + 1024])  # at most IOV_MAX parts a call
         except (BrokenPipeError, OSError) as error:
             raise RemoteGone(f"the other process closed the pipe ({error})") from None
-        view = view[written:]
+        while first < len(views) and written >= views[first].nbytes:
+            written -= views[first].nbytes
+            first += 1
+        if written:
+            views[first] = views[first][written:]
 
 
-def send_message(fd: int, header: dict, buffers: list[bytes]) -> None:
+def send_message(fd: int, header: dict, buffers: list) -> None:
     text = json.dumps({**header, "nbuf": len(buffers)}, allow_nan=True).encode()
     parts = [struct.pack("<Q", len(text)), text]
     for buffer in buffers:
-        parts += [struct.pack("<Q", len(buffer)), buffer]
-    _write_all(fd, b"".join(parts))
+        parts += [struct.pack("<Q", memoryview(buffer).nbytes), buffer]
+    _write_all(fd, parts)
 
 
 def receive_message(reader) -> tuple[dict, list[bytes]]:
@@ -182,6 +204,7 @@ def _mlx():
     return mx
 
 
+@functools.cache
 def _dtype_names() -> dict:
     mx = _mlx()
     return {str(value).removeprefix("mlx.core."): value for value in vars(mx).values() if isinstance(value, mx.Dtype)}
@@ -324,7 +347,8 @@ class Endpoint:
         if value is Ellipsis:
             return {"$": "ellipsis"}
         if kind is np.ndarray and not value.dtype.hasobject and value.dtype.kind in "biufc":
-            buffers.append(np.ascontiguousarray(value).tobytes())
+            flat = np.ascontiguousarray(value).reshape(-1)
+            buffers.append(flat.view(np.uint8).data if flat.size else b"")
             return {"$": "np", "b": len(buffers) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return value.item()
@@ -365,7 +389,8 @@ class Endpoint:
         mx = _mlx()
         dtype = str(value.dtype).removeprefix("mlx.core.")
         raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value
-        buffers.append(np.ascontiguousarray(np.array(raw)).tobytes())
+        flat = np.ascontiguousarray(np.asarray(raw)).reshape(-1)  # MLX's own memory where it can (no copy)
+        buffers.append(flat.view(np.uint8).data if flat.size else b"")  # sent from there, not copied to bytes
         return {"$": "mx", "b": len(buffers) - 1, "dtype": dtype, "shape": list(value.shape)}
 
     def decode(self, value, buffers: list[bytes], depth: int = 0):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -193,13 +194,28 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | N
     return apply
 
 
+PIPE_BYTES = 1 << 20  # a model's logits (1.5 MB for a chunk of tests' tiny model) cross in one or two writes
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe as large as an unprivileged process may make one (1 MiB on Linux; 64 KiB elsewhere, or if refused):
+    an array crosses in few system calls, each a wake-up of the other side, not one per 64 KiB."""
+    read_fd, write_fd = os.pipe()
+    if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux
+        try:
+            fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
+    return read_fd, write_fd
+
+
 class Worker:
     """One sandbox and the pipes to its worker process(es): one worker and the endpoint that talks to it, or
     (`ranks` N) N workers in an `mx.distributed` ring, each reached by the rank program the pipes go to."""
 
     def __init__(self, root: Path, week: int, day: int, kind: str, cpu_seconds: float | None, memory_mb: int | None,
                  ranks: int = 0, threads_per_rank: int | None = None):
-        pipes = [(os.pipe(), os.pipe()) for _ in range(max(ranks, 1))]  # (to the worker, from the worker) each
+        pipes = [(_pipe(), _pipe()) for _ in range(max(ranks, 1))]  # (to the worker, from the worker) each
         inside = [str(fd) for (to_r, _), (_, from_w) in pipes for fd in (to_r, from_w)]
         inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
         kind = "ranks" if ranks else kind

@@ -33,13 +33,14 @@ course or environment problem, not the student's). With 2 the report is still wr
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
 import stat
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -158,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
                              "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
-    parser.add_argument("--record-times", action="store_true",
-                        help="save each day's time as the honest run's, for the budgets (maintainers: run with "
-                             "--src src_ref/tiny_llm_ref on an idle machine)")
+    parser.add_argument("--record-times", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
+                        help="grade the selection ROUNDS times (3 if not given) and save each day's slowest time as "
+                             "the honest run's, for the budgets (maintainers: run with --src src_ref/tiny_llm_ref on "
+                             "an idle machine)"),
     parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
     return parser
 
@@ -612,15 +614,19 @@ def recorded_times() -> dict[str, float]:
 
 def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
     """Keep each day's time (and the yardstick's, the machine's speed and load then) for the budgets of later
-    runs: only of a day that passed every test, since a failing or cut-short run is no honest run's time."""
+    runs: the slowest of the day's runs (`reports` may hold several rounds), so that a budget starts from an
+    honest run's spread and not from its luckiest moment; and only of a day that passed every test in every
+    round, since a failing or cut-short run is no honest run's time."""
     times = recorded_times()
+    by_day: dict[str, list[DayReport]] = {}
     for report in reports:
-        if report.pending:
-            continue
-        if passed_everything(report):
-            times[report.day.key] = round(report.seconds, 2)
+        if not report.pending:
+            by_day.setdefault(report.day.key, []).append(report)
+    for key, runs in by_day.items():
+        if all(passed_everything(run) for run in runs):
+            times[key] = round(max(run.seconds for run in runs), 2)
         else:
-            print(f"[grade] week {report.day.week} day {report.day.day}: not every test passed; time not recorded")
+            print(f"[grade] week {runs[0].day.week} day {runs[0].day.day}: not every test passed; time not recorded")
     times[YARDSTICK_KEY] = round(yardstick_seconds, 4)
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
@@ -630,20 +636,49 @@ def passed_everything(report: "DayReport") -> bool:
         and not report.review
 
 
+YARDSTICK_WORK = """
+import statistics, sys, time
+sys.stdin.buffer.read(1)  # the go signal: every copy starts its work at the same moment
+def once():
+    began, total = time.perf_counter(), 0
+    for i in range(1_000_000):
+        total += i % 7
+    return time.perf_counter() - began
+print(statistics.median(once() for _ in range(RUNS)))
+"""
+
+
+def yardstick_copies() -> int:
+    """How many copies of the yardstick run at once: as many processors as a day's tests keep busy.
+
+    A day runs two processes that work at the same time (the trusted test process and the sandboxed
+    worker; MLX and a test's server add threads): day 3.5's honest grade uses about 1.2 processors'
+    worth of CPU time. One copy alone does not see a load that leaves one processor free (another
+    busy process on two cores), which slows such a day by about half: two copies, each wanting a
+    processor, do.
+    """
+    return max(1, min(2, os.cpu_count() or 1))
+
+
 def yardstick() -> float:
-    """Wall seconds of a fixed piece of Python work (the median of five): how fast this machine runs Python now.
+    """Wall seconds of a fixed piece of Python work run in `yardstick_copies()` processes at once (the mean of
+    each copy's median of five): how fast this machine runs a day's processes now.
 
     Wall time, not CPU time: on a loaded machine the honest run's tests wait for a processor as this work
     does (at load 10 on 2 cores, about 5x longer), and a budget that ignored that would fail honest runs.
     The median, so that a burst of a tenth of a second (another process starting) does not count as load.
+    The copies start together (each waits for one byte on its stdin), after their interpreters have started.
     """
-    def once() -> float:
-        began, total = time.perf_counter(), 0
-        for i in range(1_000_000):
-            total += i % 7
-        return time.perf_counter() - began
-
-    return statistics.median(once() for _ in range(YARDSTICK_RUNS))
+    work = YARDSTICK_WORK.replace("RUNS", str(YARDSTICK_RUNS))
+    copies = [subprocess.Popen([sys.executable, "-I", "-c", work], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True) for _ in range(yardstick_copies())]
+    for copy in copies:
+        copy.stdin.write("g")
+        copy.stdin.close()
+    seconds = [float(copy.stdout.read()) for copy in copies]
+    for copy in copies:
+        copy.wait()
+    return sum(seconds) / len(seconds)
 
 
 def slowdown(seconds: float) -> float:
@@ -696,7 +731,8 @@ def grade(args: argparse.Namespace) -> int:
         trusted_env = child_env(args.solution, ("src_ref", "."))
         budgets = DayBudgets(args)
         yardsticks: list[float] = []  # one before each day, while none of the submission's processes is alive
-        bar = progress_bar(len(days))
+        rounds = args.record_times or 1
+        bar = progress_bar(len(days) * rounds)
 
         reports: list[DayReport] = [placeholder(d, [], "not graded yet", pending=True) for d in days]
 
@@ -708,8 +744,9 @@ def grade(args: argparse.Namespace) -> int:
 
         save()
         memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
-        for index, day in enumerate(days):
-            label = f"week {day.week} day {day.day}"
+        graded: list[DayReport] = []  # every day graded, in every round (--record-times N grades N rounds)
+        for repeat, (index, day) in itertools.product(range(rounds), enumerate(days)):
+            label = f"week {day.week} day {day.day}" + (f" (round {repeat + 1} of {rounds})" if rounds > 1 else "")
             if bar is not None and not bar.disable:
                 bar.set_description(label)
             else:
@@ -718,16 +755,18 @@ def grade(args: argparse.Namespace) -> int:
                 reports[index] = placeholder(day, [], "not run: the run's time budget ran out before this day")
             else:
                 yardsticks.append(yardstick())
-                clock = DayClock(budgets, day, slowdown(yardsticks[-1]), run_deadline)
-                budget = clock.budget
                 env = trusted_env
                 if package is not None:
-                    root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}", package, REPO_ROOT / REFERENCE_DIR,
-                                                    REPO_ROOT / "course", day.week, day.day)
-                    logs = tmp / f"logs-{day.key}"  # a test process killed at a limit cannot clean up after itself
+                    root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}-{repeat}", package,
+                                                    REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course", day.week, day.day)
+                    logs = tmp / f"logs-{day.key}-{repeat}"  # a test process killed at a limit cannot clean up
                     logs.mkdir()
-                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs),
-                           sandbox.LIMITS_VARIABLE: f"{budget:.0f},{memory_mb or 0}"}
+                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs)}
+                # The day's clock starts where `run.seconds`, the time --record-times keeps, starts: a budget
+                # and the time it is scaled from measure the same thing.
+                clock = DayClock(budgets, day, slowdown(yardsticks[-1]), run_deadline)
+                if package is not None:
+                    env[sandbox.LIMITS_VARIABLE] = f"{clock.budget:.0f},{memory_mb or 0}"
                 # The tests expected are those this trusted process collects: the submission's code runs only in
                 # the sandbox, and no test file decides which tests exist from what the submission returns.
                 run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=clock,
@@ -735,6 +774,7 @@ def grade(args: argparse.Namespace) -> int:
                 kill_descendants()
                 budgets.spent(day, clock.budget, run.seconds)
                 reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
+                graded.append(reports[index])
                 if run.out_of_time:
                     reports[index].notes.append(f"{label}: stopped when its time budget ran out ({clock.budget:.0f} s: "
                                                 f"{BUDGET_FACTOR:g}x an honest run at this machine's speed and load, "
@@ -749,7 +789,7 @@ def grade(args: argparse.Namespace) -> int:
         kill_descendants()
         remove_tree(tmp)
     if args.record_times and yardsticks:
-        record_times(reports, sum(yardsticks) / len(yardsticks))
+        record_times(graded, sum(yardsticks) / len(yardsticks))
     summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
     print(summary)
     seconds = time.monotonic() - started

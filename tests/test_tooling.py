@@ -958,3 +958,58 @@ def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypat
     times = json.loads((tmp_path / "times.json").read_text())
     assert times["week1-day1"] == 3.0, "a day that passed everything records its time"
     assert times["week1-day2"] == 7.0, "a day cut short keeps its earlier time"
+    rounds = [report(1, "passed", 20.0), report(2, "passed", 4.0), report(1, "passed", 26.0),
+              report(2, "timed out", 9.0), report(1, "passed", 23.0), report(2, "passed", 5.0)]
+    grade.record_times(rounds, yardstick_seconds=0.02)  # --record-times 3: each day graded three times
+    times = json.loads((tmp_path / "times.json").read_text())
+    assert times["week1-day1"] == 26.0, "several rounds: the slowest is recorded"
+    assert times["week1-day2"] == 7.0, "a day cut short in one round of several records nothing"
+
+
+def test_an_honest_day_as_slow_as_its_slowest_recorded_round_keeps_its_budget(monkeypatch):
+    """Day 3.5 lost half a point at its budget's edge: its time was one honest run's (26.3 s) and a later honest
+    run took 1.47x that (38.8 s) with the yardstick saying the machine was as fast as before. Recorded as the
+    slowest of several rounds, the budget starts from the day's spread: a run as slow as any recorded round,
+    and up to 1.5x it, goes on. (Recorded from the quickest round alone, the same run would have been stopped.)"""
+    import argparse
+    import time
+
+    from course.course_map import find_day
+
+    day = find_day(1, 1)
+    rounds = [20.0, 26.0, 23.0]  # one day graded three times on one machine: its normal spread
+    for recorded, survives in ((max(rounds), True), (min(rounds), False)):
+        monkeypatch.setattr(grade, "recorded_times", lambda: {day.key: recorded, "yardstick": 0.02})
+        monkeypatch.setattr(grade, "yardstick", lambda: 0.02)  # the machine as fast as when the times were recorded
+        monkeypatch.setattr(grade, "pause_descendants", lambda: [])
+        budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=0))
+        clock = grade.DayClock(budgets, day, first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
+        clock.started -= 1.45 * max(rounds)  # an honest run 45% slower than the slowest round
+        assert clock(time.monotonic()) is not survives, (recorded, clock.budget)
+
+
+def test_the_yardstick_runs_as_many_copies_at_once_as_a_day_keeps_processors_busy(monkeypatch, tmp_path):
+    """A day's two processes (the test process and the sandboxed worker) work at the same time, so a load that
+    leaves one processor free slows the day and not a yardstick run alone (measured on two cores: one copy
+    0.99x, two copies 2.01x, day 3.5 1.88x its recorded time). The copies must truly run together: each waits
+    here until every copy has started its work (a barrier, with a step limit), or reports that it ran alone."""
+    import os
+
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    barrier = f"""
+import os, sys, time
+sys.stdin.buffer.read(1)
+open(os.path.join({str(arrived)!r}, str(os.getpid())), "w").close()
+for _ in range(3000):  # at most ~30 s
+    if len(os.listdir({str(arrived)!r})) >= {grade.yardstick_copies()}:
+        print(0.5)
+        break
+    time.sleep(0.01)
+else:
+    print(-1.0)
+"""
+    monkeypatch.setattr(grade, "YARDSTICK_WORK", barrier)
+    assert grade.yardstick_copies() == min(2, os.cpu_count() or 1)
+    assert grade.yardstick() == 0.5, "a copy ran alone: the yardstick measured one processor's load"
+    assert len(list(arrived.iterdir())) == grade.yardstick_copies()
