@@ -4,6 +4,7 @@
     pdm run bench-grading --week 1               # one week
     pdm run bench-grading --week 2 --day 6 7     # some days of a week
     pdm run bench-grading --no-sleeper           # only the honest grade against the unsandboxed tests
+    pdm run bench-grading --week 3 --solution student   # your src/tiny_llm instead of the reference
 
 For each day, three commands, one after the other:
 
@@ -13,6 +14,9 @@ For each day, three commands, one after the other:
   student's work: every test through the sandbox, within the day's time budget;
 - sleeper: `pdm run grade --src <the skeleton, every task sleeping 59 s before it raises>`, the
   submission the time budgets are there for.
+
+With `--solution student` the first two run your `src/tiny_llm` (`pdm run test --week W --day D` and
+`pdm run grade --week W --day D`): what grading your work costs, and where it is slow.
 
 The first two alternate their order from one day to the next, so a burst of load on a shared machine
 falls on either. It prints each command's wall time, the ratios (graded / unsandboxed: the sandbox's
@@ -33,18 +37,23 @@ import time
 from pathlib import Path
 
 from course.course_map import DAYS
+from course.user_errors import OneLineParser
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SUBMISSIONS = {"ref": REPO_ROOT / "src_ref" / "tiny_llm_ref", "student": REPO_ROOT / "src" / "tiny_llm"}
 SLEEP_SECONDS = 59  # just under the default per-test limit of 60 s
 TASK_RAISE = re.compile(r'^(\s*)(raise NotImplementedError\("Week \d+ Day \d+ Task)', re.MULTILINE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run bench-grading", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="pdm run bench-grading", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--week", type=int, help="only this week")
     parser.add_argument("--day", type=int, nargs="+", help="only these days of --week")
     parser.add_argument("--no-sleeper", action="store_true", help="leave out the sleeping submission")
+    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
+                        help="whose code the honest grade and the unsandboxed tests run: ref, src_ref/tiny_llm_ref; "
+                             "student, your src/tiny_llm (default ref)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benches" / "results" / "grading_cost.json"),
                         help="where to save the figures (default benches/results/grading_cost.json)")
     return parser
@@ -105,7 +114,10 @@ def table(rows: list[dict], sleeper: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.day and args.week is None:
+        parser.error("--day needs --week")
     days = [d for d in DAYS if (args.week is None or d.week == args.week) and (not args.day or d.day in args.day)
             and (REPO_ROOT / d.test_file).exists()]
     if not days:
@@ -117,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         for index, day in enumerate(days):
             row = {"week": day.week, "day": day.day, "load": os.getloadavg()[0]}
             plain = [sys.executable, "-m", "scripts.run_tests", "--week", str(day.week), "--day", str(day.day),
-                     "--ref", "--", "-q"]
-            graded = grade_command(REPO_ROOT / "src_ref" / "tiny_llm_ref", day.week, day.day, report)
+                     "--solution", args.solution, "--", "-q"]
+            graded = grade_command(SUBMISSIONS[args.solution], day.week, day.day, report)
             order = ["unsandboxed", "graded"] if index % 2 == 0 else ["graded", "unsandboxed"]
             for name in order:
                 row[name] = timed(plain) if name == "unsandboxed" else timed(graded, report)
@@ -131,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores",
-                               "commands": {"unsandboxed": "pdm run test --week W --day D --ref",
-                                            "graded": "pdm run grade --src src_ref/tiny_llm_ref --week W --day D",
+                               "solution": args.solution,
+                               "commands": {"unsandboxed": f"pdm run test --week W --day D --solution {args.solution}",
+                                            "graded": f"pdm run grade --src {SUBMISSIONS[args.solution].relative_to(REPO_ROOT)} "
+                                                      "--week W --day D",
                                             "sleeper": "pdm run grade --src <skeleton, every task sleeping 59 s>"},
                                "days": rows}, indent=1) + "\n")
     print(f"\nsaved {out}")
