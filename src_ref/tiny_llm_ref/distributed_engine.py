@@ -136,6 +136,8 @@ class TensorParallelRunner:
         """
         try:
             yield
+        except NotImplementedError:  # a RuntimeError too, but an unwritten task, not a lost rank
+            raise
         except RuntimeError as error:
             raise RankLost(f"rank {self.group.rank()} of {self.group.size()}: another rank stopped answering "
                            f"({error})") from None
