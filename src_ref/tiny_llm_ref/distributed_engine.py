@@ -23,7 +23,6 @@ The message, all int32:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -127,15 +126,14 @@ class TensorParallelRunner:
     def pool(self):
         return self.runner.pool
 
-    @contextlib.contextmanager
-    def collectives(self):
-        """Around code that computes collectives: a failure there is a lost rank, `RankLost` (provided).
+    def collective(self, compute, *args):
+        """`compute(*args)` where it computes collectives: a failure there is a lost rank, `RankLost` (provided).
 
         MLX reports a peer that died mid-collective as a RuntimeError when the graph is evaluated: at an
         `mx.eval`, or already in the model call, whose layers start computing as they are recorded.
         """
         try:
-            yield
+            return compute(*args)
         except NotImplementedError:  # a RuntimeError too, but an unwritten task, not a lost rank
             raise
         except RuntimeError as error:
@@ -144,8 +142,7 @@ class TensorParallelRunner:
 
     def evaluate(self, *arrays) -> None:
         """`mx.eval` of arrays that hold collectives, a failure a `RankLost` (provided)."""
-        with self.collectives():
-            mx.eval(*arrays)
+        self.collective(mx.eval, *arrays)
 
     def exchange(self, message: mx.array) -> mx.array:
         """The all_sum of every rank's message: rank 0's plan, everywhere (provided)."""
@@ -156,8 +153,7 @@ class TensorParallelRunner:
     def forward(self, plan: StepPlan) -> mx.array:
         """Run a plan on this rank's shard, the KV pool's writes evaluated with the logits (provided)."""
         batch = self.runner.prepare(plan)
-        with self.collectives():
-            logits = self.runner.model(batch, self.runner.pool)
+        logits = self.collective(self.runner.model, batch, self.runner.pool)
         self.evaluate(logits, *self.runner.pool.arrays())
         return logits
 
