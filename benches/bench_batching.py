@@ -12,8 +12,12 @@ day 2.6's scheduler (Qwen2ModelWeek2 + batch.Scheduler), week 3's engine (LLMEng
 at each batch size, in the same process, mlx-lm between our two. Throughput is generated tokens per
 second of the whole run (prefill included), wall clock unless `--clock cpu`: this process's CPU seconds
 (all threads), which other processes do not inflate but which give mlx-lm no credit for overlapping
-its Python with its computation (`mx.async_eval`). Ours is written from mlx.core operations for teaching;
-mlx-lm uses fused kernels (mx.fast.*), so the ratio ours / mlx-lm shows what those are worth.
+its Python with its computation (`mx.async_eval`). Ours is written from mlx.core operations for teaching,
+mlx-lm uses fused kernels (mx.fast.*); on a CPU a step costs about the same in both (its matmuls are most
+of it), so week 3's lead is mostly in the passes each request takes: for 16 tokens, 16 model passes in
+week 3 (the prompt's step samples the first token), 18 in BatchGenerator (it prefills all but the last
+prompt token without sampling, then computes one token past the last, thrown away). The 'steps' columns
+count them.
 Results: benches/results/batching.json (--out).
 """
 
@@ -29,6 +33,7 @@ PROG = "pdm run bench-batching"
 COLUMNS = [lab.Column("batch", "batch_size", "{}"), lab.Column("day2.6 tok/s", "day26_tokens_per_s"),
            lab.Column("week3 tok/s", "week3_tokens_per_s"), lab.Column("mlx-lm tok/s", "mlx_lm_tokens_per_s"),
            lab.Column("day2.6 / mlx", "ratio"), lab.Column("week3 / mlx", "week3_ratio"),
+           lab.Column("week3 steps", "week3_steps", "{}"), lab.Column("mlx-lm steps", "mlx_lm_steps", "{}"),
            lab.Column("week3 tokens = mlx-lm's", "same_outputs", "{}")]
 
 
@@ -55,7 +60,7 @@ def engines(bench, model2, model3, batch_size: int) -> list:
 
 def throughput(run) -> dict:
     tokens = sum(len(t) for t in run.outputs.values())
-    return {"seconds": run.wall_s, "tokens": tokens, "tokens_per_s": tokens / run.wall_s}
+    return {"seconds": run.wall_s, "tokens": tokens, "tokens_per_s": tokens / run.wall_s, "steps": run.steps}
 
 
 @selector.command
@@ -82,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(runs["week3"].outputs[i] == runs["mlx_lm"].outputs[i] for i in range(args.requests))
         rows.append({"batch_size": batch_size, "ours": figures["day26"], "week3": figures["week3"],
                      "mlx_lm": figures["mlx_lm"], **{f"{n}_tokens_per_s": f["tokens_per_s"] for n, f in figures.items()},
+                     "week3_steps": figures["week3"]["steps"], "mlx_lm_steps": figures["mlx_lm"]["steps"],
                      "ratio": figures["day26"]["tokens_per_s"] / figures["mlx_lm"]["tokens_per_s"],
                      "week3_ratio": figures["week3"]["tokens_per_s"] / figures["mlx_lm"]["tokens_per_s"],
                      "same_outputs": f"{same}/{args.requests}"})
     lab.print_table(f"generated tokens per {args.clock} second of the whole run (prefill included)", COLUMNS, rows,
-                    caption="'tokens = mlx-lm's': week 3's greedy outputs identical to mlx-lm's "
+                    caption="'steps': calls of each engine's step (mlx-lm: BatchGenerator.next()). A request of n tokens "
+                            "is n model passes for week 3, n + 2 for mlx-lm (a prefill that samples nothing, then n + 1 "
+                            "one-token passes, the last thrown away); a step of mlx-lm's that ends a request may also "
+                            "prefill the next.\n"
+                            "'tokens = mlx-lm's': week 3's greedy outputs identical to mlx-lm's "
                             "(float32 sums in another order may flip a near-tie)")
     return bench.save({"rows": rows})
 
