@@ -73,7 +73,9 @@ TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seco
 YARDSTICK_KEY = "yardstick"  # wall seconds of a fixed computation in that run: the machine's speed and load then
 YARDSTICK_RUNS = 5
 MAX_SLOWDOWN = 20.0
-BUDGET_FACTOR = 1.5  # a day's budget: this many times its honest run
+# A day's budget: this many times its honest run. The recorded run is the slowest of three rounds (about
+# a tenth over a typical one), so 1.35x it is about 1.5x a typical honest run: what a sleeper may cost.
+BUDGET_FACTOR = 1.35
 DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 

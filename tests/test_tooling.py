@@ -867,8 +867,8 @@ def test_points_add_up_exactly_for_every_day():
 
 
 def test_day_budgets_follow_the_load_and_carry_over_within_a_week(monkeypatch):
-    """1.5x the recorded time, scaled by the slowdown; what a day leaves goes to its week's next days, never to
-    another week's, so a week that sleeps throughout costs at most 1.5x its honest time."""
+    """BUDGET_FACTOR x the recorded time, scaled by the slowdown; what a day leaves goes to its week's next days,
+    never to another week's, so a week that sleeps throughout costs at most that factor of its honest time."""
     import argparse
 
     from course.course_map import find_day
@@ -878,10 +878,11 @@ def test_day_budgets_follow_the_load_and_carry_over_within_a_week(monkeypatch):
     assert grade.slowdown(0.1) == 5.0 and grade.slowdown(10.0) == grade.MAX_SLOWDOWN
     budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
     first = budgets.for_day(find_day(1, 1), slowdown=5.0)
-    assert first == 1.5 * 4.0 * 5.0
-    budgets.spent(find_day(1, 1), first, seconds=20.0)  # an honest day, 10 s under its budget
-    assert budgets.for_day(find_day(1, 2), slowdown=1.0) == 1.5 * 6.0 + 10.0
-    assert budgets.for_day(find_day(2, 1), slowdown=1.0) == 1.5 * 8.0, "another week borrows nothing"
+    factor = grade.BUDGET_FACTOR
+    assert first == factor * 4.0 * 5.0
+    budgets.spent(find_day(1, 1), first, seconds=first - 7.0)  # an honest day, 7 s under its budget
+    assert budgets.for_day(find_day(1, 2), slowdown=1.0) == pytest.approx(factor * 6.0 + 7.0)
+    assert budgets.for_day(find_day(2, 1), slowdown=1.0) == factor * 8.0, "another week borrows nothing"
     second = budgets.for_day(find_day(1, 2), slowdown=1.0)
     budgets.spent(find_day(1, 2), second, seconds=second)  # a sleeper spends it all, the carried 10 s too
     assert budgets.left[1] == 0.0
@@ -970,7 +971,8 @@ def test_an_honest_day_as_slow_as_its_slowest_recorded_round_keeps_its_budget(mo
     """Day 3.5 lost half a point at its budget's edge: its time was one honest run's (26.3 s) and a later honest
     run took 1.47x that (38.8 s) with the yardstick saying the machine was as fast as before. Recorded as the
     slowest of several rounds, the budget starts from the day's spread: a run as slow as any recorded round,
-    and up to 1.5x it, goes on. (Recorded from the quickest round alone, the same run would have been stopped.)"""
+    and up to BUDGET_FACTOR x it, goes on. (Recorded from the quickest round alone, the same run would have been
+    stopped.)"""
     import argparse
     import time
 
@@ -984,7 +986,7 @@ def test_an_honest_day_as_slow_as_its_slowest_recorded_round_keeps_its_budget(mo
         monkeypatch.setattr(grade, "pause_descendants", lambda: [])
         budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=0))
         clock = grade.DayClock(budgets, day, first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
-        clock.started -= 1.45 * max(rounds)  # an honest run 45% slower than the slowest round
+        clock.started -= 1.3 * max(rounds)  # an honest run 30% slower than the slowest round
         assert clock(time.monotonic()) is not survives, (recorded, clock.budget)
 
 
