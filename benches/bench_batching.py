@@ -5,11 +5,14 @@
     pdm run bench-batching --model embedded    # the tiny embedded model (seconds)
     pdm run bench-batching --solution student  # your day 2.6 scheduler and your week-3 engine
     pdm run bench-batching --quick --clock cpu # on a busy shared machine: CPU seconds
+    pdm run bench-batching --rounds 5          # each figure the median of 5 alternated runs (default 3)
 
 The same workload (every request arrives at the start, greedy, the same token budget) runs through
 day 2.6's scheduler (Qwen2ModelWeek2 + batch.Scheduler), week 3's engine (LLMEngine with at most
 `batch` sequences running, one model call per step) and mlx-lm's BatchGenerator on the same weights,
-at each batch size, in the same process, mlx-lm between our two. Throughput is generated tokens per
+at each batch size, in the same process, mlx-lm between our two, `--rounds` times (the order reversed
+every other round); each figure is the median round's, since one run of a few seconds moves by a
+tenth with the machine. Throughput is generated tokens per
 second of the whole run (prefill included), wall clock unless `--clock cpu`: this process's CPU seconds
 (all threads), which other processes do not inflate but which give mlx-lm no credit for overlapping
 its Python with its computation (`mx.async_eval`). Ours is written from mlx.core operations for teaching,
@@ -42,6 +45,9 @@ def build_parser():
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
     lab.options(parser, requests=(8, "requests in the workload"), prompt_tokens=(32, "prompt length"),
                 output_tokens=(16, "tokens each request generates"), prefill_step=(128, "day 2.6's chunk size"))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each engine at each batch size, alternated; the median counts (default 3, "
+                             "--quick 1)")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",
                         help="'cpu': this process's CPU seconds (all threads), which other processes on a busy "
                              "shared machine do not inflate")
@@ -63,12 +69,22 @@ def throughput(run) -> dict:
     return {"seconds": run.wall_s, "tokens": tokens, "tokens_per_s": tokens / run.wall_s, "steps": run.steps}
 
 
+def median_runs(made: list, arrivals, clock, rounds: int) -> dict:
+    """Each engine's median run (by throughput) of `rounds` runs, the engines taking turns, reversed every other round."""
+    runs: dict[str, list] = {name: [] for name, _ in made}
+    for round_ in range(rounds):
+        for name, make in made if round_ % 2 == 0 else made[::-1]:
+            runs[name].append(runner.run(make(), arrivals, name, clock=clock))
+    return {name: sorted(done, key=lambda run: throughput(run)["tokens_per_s"])[len(done) // 2]
+            for name, done in runs.items()}
+
+
 @selector.command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.output_tokens = min(args.output_tokens, 8)
-    lab.check_positive(PROG, args, "requests", "prompt_tokens", "output_tokens", "prefill_step")
+        args.output_tokens, args.rounds = min(args.output_tokens, 8), 1
+    lab.check_positive(PROG, args, "requests", "prompt_tokens", "output_tokens", "prefill_step", "rounds")
     bench = lab.start(args, ("batch", "qwen2_week2", "engine", "qwen2_week3"))
     model2, model3 = bench.week2_model(), bench.week3_model()
     arrivals = [workloads.Arrival("short", workloads.random_prompt(args.prompt_tokens, seed=i), args.output_tokens)
@@ -81,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for batch_size in lab.progress([int(b) for b in args.batch_sizes.split(",")], "batch sizes"):
-        runs = {name: runner.run(make(), arrivals, name, clock=clock)
-                for name, make in engines(bench, model2, model3, batch_size)}
+        runs = median_runs(engines(bench, model2, model3, batch_size), arrivals, clock, args.rounds)
         figures = {name: throughput(run) for name, run in runs.items()}
         same = sum(runs["week3"].outputs[i] == runs["mlx_lm"].outputs[i] for i in range(args.requests))
         rows.append({"batch_size": batch_size, "ours": figures["day26"], "week3": figures["week3"],
