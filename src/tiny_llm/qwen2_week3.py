@@ -143,14 +143,9 @@ class Qwen2RaggedBlock:
 
     def __call__(self, x: mx.array, batch: RaggedBatch, cos: mx.array, sin: mx.array, pool: KvPool,
                  layer: int) -> mx.array:
-        """`T x E` -> `T x E`, already computing in the background when it returns."""
+        """`T x E` -> `T x E`."""
         h = x + self.self_attn(self.input_layernorm(x), batch, cos, sin, pool, layer)
-        out = h + self.mlp(self.post_attention_layernorm(h))
-        # Recording a step's operations takes Python about 2 ms (24 layers); evaluated only at the end,
-        # the cores would wait that long every step. Started here, each layer computes while Python
-        # records the next one (chapter 3.1). The same numbers; an error may now surface in the model call.
-        mx.async_eval(out)
-        return out
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Qwen2ModelWeek3:

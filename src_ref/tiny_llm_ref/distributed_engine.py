@@ -126,23 +126,16 @@ class TensorParallelRunner:
     def pool(self):
         return self.runner.pool
 
-    def collective(self, compute, *args):
-        """`compute(*args)` where it computes collectives: a failure there is a lost rank, `RankLost` (provided).
+    def evaluate(self, *arrays) -> None:
+        """`mx.eval` of arrays that hold collectives: a failure there is a lost rank, `RankLost` (provided).
 
-        MLX reports a peer that died mid-collective as a RuntimeError when the graph is evaluated: at an
-        `mx.eval`, or already in the model call, whose layers start computing as they are recorded.
+        MLX reports a peer that died mid-collective as a RuntimeError when the graph is evaluated.
         """
         try:
-            return compute(*args)
-        except NotImplementedError:  # a RuntimeError too, but an unwritten task, not a lost rank
-            raise
+            mx.eval(*arrays)
         except RuntimeError as error:
             raise RankLost(f"rank {self.group.rank()} of {self.group.size()}: another rank stopped answering "
                            f"({error})") from None
-
-    def evaluate(self, *arrays) -> None:
-        """`mx.eval` of arrays that hold collectives, a failure a `RankLost` (provided)."""
-        self.collective(mx.eval, *arrays)
 
     def exchange(self, message: mx.array) -> mx.array:
         """The all_sum of every rank's message: rank 0's plan, everywhere (provided)."""
@@ -153,7 +146,7 @@ class TensorParallelRunner:
     def forward(self, plan: StepPlan) -> mx.array:
         """Run a plan on this rank's shard, the KV pool's writes evaluated with the logits (provided)."""
         batch = self.runner.prepare(plan)
-        logits = self.collective(self.runner.model, batch, self.runner.pool)
+        logits = self.runner.model(batch, self.runner.pool)
         self.evaluate(logits, *self.runner.pool.arrays())
         return logits
 
