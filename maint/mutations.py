@@ -130,7 +130,8 @@ MUTATIONS = [
                    "                self.engine.abort(argument)\n",
          '            elif command == "abort":\n                self.handles.pop(argument, None)\n'),)),
     Mutation("disconnect-not-aborted", "a client that leaves is not aborted: its request runs to max_tokens", (5,), (
-        ("server", "            if not engine_done or text.stopped:\n", "            if text.stopped:\n"),)),
+        ("server", "                          finished=engine_done and not text.stopped)\n",
+         "                          finished=not text.stopped)\n"),)),
     # Day 4.1: speculative decoding.
     Mutation("acceptance-off-by-one", "each guess compared with the target's token one row later", (1,), (
         ("speculative", "    for guess, target in zip(draft, target_tokens):\n",
