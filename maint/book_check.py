@@ -14,7 +14,15 @@ and what is wrong:
              a week overview's table row of a day of the course map;
 - skeleton:  every "Week W Day D Task N (book/src/X.md)" message in the skeleton names day W.D's chapter
              and one of its tasks, and sits in a module the course map lists for day W.D (otherwise the
-             harness would hand that task's tests the reference's module).
+             harness would hand that task's tests the reference's module);
+- titles:    a course day's SUMMARY.md entry starts with its number ("2.7 Chunked prefill") and its
+             chapter's first heading with "Day W.D" ("# Day 2.7: chunked prefill");
+- day links: every "day W.D" / "chapter W.D" in a chapter's prose (also "days 3.1 to 3.4": each number)
+             is a link to that day's chapter, for every day of the course map, except a chapter naming its
+             own day. `python -m maint.book_check --fix-links` writes the missing links.
+
+built_book_problems(out) checks a book mdBook has built (`pdm run book --build DIR` runs it): every link
+and image between its pages resolves (anchors included), and no page loads anything from the network.
 
 A pdm script that runs `python -m module` is checked by importing `module` and calling its
 `build_parser()` (it is never run); arguments after `--` pass through unchecked.
@@ -22,6 +30,7 @@ A pdm script that runs `python -m module` is checked by importing `module` and c
 
 import ast
 import contextlib
+import html.parser
 import importlib
 import importlib.util
 import io
@@ -398,6 +407,162 @@ def skeleton_problems(root: Path) -> list[str]:
     return problems
 
 
+# ---------------------------------------------------------------- titles and links between days
+
+SUMMARY_TITLE = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+FIRST_HEADING = re.compile(r"^#\s+(.*)$", re.MULTILINE)
+# "day 2.7", "Chapter 3.1", "days 3.1 to 3.4", "days 1.6 and 2.1", "days 3.2-3.4": the word, then numbers.
+DAY_REFERENCE = re.compile(r"\b(?:days?|chapters?)\s+\d+\.\d+(?:(?:\s*(?:,|-|–|and|or|to)\s*)+\d+\.\d+)*",
+                           re.IGNORECASE)
+DAY_NUMBER = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d])")
+# What the link rule reads a chapter as: code it skips, links whose text it keeps.
+PROSE_PIECE = re.compile(r"(?P<code>(`+)[\s\S]+?\2)|!?\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def title_problems(root: Path) -> list[str]:
+    src = root / "book" / "src"
+    titles = {}
+    for number, line, in_code in lines_outside_code((src / "SUMMARY.md").read_text()):
+        for title, target in SUMMARY_TITLE.findall(line) if not in_code else []:
+            titles[(src / target.split("#")[0]).resolve()] = (number, title)
+    problems = []
+    for day in load_course_map(root).DAYS:
+        chapter = src / day.chapter
+        label = f"{day.week}.{day.day}"
+        number, title = titles.get(chapter.resolve(), (None, None))
+        if title is not None and not re.match(rf"{re.escape(label)}\s", title):
+            problems.append(f"book/src/SUMMARY.md:{number}: day {label}'s entry is \"{title}\"; start it with the "
+                            f"day's number: [{label} {day.title}](./{day.chapter})")
+        heading = FIRST_HEADING.search(chapter.read_text()) if chapter.exists() else None
+        if heading and not re.match(rf"Day {re.escape(label)}\b", heading.group(1)):
+            problems.append(f"book/src/{day.chapter}:1: the first heading is \"{heading.group(1)}\"; start it with "
+                            f"\"Day {label}\": # Day {label}: {day.title}")
+    return problems
+
+
+def _prose(text: str) -> tuple[str, list]:
+    """The chapter as the reader sees it: link syntax gone (text kept), code blanked; and, for each
+    character, the link target it sits in (or None) and its offset in `text`."""
+    masked = "".join(line if not in_code else " " * len(line) for _, line, in_code in
+                     [(n, l + "\n", c) for n, l, c in lines_outside_code(text)])
+    plain, where = [], []
+    position = 0
+    for piece in PROSE_PIECE.finditer(masked):
+        for offset in range(position, piece.start()):
+            plain.append(masked[offset]), where.append((None, offset))
+        if piece.group("code") is not None:
+            for offset in range(piece.start(), piece.end()):
+                plain.append(" " if masked[offset] != "\n" else "\n"), where.append((None, offset))
+        else:
+            start = piece.start("text")
+            for offset in range(start, piece.end("text")):
+                plain.append(masked[offset]), where.append((piece.group("target"), offset))
+        position = piece.end()
+    for offset in range(position, len(masked)):
+        plain.append(masked[offset]), where.append((None, offset))
+    return "".join(plain), where
+
+
+def day_references(root: Path, chapter: Path):
+    """(line, (week, day), its chapter, offsets in the file, link target or None) of every reference to
+    another day of the course in `chapter`'s prose."""
+    days = {(d.week, d.day): d.chapter for d in load_course_map(root).DAYS}
+    text = chapter.read_text()
+    plain, where = _prose(text)
+    for reference in DAY_REFERENCE.finditer(plain):
+        for number in DAY_NUMBER.finditer(reference.group()):
+            key = (int(number.group(1)), int(number.group(2)))
+            target_chapter = days.get(key)
+            if target_chapter is None or target_chapter == chapter.name:
+                continue  # not a day of the course (yet), or the chapter's own day
+            start, end = reference.start() + number.start(), reference.start() + number.end()
+            target = where[start][0]
+            offsets = (where[start][1], where[end - 1][1] + 1)
+            line = text.count("\n", 0, offsets[0]) + 1
+            yield line, key, target_chapter, offsets, target
+
+
+def day_link_problems(root: Path) -> list[str]:
+    problems = []
+    for chapter in chapters(root):
+        for line, (week, day), target_chapter, _, target in day_references(root, chapter):
+            expected = (chapter.parent.parent / "src" / target_chapter).resolve()
+            where = f"{rel(root, chapter)}:{line}"
+            if target is None:
+                problems.append(f"{where}: day {week}.{day} is not a link; write [day {week}.{day}](./{target_chapter}) "
+                                f"(or run python -m maint.book_check --fix-links)")
+            elif (chapter.parent / target.split("#")[0]).resolve() != expected:
+                problems.append(f"{where}: day {week}.{day} links to {target}; its chapter is ./{target_chapter}")
+    return problems
+
+
+def fix_day_links(root: Path) -> list[tuple[Path, int]]:
+    """Turn every unlinked day reference into a link to its chapter: "day 2.7" as a whole when the
+    number follows the word, each further number of "days 3.1 to 3.4" on its own."""
+    fixed = []
+    for chapter in chapters(root):
+        text = chapter.read_text()
+        edits = []
+        for _, _, target_chapter, (start, end), target in day_references(root, chapter):
+            if target is not None:
+                continue
+            word = re.search(r"\b(?:days?|chapters?)\s+$", text[max(0, start - 12):start], re.IGNORECASE)
+            if word:
+                start -= len(word.group())
+            edits.append((start, end, target_chapter))
+        for start, end, target_chapter in reversed(edits):
+            text = f"{text[:start]}[{text[start:end]}](./{target_chapter}){text[end:]}"
+        if edits:
+            chapter.write_text(text)
+            fixed.append((chapter, len(edits)))
+    return fixed
+
+
+# ---------------------------------------------------------------- the built book
+
+class _PageReader(html.parser.HTMLParser):
+    """The ids a built page defines and the links and sources it uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.links = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        for name in ("href", "src"):
+            if attrs.get(name) is not None:
+                self.links.append((tag, name, attrs[name], self.getpos()[0]))
+
+
+def built_book_problems(out: Path) -> list[str]:
+    """Broken links and images, and anything fetched from the network, in a book mdBook built into `out`."""
+    pages = {}
+    for page in sorted(out.rglob("*.html")):
+        reader = _PageReader()
+        reader.feed(page.read_text(errors="replace"))
+        pages[page.resolve()] = reader
+    problems = []
+    for page, reader in pages.items():
+        if page.name == "404.html":
+            continue  # mdBook writes it with site-absolute links for a web server
+        where = page.relative_to(out.resolve()).as_posix()
+        for tag, name, value, line in reader.links:
+            if re.match(r"^[a-z]+:", value):
+                if tag != "a" and value.startswith(("http:", "https:", "//")):
+                    problems.append(f"{where}:{line}: <{tag} {name}=\"{value}\"> loads from the network")
+                continue
+            path, _, anchor = value.partition("#")
+            path = path.split("?")[0]
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                problems.append(f"{where}:{line}: <{tag} {name}=\"{value}\"> leads nowhere")
+            elif anchor and target in pages and anchor not in pages[target].ids:
+                problems.append(f"{where}:{line}: <{tag} {name}=\"{value}\">: {target.name} has no id \"{anchor}\"")
+    return problems
+
+
 CHECKS = {
     "summary": summary_problems,
     "includes": include_problems,
@@ -407,6 +572,8 @@ CHECKS = {
     "tasks": task_problems,
     "coming": coming_problems,
     "skeleton": skeleton_problems,
+    "titles": title_problems,
+    "day links": day_link_problems,
 }
 
 
@@ -415,6 +582,10 @@ def all_problems(root: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    found = all_problems(Path(__file__).resolve().parent.parent)
+    repo = Path(__file__).resolve().parent.parent
+    if sys.argv[1:] == ["--fix-links"]:
+        for path, count in fix_day_links(repo):
+            print(f"{rel(repo, path)}: linked {count} reference(s)")
+    found = all_problems(repo)
     print("\n".join(found) or "the book is in step with the code")
     sys.exit(1 if found else 0)

@@ -340,13 +340,13 @@ def make_book(root: Path) -> Path:
 
         [Preface](./preface.md)
 
-        - [Alpha](./alpha.md)
-        - [Beta](./beta.md)
-        - [Gamma](./gamma.md)
+        - [1.1 Alpha](./alpha.md)
+        - [1.2 Beta](./beta.md)
+        - [2.1 Gamma](./gamma.md)
     """))
     (src / "preface.md").write_text("# Preface\n\nStart with [Alpha](./alpha.md).\n")
     (src / "alpha.md").write_text(textwrap.dedent("""\
-        # Alpha
+        # Day 1.1: Alpha
 
         The function lives in `src/tiny_llm/alpha.py`:
 
@@ -368,9 +368,9 @@ def make_book(root: Path) -> Path:
 
         Narrow with `pdm run test --week 1 --day 1 -- -k task_3`.
     """))
-    (src / "beta.md").write_text("# Beta\n\n## Task 1: twice\n\n## Task 2: twice zero\n\n"
+    (src / "beta.md").write_text("# Day 1.2: Beta\n\n## Task 1: twice\n\n## Task 2: twice zero\n\n"
                                  "{{#include ../../tests/test_week_1_day_2.py:tests}}\n")
-    (src / "gamma.md").write_text("# Gamma\n\n## Task 1: square\n\n`pdm run grade --week 2 --json out.json`\n")
+    (src / "gamma.md").write_text("# Day 2.1: Gamma\n\n## Task 1: square\n\n`pdm run grade --week 2 --json out.json`\n")
     test_file = root / "tests" / "test_week_1_day_2.py"
     test_file.write_text("# ANCHOR: tests\n" + test_file.read_text() + "# ANCHOR_END: tests\n")
     return root
@@ -390,8 +390,8 @@ def test_book_check_accepts_a_correct_book(book_root):
 
 
 @pytest.mark.parametrize("breakage, expected", [
-    (("SUMMARY.md", "- [Gamma](./gamma.md)", "- [Gamma](./gamma-old.md)"), "gamma-old.md"),
-    (("SUMMARY.md", "- [Beta](./beta.md)\n", ""), "beta.md"),  # a chapter no longer listed
+    (("SUMMARY.md", "- [2.1 Gamma](./gamma.md)", "- [2.1 Gamma](./gamma-old.md)"), "gamma-old.md"),
+    (("SUMMARY.md", "- [1.2 Beta](./beta.md)\n", ""), "beta.md"),  # a chapter no longer listed
     (("alpha.md", "alpha.py:1:2}}", "alpha.py:1:99}}"), "line"),
     (("alpha.md", "alpha.py:1:2}}", "nothing.py}}"), "nothing.py"),
     (("beta.md", "py:tests}}", "py:no_such_anchor}}"), "no_such_anchor"),
