@@ -11,6 +11,7 @@ image of the built pages (maint/book_check.py's built_book_problems).
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -53,7 +54,7 @@ def build(executable: str, out: Path) -> int:
     run = subprocess.run([executable, "build", str(BOOK), "--dest-dir", str(out)], env=mdbook_env(),
                          capture_output=True, text=True)
     log = (run.stdout + run.stderr).strip()
-    warnings = [line for line in log.splitlines() if " WARN " in line or " ERROR " in line]
+    warnings = [line for line in log.splitlines() if re.match(r"\s*(WARN|ERROR)\b", line)]
     if run.returncode != 0 or warnings:
         print(log, file=sys.stderr)
         print(f"pdm run book: the build failed ({len(warnings)} warning(s)/error(s) above; "
