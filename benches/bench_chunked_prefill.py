@@ -114,8 +114,7 @@ def plot(bench, results: dict) -> list:
             ax2.plot(x, [r["total_tokens_per_s"] for r in rows], "^--", color="gray", label="throughput (tokens/s)")
             ax2.set_ylabel("tokens/s")
             ax2.set_ylim(bottom=0)
-            lines, lines2 = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
-            ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
+            lab.legend_below(ax, ax2)
         written.append(path)
     return written
 

@@ -128,9 +128,15 @@ def plot(bench, runs: dict, rows: list[dict], ratios: dict) -> list:
             ax.axvline(bench.args.long_at, color="gray", lw=0.8, ls=":")
         ax.set(yscale="log", xlabel="time since start (s)", ylabel="gap to the previous token (s)",
                title="short requests' inter-token latency while a long prompt prefills")
+    plot_sweep(sweep_path, bench.machine, rows)
+    return [itl_path, sweep_path]
+
+
+def plot_sweep(path, machine: str, rows: list[dict]) -> None:
+    """The budget sweep against mlx-lm's best, from the result rows alone (so the saved JSON redraws it)."""
     sweep = [r for r in rows if r["label"].startswith("week3")]
     mlx_rows = [r for r in rows if r["label"].startswith("mlx-lm")]
-    with lab.figure(sweep_path, bench.machine, figsize=(8, 4)) as (fig, ax):
+    with lab.figure(path, machine, figsize=(8, 4)) as (fig, ax):
         x = range(len(sweep))
         ax.plot(x, [r["short_itl_p99_s"] for r in sweep], "o-", label="week 3: short ITL p99 (s)")
         ax.axhline(min(r["short_itl_p99_s"] for r in mlx_rows), color="C0", ls=":", label="mlx-lm best ITL p99")
@@ -140,9 +146,7 @@ def plot(bench, runs: dict, rows: list[dict], ratios: dict) -> list:
         ax2.plot(x, [r["output_tokens_per_s"] for r in sweep], "^--", color="C1", label="week 3: output tokens/s")
         ax2.axhline(max(r["output_tokens_per_s"] for r in mlx_rows), color="C1", ls=":", label="mlx-lm best tokens/s")
         ax2.set_ylim(bottom=0)
-        lines, lines2 = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
-    return [itl_path, sweep_path]
+        lab.legend_below(ax, ax2)
 
 
 @selector.command

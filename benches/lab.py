@@ -206,6 +206,17 @@ def ttft_plot(bench: Bench, runs: dict, kind: str | None, title: str) -> Path:
     return path
 
 
+def legend_below(ax, *twins) -> None:
+    """One legend for `ax` and its twin axes, under the plot: a legend inside the axes covers points."""
+    handles, labels = [], []
+    for axes in (ax, *twins):
+        more_handles, more_labels = axes.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    below = -0.3 if ax.get_xlabel() else -0.12  # clear of the tick labels and of the axis label, if any
+    ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, below),
+              ncols=min(len(labels), 3), frameon=False)
+
+
 def plot_series(ax, series: dict, styles=("o", ".", "x", "+", "s", "^")) -> None:
     """Draw each label's (x, y) points with its own marker, and a legend."""
     for (label, points), style in zip(series.items(), styles * (1 + len(series) // len(styles))):
