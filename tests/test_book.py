@@ -185,7 +185,7 @@ PAGE_PROBLEMS = r"""() => {
     }
     for (const table of main.querySelectorAll("table")) {
         if (table.scrollWidth > main.clientWidth + 1) {
-            const header = table.rows[0].innerText.replace(/\s+/g, " | ");
+            const header = Array.from(table.rows[0].cells, cell => cell.innerText.trim()).join(" | ");
             problems.push(`a table ${table.scrollWidth} px wide in a ${main.clientWidth} px column ` +
                           `at a ${window.innerWidth} px window: ${header}`);
         }
