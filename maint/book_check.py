@@ -441,25 +441,27 @@ def title_problems(root: Path) -> list[str]:
 
 
 def _prose(text: str) -> tuple[str, list]:
-    """The chapter as the reader sees it: link syntax gone (text kept), code blanked; and, for each
-    character, the link target it sits in (or None) and its offset in `text`."""
-    masked = "".join(line if not in_code else " " * len(line) for _, line, in_code in
-                     [(n, l + "\n", c) for n, l, c in lines_outside_code(text)])
+    """The chapter as a reader sees it, character for character: code blanked out, link syntax dropped
+    (the link's text kept). Returns that text and, for each of its characters, (its offset in `text`,
+    the target of the link it sits in or None)."""
+    lines = [" " * len(line) if in_code else line for _, line, in_code in lines_outside_code(text)]
+    masked = "\n".join(lines)  # the same offsets as `text`
     plain, where = [], []
+
+    def keep(start: int, end: int, target: str | None = None, blank: bool = False):
+        for offset in range(start, end):
+            plain.append(" " if blank and masked[offset] != "\n" else masked[offset])
+            where.append((offset, target))
+
     position = 0
     for piece in PROSE_PIECE.finditer(masked):
-        for offset in range(position, piece.start()):
-            plain.append(masked[offset]), where.append((None, offset))
+        keep(position, piece.start())
         if piece.group("code") is not None:
-            for offset in range(piece.start(), piece.end()):
-                plain.append(" " if masked[offset] != "\n" else "\n"), where.append((None, offset))
+            keep(piece.start(), piece.end(), blank=True)
         else:
-            start = piece.start("text")
-            for offset in range(start, piece.end("text")):
-                plain.append(masked[offset]), where.append((piece.group("target"), offset))
+            keep(piece.start("text"), piece.end("text"), target=piece.group("target"))
         position = piece.end()
-    for offset in range(position, len(masked)):
-        plain.append(masked[offset]), where.append((None, offset))
+    keep(position, len(masked))
     return "".join(plain), where
 
 
@@ -476,8 +478,8 @@ def day_references(root: Path, chapter: Path):
             if target_chapter is None or target_chapter == chapter.name:
                 continue  # not a day of the course (yet), or the chapter's own day
             start, end = reference.start() + number.start(), reference.start() + number.end()
-            target = where[start][0]
-            offsets = (where[start][1], where[end - 1][1] + 1)
+            target = where[start][1]
+            offsets = (where[start][0], where[end - 1][0] + 1)
             line = text.count("\n", 0, offsets[0]) + 1
             yield line, key, target_chapter, offsets, target
 
@@ -486,7 +488,7 @@ def day_link_problems(root: Path) -> list[str]:
     problems = []
     for chapter in chapters(root):
         for line, (week, day), target_chapter, _, target in day_references(root, chapter):
-            expected = (chapter.parent.parent / "src" / target_chapter).resolve()
+            expected = (root / "book" / "src" / target_chapter).resolve()
             where = f"{rel(root, chapter)}:{line}"
             if target is None:
                 problems.append(f"{where}: day {week}.{day} is not a link; write [day {week}.{day}](./{target_chapter}) "
