@@ -7,7 +7,7 @@ tests/test_tooling.py). Then: the formula preprocessor (course/book_math.py), th
 reader sees, every formula typeset as MathML, every image loaded, no table wider than the text column,
 nothing fetched from the network.
 
-The browser test needs Chromium (Debian's `chromium` package) and playwright (`pdm install -G browser`).
+The browser test needs Chromium (Debian's `chromium` package) and playwright (`pdm install` installs it).
 Without them it is skipped, unless TINY_LLM_REQUIRE_BROWSER=1 (CI sets it) turns the skip into a
 failure, so that CI cannot pass by not running it.
 """
@@ -215,7 +215,7 @@ def browser_page():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _skip_or_fail("playwright is not installed (pdm install -G browser)")
+        _skip_or_fail("playwright is not installed (run `pdm install`)")
     with sync_playwright() as playwright:
         # playwright gives the browser a fresh profile (--user-data-dir) of its own each launch.
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
