@@ -57,6 +57,7 @@ def to_mathml(latex: str, display: bool) -> str:
 
 
 def _references(text: str) -> str:
+    """`text` with every character but letters, digits and spaces as a character reference (`_` -> `&#x5F;`)."""
     return SPECIAL.sub(lambda m: m.group("entity") or f"&#x{ord(m.group('char')):X};", text)
 
 
