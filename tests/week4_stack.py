@@ -25,6 +25,7 @@ Every workload ends with every block back in the pool; every loop has a step lim
 
 from __future__ import annotations
 
+import functools
 import random
 
 import mlx.core as mx
@@ -52,10 +53,12 @@ class TruthProposer:
             self.truth[request.request_id] = request.prompt + output + ([EOS] if reason == "stop" else [])
         self.rng = random.Random(seed)
         self.calls: dict[object, tuple[int, int]] = {}  # request id -> (guesses, right ones), this step
+        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
 
     def propose(self, seq, k):
         truth, n = self.truth[seq.request_id], len(seq.token_ids)
         assert truth[:n] == seq.token_ids, f"{seq.request_id!r} asked for guesses after tokens it should not have"
+        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
         # Right guesses stop before the last true token, so the first wrong one is always checked against the truth.
         right = min(self.rng.randint(0, k), len(truth) - n - 1)
         draft = truth[n : n + right] + [(truth[n + right] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB]
@@ -68,15 +71,23 @@ class TruthProposer:
         pass
 
 
-def speculative_engine(package, probe: ModelProbe, proposer, **options):
+def check_guess_limit(request_id, k: int, num_tokens: int, prompt_length: int, max_tokens: int) -> None:
+    """The rule of Task 4: the last token a sequence emits is always the target's own, so it guesses at most
+    max_tokens - emitted - 1 tokens (a guess past that is a row computed for nothing)."""
+    left = max_tokens - (num_tokens - prompt_length)
+    assert k <= left - 1, f"{request_id!r} was asked for {k} guesses with {left} tokens left to emit: at most " \
+                          f"max_tokens - emitted - 1 = {left - 1} (the last token is always the target's own)"
+
+
+def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate: float = 0.0, **options):
     """The one place a day-4.1 engine is built here: the student's SpeculativeEngine on their week-3 engine.
 
-    No back-off (min_acceptance_rate 0): every decode guesses as many tokens as it may, so every
-    workload exercises verification and roll-back at every step.
+    No back-off by default (min_acceptance_rate 0): every decode guesses as many tokens as it may, so
+    every workload exercises verification and roll-back at every step.
     """
     merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **w3.engine_options(4))
     merged.update(options)
-    speculation = package.speculative.SpeculativeConfig(K, min_acceptance_rate=0.0)
+    speculation = package.speculative.SpeculativeConfig(K, min_acceptance_rate=min_acceptance_rate)
     return package.speculative.SpeculativeEngine(probe, Tokenizer(), package.engine.EngineConfig(**merged),
                                                  speculation=speculation, proposer=proposer, clock=probe.clock)
 
@@ -93,10 +104,11 @@ def check_blocks_after_every_step(engine):
             f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
 
 
-def drive_speculative(package, requests, proposer, probe=None, after_step=None, **options) -> Run:
+def drive_speculative(package, requests, proposer, probe=None, after_step=None, min_acceptance_rate=0.0,
+                      **options) -> Run:
     """Run `requests` on a speculative engine, checking the blocks (and `after_step(run)`) after every step."""
     probe = probe or w3.new_probe(package)
-    engine = speculative_engine(package, probe, proposer, **options)
+    engine = speculative_engine(package, probe, proposer, min_acceptance_rate, **options)
     result = Run(engine, probe, requests, engine.config.max_num_seqs)
 
     def check(run):
@@ -256,46 +268,249 @@ class FixedGuess:
         pass
 
 
-def second_token_distribution() -> dict[int, float]:
-    """The exact law of the second output token at TEMPERATURE, given the first is not EOS: mlx-lm's model on
-    every possible first token at once."""
+@functools.cache
+def token_laws() -> tuple[dict[int, float], dict[int, float]]:
+    """The exact laws of the second and third output tokens at TEMPERATURE, given the tokens before are not EOS:
+    mlx-lm's model on every possible first token, then on every possible pair, at once."""
     model = w3.tiny_mlx_model()
-    first = mx.softmax(model(mx.array([SAMPLED_PROMPT]))[0, -1].astype(mx.float32) / TEMPERATURE).tolist()
-    batch = mx.array([SAMPLED_PROMPT + [t] for t in range(VOCAB)])
-    second = mx.softmax(model(batch)[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1).tolist()
-    alive = 1 - first[EOS]
-    return {t2: sum(first[t1] * second[t1][t2] for t1 in range(VOCAB) if t1 != EOS) / alive for t2 in range(VOCAB)}
+
+    def law(contexts: list[list[int]]) -> mx.array:
+        return mx.softmax(model(mx.array(contexts))[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1)
+
+    first = law([SAMPLED_PROMPT])[0]
+    second = law([SAMPLED_PROMPT + [t] for t in range(VOCAB)])  # row t1: the law after t1
+    third = law([SAMPLED_PROMPT + [t1, t2] for t1 in range(VOCAB) for t2 in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    alive = mx.ones(VOCAB).at[EOS].add(-1.0)  # the paths that go on: neither token before is EOS
+    pairs = first[:, None] * alive[:, None] * second * alive[None, :]  # P(t1, t2), both alive
+    law2 = (first * alive) @ second / (first * alive).sum()
+    law3 = (pairs[:, :, None] * third).sum(axis=(0, 1)) / pairs.sum()
+    return dict(enumerate(law2.tolist())), dict(enumerate(law3.tolist()))
+
+
+def output_at(result: Run, request: Request, index: int) -> int | None:
+    """The request's output token number `index` (EOS when it stopped right there), None if it ended before."""
+    got = result.tokens_of(request.request_id)
+    if len(got) > index:
+        return got[index]
+    if len(got) == index and result.streams[request.request_id][-1][1].finish_reason == "stop":
+        return EOS
+    return None
 
 
 def workload_speculative_sampling(package):
-    """Temperature sampling through verification: the second token (the first one guessed) follows the target's
-    own law, whatever the guesses (a chi-square test at the stated false-alarm rate, fixed seed)."""
-    law = second_token_distribution()
-    guess = max(law, key=law.get)
-    requests = [Request(f"t{i}", SAMPLED_PROMPT, max_tokens=3, sampling=dict(temperature=TEMPERATURE))
+    """Temperature sampling through verification: the second token (the first one guessed) and the third (after a
+    rejection, the token after the replacement must come from the next verify chunk, not from a row of guesses the
+    target rejected) follow the target's own law, whatever the guesses (chi-square tests at the stated false-alarm
+    rate, fixed seed)."""
+    law2, law3 = token_laws()
+    guess = max(law2, key=law2.get)
+    requests = [Request(f"t{i}", SAMPLED_PROMPT, max_tokens=4, sampling=dict(temperature=TEMPERATURE))
                 for i in range(NUM_SAMPLED)]
     mx.random.seed(2024)
     result = drive_speculative(package, requests, FixedGuess(guess), token_budget=512, max_num_seqs=128,
                                num_blocks=512)
     result.check_clean()
-    counts: dict[int, int] = {}
-    for request in requests:
-        stream = result.streams[request.request_id]
-        got = result.tokens_of(request.request_id)
-        if len(got) >= 2:
-            second = got[1]
-        elif len(got) == 1 and stream[-1][1].finish_reason == "stop":
-            second = EOS
-        else:
-            continue  # EOS first: no second token
-        counts[second] = counts.get(second, 0) + 1
-    assert sum(counts.values()) >= NUM_SAMPLED // 2, "too few requests reached a second token to test its law"
-    assert_distribution(counts, law, f"second tokens (the guess {guess} has probability {law[guess]:.2f})")
+    for index, law, name in ((1, law2, "second"), (2, law3, "third")):
+        counts: dict[int, int] = {}
+        for request in requests:
+            token = output_at(result, request, index)
+            if token is not None:
+                counts[token] = counts.get(token, 0) + 1
+        assert sum(counts.values()) >= NUM_SAMPLED // 2, f"too few requests reached a {name} token to test its law"
+        assert_distribution(counts, law, f"{name} tokens (the guess {guess} has probability {law[guess]:.2f}; after "
+                                         "a rejected guess nothing more comes from that verify chunk)")
     assert result.engine.summary()["speculative_proposed"] >= NUM_SAMPLED // 2, "the second tokens were not verified"
 
 
+def seeded_run(package, requests: list[Request]) -> dict[str, list[int]]:
+    """`requests` on a fresh speculative engine with the student's prompt lookup: each request's tokens."""
+    result = drive_speculative(package, requests, package.speculative.NgramProposer(2, 1), token_budget=32)
+    result.check_clean()
+    assert result.engine.summary()["speculative_proposed"] > 0, "prompt lookup never guessed on repeated prompts"
+    return {r.request_id: result.tokens_of(r.request_id) for r in requests}
+
+
+def workload_speculative_seeded(package):
+    """A seed reproduces a temperature request through speculation: run twice, and beside another request, the
+    same tokens (every draw of rejection sampling comes from MLX's random state, which the engine seeds with the
+    request's seed plus the tokens it has so far; with a roomy budget each request guesses alike)."""
+    seeded = [Request(f"seeded{i}", tokens(6, 70 + i) * 2, max_tokens=14,
+                      sampling=dict(temperature=1.0, seed=500 + i)) for i in range(2)]
+    neighbour = Request("neighbour", tokens(7, 79) * 2, max_tokens=14)
+    first = seeded_run(package, seeded)
+    mx.random.seed(7)  # whatever the global random state was: the seed alone decides
+    again = seeded_run(package, seeded)
+    for request in seeded:
+        assert again[request.request_id] == first[request.request_id], \
+            f"{request.request_id!r} with seed {request.sampling['seed']} gave {first[request.request_id]}, then " \
+            f"{again[request.request_id]}: rejection sampling must draw from MLX's random state (mx.random), " \
+            "which the engine seeds, never from Python's random or an unseeded source"
+    beside = seeded_run(package, seeded[:1] + [neighbour])
+    assert beside["seeded0"] == first["seeded0"], \
+        f"seeded0 gave {first['seeded0']} beside seeded1 and {beside['seeded0']} beside a greedy request: a seed " \
+        "reproduces a request whatever shares its batch"
+
+
+def greedy_past_eos(prompt: list[int], length: int) -> list[int]:
+    """mlx-lm's model alone, greedy, for `length` tokens, going on past EOS as if it were any token."""
+    model, history = w3.tiny_mlx_model(), list(prompt)
+    for _ in range(length):
+        history.append(mx.argmax(model(mx.array([history]))[0, -1]).item())
+    return history[len(prompt):]
+
+
+class PastEosProposer:
+    """Guesses each request's greedy continuation right, EOS included and the target's tokens after it: the target
+    accepts every guess, so an EOS inside the accepted guesses must end the request there."""
+
+    def __init__(self, requests: list[Request]):
+        self.truth = {r.request_id: r.prompt + greedy_past_eos(r.prompt, r.max_tokens + K) for r in requests}
+        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
+        self.eos_guessed = 0  # proposals with EOS before their last guess
+
+    def propose(self, seq, k):
+        n = len(seq.token_ids)
+        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
+        draft = self.truth[seq.request_id][n : n + k]
+        self.eos_guessed += EOS in draft[:-1]
+        return draft
+
+    def forget(self, request_id):
+        pass
+
+
+def stopping_requests(count: int, max_tokens: int) -> list[Request]:
+    """`count` requests whose greedy output meets EOS within `max_tokens` tokens (found by seed, in order)."""
+    found = []
+    for seed in range(200, 400):
+        request = Request(f"eos{seed}", tokens(6, seed), max_tokens=max_tokens, arrive=len(found))
+        if expected(request)[1] == "stop" and len(expected(request)[0]) >= 2:
+            found.append(request)
+            if len(found) == count:
+                return found
+    raise AssertionError("the tiny model never stops: pick other seeds")
+
+
+def workload_speculative_eos_guessed(package):
+    """A proposer guesses EOS followed by more tokens, and the target agrees with all of them: the request ends at
+    the EOS (finish reason "stop", no token after it streamed, its blocks home), whatever guesses were accepted."""
+    requests = stopping_requests(3, max_tokens=14)
+    proposer = PastEosProposer(requests)
+    result = drive_speculative(package, requests, proposer)
+    result.check_outputs()
+    result.check_clean()
+    assert proposer.eos_guessed > 0, "no proposal had an EOS followed by more guesses: the workload checks nothing"
+
+
+class WrongProposer:
+    """Guesses wrong every time (the first guess is never the target's token) and records, per request, how many
+    tokens it had emitted and how many guesses it was asked for."""
+
+    def __init__(self, requests: list[Request]):
+        self.truth = {r.request_id: r.prompt + expected(r)[0] + [EOS] for r in requests}
+        self.prompts = {r.request_id: len(r.prompt) for r in requests}
+        self.asked: dict[object, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
+
+    def propose(self, seq, k):
+        n = len(seq.token_ids)
+        self.asked[seq.request_id].append((n - self.prompts[seq.request_id], k))
+        return [(self.truth[seq.request_id][n] + 1) % VOCAB] * k
+
+    def forget(self, request_id):
+        pass
+
+
+def tracker_schedule(request: Request, min_rate: float, probe_interval: int) -> list[tuple[int, int]]:
+    """(tokens emitted, guesses) of each proposal for `request` when every guess fails and the request decodes
+    one token a step: a fresh `AcceptanceTracker` told each verification's outcome (k proposed, 0 accepted)."""
+    tracker = w3.ref.speculative.AcceptanceTracker(min_rate, probe_interval)
+    output, reason = expected(request)
+    last = len(output) if reason == "stop" else request.max_tokens - 1  # the last step that decodes
+    schedule = []
+    for emitted in range(1, last + 1):
+        most = min(K, request.max_tokens - emitted - 1)
+        if most <= 0:
+            continue
+        k = tracker.num_guesses(request.request_id, most)
+        if k:
+            schedule.append((emitted, k))
+            tracker.observe(request.request_id, k, 0)
+    return schedule
+
+
+def workload_speculative_back_off(package):
+    """Guesses that always fail, with back-off on (the defaults): each verification's outcome reaches the
+    acceptance tracker, so a request guesses k, then fewer, then stops and probes with one guess after 2, 4, 8 ...
+    plain steps: the guesses asked for, step by step, are an AcceptanceTracker's told every outcome."""
+    requests = [Request(f"b{i}", tokens(6, 300 + i), max_tokens=24) for i in range(2)]
+    proposer = WrongProposer(requests)
+    result = drive_speculative(package, requests, proposer, min_acceptance_rate=0.3, token_budget=16)
+    result.check_outputs()
+    result.check_clean()
+    for request in requests:
+        want = tracker_schedule(request, 0.3, 16)
+        got = proposer.asked[request.request_id]
+        assert got == want, \
+            f"{request.request_id!r} (every guess wrong) was asked for guesses at (tokens emitted, guesses) {got}; " \
+            f"a tracker told each verification's outcome (tracker.observe(request id, proposed, accepted guesses)) " \
+            f"asks {want}"
+
+
+def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: int, latest: bool = True) -> list[int]:
+    """The rule of Task 1, written again as the oracle: longest suffix first, its latest (or earliest) earlier
+    occurrence, the up to k tokens after it."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens_so_far) <= n:
+            continue
+        suffix = tokens_so_far[-n:]
+        starts = [s for s in range(len(tokens_so_far) - n) if tokens_so_far[s : s + n] == suffix]
+        if starts:
+            start = starts[-1] if latest else starts[0]
+            return tokens_so_far[start + n : start + n + k]
+    return []
+
+
+class CheckedLookup:
+    """The student's `NgramProposer`, each proposal checked against the rule as it is made."""
+
+    def __init__(self, lookup, max_ngram: int, min_ngram: int):
+        self.lookup, self.max_ngram, self.min_ngram = lookup, max_ngram, min_ngram
+        self.proposals = 0
+        self.earliest_differs = 0  # proposals where the earliest match would have proposed something else
+
+    def propose(self, seq, k):
+        context = list(seq.token_ids)
+        draft = list(self.lookup.propose(seq, k))
+        want = latest_lookup(context, k, self.max_ngram, self.min_ngram)
+        assert draft == want, \
+            f"prompt lookup on {context} (k={k}, n-grams {self.max_ngram} down to {self.min_ngram}) proposed " \
+            f"{draft}; the rule gives {want}: the longest suffix that occurs earlier, its latest occurrence, the " \
+            "tokens that followed it"
+        self.proposals += 1
+        self.earliest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, latest=False)
+        return draft
+
+    def forget(self, request_id):
+        self.lookup.forget(request_id)
+
+
+def workload_speculative_prompt_lookup(package):
+    """The student's prompt lookup in the engine, on prompts where an n-gram recurs with different continuations:
+    every proposal is the latest match of the longest suffix, and every token mlx-lm's."""
+    # Prompts over 12 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
+    requests = [Request(f"p{i}", [random.Random(11 + i).randrange(12) for _ in range(16)], max_tokens=20, arrive=i)
+                for i in range(3)]
+    proposer = CheckedLookup(package.speculative.NgramProposer(max_ngram=3, min_ngram=1), 3, 1)
+    result = drive_speculative(package, requests, proposer)
+    result.check_outputs()
+    result.check_clean()
+    assert proposer.earliest_differs > 0, "no proposal where the earliest match differs: the workload checks nothing"
+
+
 SPECULATIVE_WORKLOADS = [workload_speculative_pressure, workload_speculative_exact, workload_speculative_model_failure,
-                         workload_speculative_mixed_requests, workload_speculative_sampling]
+                         workload_speculative_mixed_requests, workload_speculative_sampling,
+                         workload_speculative_seeded, workload_speculative_eos_guessed, workload_speculative_back_off,
+                         workload_speculative_prompt_lookup]
 
 
 # ---------------------------------------------------------------- day 4.2: the quantized pool
