@@ -266,6 +266,10 @@ def compare(args) -> int:
 
     from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
+    if day.compare == "engine" and day.week == 4:
+        from scripts.compare_week4 import compare_week4
+
+        return compare_week4(args, day, explain_failure)
     if day.compare == "engine":
         from scripts.compare_week3 import compare_engines
 

@@ -125,7 +125,8 @@ def run_to_end(engine, prompts, max_tokens, max_steps=3000):
             return [s.output_token_ids for s in seqs]
         engine.step()
         check_pool(engine)
-    raise AssertionError(f"no progress after {max_steps} steps")
+    raise AssertionError(f"no end after {max_steps} steps: every step must make progress (a prefill chunk, a token "
+                         "or a preemption), so the engine stopped moving")
 
 
 def check_pool(engine):
@@ -146,6 +147,35 @@ def group_max(x: mx.array, group_size: int) -> mx.array:
 def grouped_ranges(x: mx.array, group_size: int) -> mx.array:
     """max - min of each group of `group_size` along the last axis."""
     return group_max(x, group_size) + group_max(-x, group_size)
+
+
+def stored_difference(pool, layer: int, slots: list[int], x: mx.array, bits: int, group_size: int, name: str) -> str:
+    """What differs between the pool's stored `name` ("keys" or "values") at `slots` and mx.quantize's of `x`
+    (T x H x D): the dtype, the scales, the biases (or both swapped), the packing order, the packed words; "" if
+    nothing does."""
+    tokens, heads, head_dim = x.shape
+    stored = pool.keys[layer] if name == "keys" else pool.values[layer]
+    packed, scales, biases = (part[mx.array(slots)].reshape(tokens * heads, -1) for part in stored)
+    want_packed, want_scales, want_biases = mx.quantize(x.reshape(-1, head_dim), group_size, bits)
+    want_scales, want_biases = want_scales.astype(mx.float16), want_biases.astype(mx.float16)
+    if packed.dtype != mx.uint32 or scales.dtype != mx.float16 or biases.dtype != mx.float16:
+        return f"{name}: stored as {packed.dtype}, {scales.dtype}, {biases.dtype}; want uint32 words and float16 " \
+               "scales and biases"
+    if scales.shape != want_scales.shape:
+        return f"{name}: {scales.shape[-1]} scales a head, want {head_dim // group_size} (groups of {group_size})"
+    if mx.array_equal(scales, want_biases).item() and mx.array_equal(biases, want_scales).item():
+        return f"{name}: scales and biases swapped"
+    if not mx.array_equal(scales, want_scales).item():
+        return f"{name}: the scales differ from mx.quantize's (one per group of {group_size} features, per token " \
+               "and head)"
+    if not mx.array_equal(biases, want_biases).item():
+        return f"{name}: the biases differ from mx.quantize's"
+    if not mx.array_equal(packed, want_packed).item():
+        swapped = mx.quantize(x.swapaxes(0, 1).reshape(-1, head_dim), group_size, bits)[0]
+        if mx.array_equal(packed, swapped).item():
+            return f"{name}: packed head-major (heads and tokens swapped)"
+        return f"{name}: the packed words differ from mx.quantize's (the packing order or the bits)"
+    return ""
 
 
 def uneven(shape, seed: int) -> mx.array:
@@ -218,17 +248,16 @@ def test_task_2_pool_stores_keys_and_values_quantized(bits):
     slots = mx.array([6, 7, 0, 3])
     pool.write(1, slots, keys, values)
     mx.eval(pool.arrays())
-    for stored, x, name in ((pool.keys[1], keys, "keys"), (pool.values[1], values, "values")):
-        packed, scales, biases = (part[slots] for part in stored)
-        assert packed.dtype == mx.uint32, f"{name} are stored as packed integers"
-        read = mx.dequantize(packed.reshape(8, -1), scales.reshape(8, -1).astype(mx.float32),
-                             biases.reshape(8, -1).astype(mx.float32), 64, bits).reshape(4, 2, 64)
-        assert mx.allclose(read, round_trip(x, bits, 64), rtol=1e-5, atol=1e-5).item(), \
-            f"the pool's {name} are not mx.quantize's"
+    for x, name in ((keys, "keys"), (values, "values")):
+        differs = stored_difference(pool, 1, [6, 7, 0, 3], x, bits, 64, name)
+        assert not differs, differs
     got_keys, got_values = pool.gather(1, mx.array([[0, 6], [3, 7]]))
-    assert got_keys.shape == got_values.shape == (2, 2, 2, 64) and got_keys.dtype == mx.float32
-    assert mx.allclose(got_keys[0, 1], round_trip(keys, bits, 64)[0], rtol=1e-5, atol=1e-5).item()
-    assert mx.allclose(got_values[1, 0], round_trip(values, bits, 64)[3], rtol=1e-5, atol=1e-5).item()
+    assert got_keys.shape == got_values.shape == (2, 2, 2, 64), f"gather's shape {got_keys.shape}, want (2, 2, 2, 64)"
+    assert got_keys.dtype == got_values.dtype == mx.float32, f"gather returns {got_keys.dtype}, not the pool's float32"
+    assert mx.allclose(got_keys[0, 1], round_trip(keys, bits, 64)[0], rtol=1e-5, atol=1e-5).item(), \
+        "the stored keys are right but gather's are not their dequantization (its bits, group size, scale and bias)"
+    assert mx.allclose(got_values[1, 0], round_trip(values, bits, 64)[3], rtol=1e-5, atol=1e-5).item(), \
+        "the stored values are right but gather's are not their dequantization, or they are the keys"
     assert all(mx.array_equal(part, mx.zeros_like(part)).item() for part in pool.keys[0] + pool.values[0]), \
         "other layers untouched"
 
@@ -241,10 +270,20 @@ def test_task_2_rewriting_a_slot_requantizes_it(bits):
     pool.write(0, mx.array([0, 1, 2, 3]), first, -first)
     mx.eval(pool.arrays())
     pool.write(0, mx.array([2, 3]), second, -second)
+    mx.eval(pool.arrays())
+    for slots, x in (([0, 1], first[:2]), ([2, 3], second)):
+        for name, sign in (("keys", 1), ("values", -1)):
+            differs = stored_difference(pool, 0, slots, sign * x, bits, 64, name)
+            assert not differs, f"slots {slots} after {'a rewrite' if slots[0] else 'their neighbours rewrite'}: " \
+                                f"{differs}"
     keys, values = pool.gather(0, mx.array([0, 1, 2, 3]))
+    assert keys.dtype == values.dtype == mx.float32, f"gather returns {keys.dtype}, not the pool's dtype (float32)"
     expected = mx.concatenate([round_trip(first, bits, 64)[:2], round_trip(second, bits, 64)])
-    assert mx.allclose(keys, expected, rtol=1e-5, atol=1e-4).item(), "a rewritten slot reads back stale data"
-    assert mx.allclose(values, -expected, rtol=1e-5, atol=1e-4).item()
+    assert mx.allclose(keys, expected, rtol=1e-5, atol=1e-4).item(), \
+        "the stored parts are right but gather's keys are not their dequantization (its bits, group size, or scale " \
+        "and bias order)"
+    assert mx.allclose(values, -expected, rtol=1e-5, atol=1e-4).item(), \
+        "the stored parts are right but gather's values are not their dequantization"
 
 
 @pytest.mark.parametrize("bits", [8, 4])

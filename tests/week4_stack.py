@@ -30,11 +30,15 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import qwen2 as mlx_qwen2
+from mlx_lm.models.cache import KVCache
 
 from tests import week3_stack as w3
 from tests.chi_square import assert_distribution
 from tests.harness import solution_name
-from tests.week3_stack import EOS, VOCAB, ModelFailure, ModelProbe, Request, Run, Tokenizer, expected, tokens
+from tests.week3_stack import (EOS, VOCAB, ModelFailure, ModelProbe, Request, RoundTripCache, Run, Tokenizer, expected,
+                               tokens)
 
 K = 3  # guesses per verify chunk in the speculative workloads
 
@@ -322,11 +326,24 @@ def workload_speculative_sampling(package):
     assert result.engine.summary()["speculative_proposed"] >= NUM_SAMPLED // 2, "the second tokens were not verified"
 
 
+class ArgmaxProposer:
+    """Guesses the target's own greedy continuation of whatever the sequence holds: at temperature 1 such a guess
+    is often, not always, accepted, so the outcome of each verification turns on rejection sampling's draws."""
+
+    def propose(self, seq, k):
+        return greedy_past_eos(list(seq.token_ids), k)
+
+    def forget(self, request_id):
+        pass
+
+
 def seeded_run(package, requests: list[Request]) -> dict[str, list[int]]:
-    """`requests` on a fresh speculative engine with the student's prompt lookup: each request's tokens."""
-    result = drive_speculative(package, requests, package.speculative.NgramProposer(2, 1), token_budget=32)
+    """`requests` on a fresh speculative engine guessing the target's argmax: each request's tokens."""
+    result = drive_speculative(package, requests, ArgmaxProposer(), token_budget=32)
     result.check_clean()
-    assert result.engine.summary()["speculative_proposed"] > 0, "prompt lookup never guessed on repeated prompts"
+    summary = result.engine.summary()
+    assert summary["speculative_proposed"] > summary["speculative_accepted"] > 0, \
+        "the guesses must be accepted sometimes and rejected sometimes"
     return {r.request_id: result.tokens_of(r.request_id) for r in requests}
 
 
@@ -334,9 +351,9 @@ def workload_speculative_seeded(package):
     """A seed reproduces a temperature request through speculation: run twice, and beside another request, the
     same tokens (every draw of rejection sampling comes from MLX's random state, which the engine seeds with the
     request's seed plus the tokens it has so far; with a roomy budget each request guesses alike)."""
-    seeded = [Request(f"seeded{i}", tokens(6, 70 + i) * 2, max_tokens=14,
-                      sampling=dict(temperature=1.0, seed=500 + i)) for i in range(2)]
-    neighbour = Request("neighbour", tokens(7, 79) * 2, max_tokens=14)
+    seeded = [Request(f"seeded{i}", tokens(6, 70 + i), max_tokens=14, sampling=dict(temperature=1.0, seed=500 + i))
+              for i in range(2)]
+    neighbour = Request("neighbour", tokens(7, 79), max_tokens=14)
     first = seeded_run(package, seeded)
     mx.random.seed(7)  # whatever the global random state was: the seed alone decides
     again = seeded_run(package, seeded)
@@ -456,10 +473,12 @@ def workload_speculative_back_off(package):
             f"asks {want}"
 
 
-def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: int, latest: bool = True) -> list[int]:
-    """The rule of Task 1, written again as the oracle: longest suffix first, its latest (or earliest) earlier
-    occurrence, the up to k tokens after it."""
-    for n in range(max_ngram, min_ngram - 1, -1):
+def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: int, latest: bool = True,
+                  longest_first: bool = True) -> list[int]:
+    """The rule of Task 1, written again as the oracle: longest suffix first, its latest earlier occurrence, the up
+    to k tokens after it (`latest` and `longest_first` False: the wrong rules, to check the workload sees them)."""
+    sizes = range(max_ngram, min_ngram - 1, -1)
+    for n in sizes if longest_first else reversed(sizes):
         if len(tokens_so_far) <= n:
             continue
         suffix = tokens_so_far[-n:]
@@ -477,6 +496,7 @@ class CheckedLookup:
         self.lookup, self.max_ngram, self.min_ngram = lookup, max_ngram, min_ngram
         self.proposals = 0
         self.earliest_differs = 0  # proposals where the earliest match would have proposed something else
+        self.shortest_differs = 0  # proposals where trying the shortest suffix first would have
 
     def propose(self, seq, k):
         context = list(seq.token_ids)
@@ -488,6 +508,7 @@ class CheckedLookup:
             "tokens that followed it"
         self.proposals += 1
         self.earliest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, latest=False)
+        self.shortest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, longest_first=False)
         return draft
 
     def forget(self, request_id):
@@ -497,14 +518,15 @@ class CheckedLookup:
 def workload_speculative_prompt_lookup(package):
     """The student's prompt lookup in the engine, on prompts where an n-gram recurs with different continuations:
     every proposal is the latest match of the longest suffix, and every token mlx-lm's."""
-    # Prompts over 12 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
-    requests = [Request(f"p{i}", [random.Random(11 + i).randrange(12) for _ in range(16)], max_tokens=20, arrive=i)
+    # Prompts over 6 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
+    requests = [Request(f"p{i}", [random.Random(11 + i).randrange(6) for _ in range(20)], max_tokens=20, arrive=i)
                 for i in range(3)]
     proposer = CheckedLookup(package.speculative.NgramProposer(max_ngram=3, min_ngram=1), 3, 1)
     result = drive_speculative(package, requests, proposer)
     result.check_outputs()
     result.check_clean()
-    assert proposer.earliest_differs > 0, "no proposal where the earliest match differs: the workload checks nothing"
+    assert proposer.earliest_differs > 0 and proposer.shortest_differs > 0, \
+        "no proposal where the earliest match or the shortest suffix differs: the workload checks nothing"
 
 
 SPECULATIVE_WORKLOADS = [workload_speculative_pressure, workload_speculative_exact, workload_speculative_model_failure,
@@ -597,8 +619,187 @@ def workload_quantized_seeded_sampling(package):
     assert result.engine.summary()["num_preemptions"] > 0, "a pool of 10 blocks must force preemptions"
 
 
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int = 64,
+                    float_bytes: int = 2) -> int:
+    """The oracle of Task 3: keys and values of every layer and head; quantized: `head_dim * bits / 8` bytes plus a
+    float16 scale and bias per group of min(group_size, head_dim) features; 16 bits: float16, whatever the model."""
+    if bits == 16:
+        return 2 * num_layers * num_kv_heads * head_dim * float_bytes
+    groups = head_dim // min(group_size, head_dim)
+    return 2 * num_layers * num_kv_heads * (head_dim * bits // 8 + 2 * 2 * groups)
+
+
+@functools.cache
+def head128_mlx_model():
+    """A model whose heads have 128 features: with the default group size of 64, two groups per head vector
+    (scaled up 5x like the others)."""
+    args = mlx_qwen2.ModelArgs(model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
+                                  num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                                  max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(20281)
+    model = mlx_qwen2.Model(args)
+    model.update(tree_map(lambda p: p * 5 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@functools.cache
+def wide_model_in(dtype: mx.Dtype):
+    """`wide_mlx_model` with every weight cast to `dtype`: a float16 or bfloat16 checkpoint."""
+    model = mlx_qwen2.Model(w3.wide_mlx_model().args)
+    model.update(tree_map(lambda p: p.astype(dtype), w3.wide_mlx_model().parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class GroupRoundTripCache(RoundTripCache):
+    """`RoundTripCache` in groups of `group_size` features (the whole head when it is smaller)."""
+
+    def __init__(self, bits: int, group_size: int):
+        super().__init__(bits)
+        self.group_size = group_size
+
+    def round_trip(self, x: mx.array) -> mx.array:
+        group = min(self.group_size, x.shape[-1])
+        packed, scales, biases = mx.quantize(x.reshape(-1, group), group, self.num_bits)
+        scales, biases = (a.astype(mx.float16).astype(x.dtype) for a in (scales, biases))
+        return mx.dequantize(packed, scales, biases, group, self.num_bits).reshape(x.shape)
+
+
+class Float16Cache(KVCache):
+    """mlx-lm's KV cache storing float16 keys and values, read back in the model's dtype: a kv_bits=16 pool."""
+
+    def update_and_fetch(self, keys, values):
+        keys, values = super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+        return keys, values
+
+
+def greedy_alone(model, make_cache, request: Request) -> tuple[list[int], str]:
+    """(tokens, finish reason) of `request` alone on mlx-lm's `model` over the caches `make_cache()` gives."""
+    cache = [make_cache() for _ in model.layers]
+    history, output = list(request.prompt), []
+    while len(output) < request.max_tokens:
+        token = mx.argmax(model(mx.array([history]), cache=cache)[0, -1]).item()
+        if token == EOS:
+            return output, "stop"
+        output.append(token)
+        history = [token]
+    return output, "length"
+
+
+class DtypeProbe(ModelProbe):
+    """The probe, checking that every model call computes in the model's own dtype."""
+
+    def __init__(self, model, dtype: mx.Dtype):
+        super().__init__(model)
+        self.want = dtype
+
+    def __call__(self, batch, pool):
+        logits = super().__call__(batch, pool)
+        assert logits.dtype == self.want, \
+            f"a {self.want} model computed {logits.dtype} logits over the quantized pool: gather must return keys " \
+            f"and values in the pool's dtype (the model's, {self.want}), or attention promotes every later layer"
+        return logits
+
+
+def sized_pool_run(package, probe: ModelProbe, requests: list[Request], bits: int, num_blocks: int, per_token: int,
+                   why: str) -> Run:
+    """`requests` to the end on the student's engine over a `bits` pool that `kv_cache_bytes` sizes to `num_blocks`
+    blocks of 4 tokens at `per_token` bytes a token; the pool's own arrays fit the budget."""
+    memory = (num_blocks + 1) * 4 * per_token - 1
+    engine = w3.make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, kv_bits=bits,
+                            kv_cache_bytes=memory, **w3.engine_options(4))
+    assert engine.block_manager.num_blocks == num_blocks, \
+        f"{memory} bytes of {bits}-bit KV cache hold {num_blocks} blocks of 4 tokens at {per_token} bytes a token " \
+        f"({why}); the engine made {engine.block_manager.num_blocks}"
+    used = package.quantized_kv.pool_nbytes(engine.runner.pool)
+    assert used <= memory, f"the {bits}-bit pool's arrays take {used} bytes, over kv_cache_bytes={memory}"
+    result = Run(engine, probe, requests, 4)
+    result.drive()
+    result.check_clean()
+    return result
+
+
+def check_tokens(result: Run, oracle, what: str) -> None:
+    """Every request's tokens and ending as `oracle(request)` gives."""
+    for request in result.requests:
+        want, reason = oracle(request)
+        got, stream = result.tokens_of(request.request_id), result.streams[request.request_id]
+        assert got == want, f"{what}: request {request.request_id!r} streamed {got}; mlx-lm over the same " \
+                            f"round trip gives {want}"
+        assert stream[-1][1].finish_reason == reason, \
+            f"{what}: request {request.request_id!r} finished by {stream[-1][1].finish_reason!r}, expected {reason!r}"
+
+
+HALF_TOLERANCE = {mx.float16: 2.0, mx.bfloat16: 4.0}  # logits a half-precision model may miss the argmax by (measured: 0.8, 1.1 at 4 bits)
+
+
+def check_near_greedy(result: Run, model, make_cache, tolerance: float, what: str) -> float:
+    """In half precision the order of the sums moves the logits by float rounding, so the tokens may part from
+    mlx-lm's: given the tokens before it, each streamed token (and the EOS that ended a request) must be within
+    `tolerance` of mlx-lm's best logit over the same round trip. The largest miss."""
+    worst = 0.0
+    for request in result.requests:
+        got, stream = result.tokens_of(request.request_id), result.streams[request.request_id]
+        chosen = got + ([EOS] if stream[-1][1].finish_reason == "stop" else [])
+        cache = [make_cache() for _ in model.layers]
+        rows = model(mx.array([request.prompt + got]), cache=cache)[0, len(request.prompt) - 1:].astype(mx.float32)
+        for i, token in enumerate(chosen):
+            miss = (rows[i].max() - rows[i, token]).item()
+            worst = max(worst, miss)
+            assert miss <= tolerance, \
+                f"{what}: request {request.request_id!r}'s token {i} ({token}) is {miss:.2f} below mlx-lm's best " \
+                f"logit over the same round trip (float rounding moves it by less than {tolerance})"
+        assert stream[-1][1].finished, f"{what}: request {request.request_id!r} never finished"
+    return worst
+
+
+def small_requests(count: int, seed: int, max_tokens: int = 8) -> list[Request]:
+    return [Request(f"r{i}", tokens(5 + 2 * i, seed + i), max_tokens=max_tokens, arrive=i) for i in range(count)]
+
+
+def workload_quantized_half_precision(package):
+    """A float16 and a bfloat16 model over 8-bit and 4-bit pools: every call computes in the model's dtype (gather
+    returns it), every token one mlx-lm's model in that dtype over MLX's round trip ranks first, to float rounding."""
+    for dtype in (mx.float16, mx.bfloat16):
+        model = wide_model_in(dtype)
+        for bits in (8, 4):
+            probe = DtypeProbe(package.qwen2_week3.Qwen2ModelWeek3(model), dtype)
+            requests = small_requests(3, 610)
+            result = sized_pool_run(package, probe, requests, bits, 24, bytes_per_token(2, 2, 32, bits, 32),
+                                    "head_dim 32: one group of 32 per head")
+            check_near_greedy(result, model, lambda: GroupRoundTripCache(bits, 32), HALF_TOLERANCE[dtype],
+                              f"{dtype} model, {bits}-bit pool")
+
+
+def workload_quantized_wide_heads(package):
+    """head_dim 128 with the default group size of 64: two groups per head vector, in the bytes a token costs
+    (kv_group_size(head_dim, group_size)) and in the quantization (every token mlx-lm's over MLX's round trip in
+    groups of 64); a pool small enough to preempt."""
+    model = head128_mlx_model()
+    for bits in (8, 4):
+        probe = ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(model))
+        requests = small_requests(5, 620, max_tokens=10)
+        result = sized_pool_run(package, probe, requests, bits, 12, bytes_per_token(2, 2, 128, bits, 64),
+                                "head_dim 128 in groups of kv_group_size(128, 64) = 64: two scales and biases a head")
+        check_tokens(result, lambda r: greedy_alone(model, lambda: GroupRoundTripCache(bits, 64), r),
+                     f"head_dim 128, {bits}-bit pool")
+
+
+def workload_float16_pool(package):
+    """kv_bits=16 on a float32 model: two bytes a number whatever the model's dtype (the pool stores float16), so a
+    memory budget buys twice the float32 blocks; every token mlx-lm's over float16 keys and values."""
+    model = w3.wide_mlx_model()
+    probe = wide_probe(package)
+    requests = small_requests(3, 630)
+    result = sized_pool_run(package, probe, requests, 16, 20, bytes_per_token(2, 2, 32, 16),
+                            "kv_bits 16: float16, two bytes a number, on a float32 model")
+    check_tokens(result, lambda r: greedy_alone(model, Float16Cache, r), "float16 pool")
+
+
 QUANTIZED_WORKLOADS = [workload_quantized_pressure, workload_quantized_model_failure,
-                       workload_quantized_seeded_sampling]
+                       workload_quantized_seeded_sampling, workload_quantized_half_precision,
+                       workload_quantized_wide_heads, workload_float16_pool]
 
 
 def check_speculative_stack(package) -> None:
