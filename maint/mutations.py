@@ -223,9 +223,6 @@ MUTATIONS = [
              (2,), (
         ("quantized_kv", "        groups = head_dim // kv_group_size(head_dim, group_size)\n", "        groups = 1\n"),),
              week=4),
-    Mutation("bytes-ignore-group-size", "bytes per token count groups of the default 64, not kv_group_size's", (2,), (
-        ("quantized_kv", "        groups = head_dim // kv_group_size(head_dim, group_size)\n",
-         "        groups = max(1, head_dim // KV_GROUP_SIZE)\n"),), week=4),
     Mutation("kv16-at-model-dtype", "a kv_bits=16 pool counted at the model's dtype, not float16's", (2,), (
         ("quantized_kv", "        per_head = head_dim * (dtype.size if kv_bits is None else mx.float16.size)\n",
          "        per_head = head_dim * dtype.size\n"),), week=4),

@@ -5,8 +5,9 @@ Both sides get the same requests at the same steps on the embedded model, on wee
 3.1's adaptive token budget on a virtual clock (each model call costs the same on both sides and on
 any machine, so both runs are deterministic), the prefix cache and priorities on.
 
-- Day 4.1: `SpeculativeEngine` with prompt lookup (the prompts repeat themselves, so there is
-  something to guess) and back-off, greedy and seeded temperature requests. After every step each
+- Day 4.1: `SpeculativeEngine` with back-off, greedy and seeded temperature requests, the model as
+  its own draft (`DraftModelProposer`: greedy guesses all right, sampled ones accepted by chance; the
+  embedded model's random text never repeats, so prompt lookup would have nothing to guess). After every step each
   side notes its plan (decodes, prefill chunks, verify chunks with their guesses), the guesses
   accepted and rolled back, the blocks in use, the preemptions and the tokens it produced.
 - Day 4.2: `LLMEngine` over an 8-bit and a 4-bit pool sized by `kv_cache_bytes`: the blocks that
@@ -45,8 +46,8 @@ class Request:
 
 
 def workload() -> list[Request]:
-    """Six requests arriving over the first steps; each prompt repeats a phrase (prompt lookup finds guesses);
-    two sample at temperature 0.8 with a seed."""
+    """Six requests arriving over the first steps, each prompt a phrase repeated; two sample at temperature 0.8
+    with a seed."""
     rng = random.Random(41)
     shapes = [(0, 5, 3, 16, {}), (0, 8, 2, 12, {"temperature": 0.8, "seed": 7}), (1, 4, 4, 20, {}),
               (3, 11, 2, 10, {}), (5, 6, 3, 14, {"temperature": 0.8, "seed": 11}), (8, 3, 5, 8, {})]
@@ -97,22 +98,30 @@ class Side:
     error: BaseException | None = None
 
 
-def build(package, mlx_model, tokenizer, day: int, kv_bits: int | None, clock: VirtualClock):
-    """The day's engine of `package`: speculative (4.1) or over a `kv_bits` pool sized by memory (4.2)."""
+# Day 4.1's runs, by how the guesses are made. The embedded model's random text never repeats, so prompt lookup
+# would find nothing to guess; the model as its own draft guesses every greedy token right, sampled ones by chance.
+PROPOSERS = {"the model as its own draft": lambda package, mlx_model: package.speculative.DraftModelProposer(mlx_model)}
+
+
+def build(package, mlx_model, tokenizer, day: int, config, clock: VirtualClock):
+    """The day's engine of `package`: speculative with the proposer named `config` (4.1), or over a `config`-bit
+    pool sized by memory (4.2)."""
     model = TimedModel(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), clock)
     if day == 1:
-        return speculative_engine(package, model, tokenizer, clock=clock, num_blocks=NUM_BLOCKS, **KNOBS)
+        return speculative_engine(package, model, tokenizer, PROPOSERS[config](package, mlx_model), clock=clock,
+                                  num_blocks=NUM_BLOCKS, **KNOBS)
+    kv_bits = config
     ref = selector.reference()  # the memory is the reference's arithmetic: your engine must buy as many blocks
     memory = QUANTIZED_BLOCKS * BLOCK_SIZE * ref.quantized_kv.model_bytes_per_token(model, kv_bits)
     return week3_engine(package, model, tokenizer, clock=clock, kv_bits=kv_bits, kv_cache_bytes=memory, **KNOBS)
 
 
-def drive(package, mlx_model, tokenizer, day: int, kv_bits: int | None = None) -> Side:
-    """Run the workload through one package's engine, step by step, noting everything `Step` holds."""
+def drive(package, mlx_model, tokenizer, day: int, config) -> Side:
+    """Run the workload through one package's engine (`build`'s `config`), step by step, noting what `Step` holds."""
     clock = VirtualClock()
     side = Side([], {})
     try:
-        engine = build(package, mlx_model, tokenizer, day, kv_bits, clock)
+        engine = build(package, mlx_model, tokenizer, day, config, clock)
         if day == 2:
             side.pool = (engine.block_manager.num_blocks, package.quantized_kv.pool_nbytes(engine.runner.pool))
         plans = []
@@ -236,19 +245,19 @@ def compare_week4(args, day_entry, explain_failure) -> int:
     selector.announce(mine, file=sys.stdout)
     day = day_entry.day
     settings = ", ".join(f"{k}={v}" for k, v in KNOBS.items())
-    pool = (f"a pool of {NUM_BLOCKS} blocks, prompt lookup guessing up to 4 tokens with back-off" if day == 1 else
+    pool = (f"a pool of {NUM_BLOCKS} blocks, up to 4 guesses with back-off, the model as its own draft" if day == 1 else
             f"8-bit and 4-bit pools sized by kv_cache_bytes to {QUANTIZED_BLOCKS} blocks")
     print(f"week 4 day {day}: {day_entry.title}. Yours: src/tiny_llm; reference: src_ref/tiny_llm_ref.\n"
           f"workload: {len(workload())} requests with repeated phrases arriving over the first steps (two seeded at "
           f"temperature 0.8); {pool}; {settings}; adaptive token budget on a virtual clock; model {args.model}\n")
     problems = 0
-    for kv_bits in ((None,) if day == 1 else (8, 4)):
-        theirs = drive(ref, mlx_model, tokenizer, day, kv_bits)
+    for config in (list(PROPOSERS) if day == 1 else [8, 4]):
+        theirs = drive(ref, mlx_model, tokenizer, day, config)
         if theirs.error is not None:
             raise theirs.error  # the reference must run this workload: a bug in the course, not in your code
-        yours = drive(mine, mlx_model, tokenizer, day, kv_bits)
-        label = "speculative decoding" if kv_bits is None else \
-            f"{kv_bits}-bit pool: {theirs.pool[0]} blocks in {theirs.pool[1]} bytes (the reference's)"
+        yours = drive(mine, mlx_model, tokenizer, day, config)
+        label = f"guesses by {config}:" if day == 1 else \
+            f"{config}-bit pool: {theirs.pool[0]} blocks in {theirs.pool[1]} bytes (the reference's)"
         problems += compare_sides(yours, theirs, day, label, lambda error: explain_failure(error, day_entry))
     print(f"{'your run matches the reference' if not problems else 'your run differs from the reference'}")
     return 1 if problems else 0

@@ -519,8 +519,8 @@ def workload_speculative_prompt_lookup(package):
     """The student's prompt lookup in the engine, on prompts where an n-gram recurs with different continuations:
     every proposal is the latest match of the longest suffix, and every token mlx-lm's."""
     # Prompts over 6 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
-    requests = [Request(f"p{i}", [random.Random(11 + i).randrange(6) for _ in range(20)], max_tokens=20, arrive=i)
-                for i in range(3)]
+    requests = [Request(f"p{i}", [rng.randrange(6) for _ in range(20)], max_tokens=20, arrive=i)
+                for i, rng in enumerate(random.Random(51 + i) for i in range(3))]
     proposer = CheckedLookup(package.speculative.NgramProposer(max_ngram=3, min_ngram=1), 3, 1)
     result = drive_speculative(package, requests, proposer)
     result.check_outputs()
