@@ -238,7 +238,8 @@ def workload_speculative_mixed_requests(package):
         for output in engine.step():
             streams[output.request_id].append(output)
     else:
-        raise AssertionError(f"no end after {w3.STEP_LIMIT} steps")
+        raise AssertionError(f"no end after {w3.STEP_LIMIT} steps: every step must move a request forward (a prefill "
+                             "chunk, at least one token, or a preemption), so the engine stopped making progress")
     got = {name: [o.token for o in outputs if o.token is not None] for name, outputs in streams.items()}
     assert got["plain"] == plain, f"greedy request: {got['plain']}, alone {plain}"
     assert got["biased"] == want, f"a logit_bias request streamed {got['biased']}; with its bias mlx-lm gives {want}"
