@@ -273,18 +273,33 @@ class FixedGuess:
         pass
 
 
+class ExactCache(KVCache):
+    """mlx-lm's KV cache without its room to grow: keys and values exactly as long as what was fed, so a batch of
+    thousands of one-token continuations attends to a few keys each."""
+
+    def update_and_fetch(self, keys, values):
+        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+        self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+
 @functools.cache
 def token_laws() -> tuple[dict[int, float], dict[int, float]]:
     """The exact laws of the second and third output tokens at TEMPERATURE, given the tokens before are not EOS:
     mlx-lm's model on every possible first token, then on every possible pair, at once."""
     model = w3.tiny_mlx_model()
 
-    def law(contexts: list[list[int]]) -> mx.array:
-        return mx.softmax(model(mx.array(contexts))[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1)
+    def law(logits: mx.array) -> mx.array:
+        return mx.softmax(logits[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1)
 
-    first = law([SAMPLED_PROMPT])[0]
-    second = law([SAMPLED_PROMPT + [t] for t in range(VOCAB)])  # row t1: the law after t1
-    third = law([SAMPLED_PROMPT + [t1, t2] for t1 in range(VOCAB) for t2 in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    first = law(model(mx.array([SAMPLED_PROMPT])))[0]
+    cache = [ExactCache() for _ in model.layers]
+    second = law(model(mx.array([SAMPLED_PROMPT + [t] for t in range(VOCAB)]), cache=cache))  # row t1: after t1
+    for layer in cache:  # each context P + [t1] once per t2, in order: row t1 * VOCAB + t2
+        layer.keys, layer.values = (mx.repeat(part, VOCAB, axis=0) for part in (layer.keys, layer.values))
+    following = mx.array([[t2] for _ in range(VOCAB) for t2 in range(VOCAB)])
+    third = law(model(following, cache=cache)).reshape(VOCAB, VOCAB, VOCAB)
     alive = mx.ones(VOCAB).at[EOS].add(-1.0)  # the paths that go on: neither token before is EOS
     pairs = first[:, None] * alive[:, None] * second * alive[None, :]  # P(t1, t2), both alive
     law2 = (first * alive) @ second / (first * alive).sum()
