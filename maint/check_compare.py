@@ -62,8 +62,8 @@ MUTATIONS = [
              "    return dequantize(packed, scales.astype(dtype), biases.astype(dtype), group_size, bits)\n",
              "    return dequantize(packed, biases.astype(dtype), scales.astype(dtype), group_size, bits)\n", week=4),
     Mutation("bytes per token count the keys and forget the values", (2,), "quantized_kv",
-             "    return 2 * num_layers * num_kv_heads * per_head\n", "    return num_layers * num_kv_heads * per_head\n",
-             week=4),
+             "    return 2 * num_layers * num_kv_heads * per_head\n",
+             "    return num_layers * num_kv_heads * per_head\n", week=4),
 ]
 
 

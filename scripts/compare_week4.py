@@ -1,4 +1,4 @@
-"""`pdm run compare --week 4 --day 1` and `--day 2`: your speculative engine or quantized pool and the reference's, step by step.
+"""`pdm run compare --week 4 --day 1` and `--day 2`: your speculative engine or quantized pool against the reference.
 
 Both sides get the same requests at the same steps on the embedded model, on week 3's machinery
 (scripts/compare_week3.py): a KV pool too small for all of them (admission waits, preemption), day
@@ -7,8 +7,8 @@ any machine, so both runs are deterministic), the prefix cache and priorities on
 
 - Day 4.1: `SpeculativeEngine` with back-off, greedy and seeded temperature requests, the model as
   its own draft (`DraftModelProposer`: greedy guesses all right, sampled ones accepted by chance; the
-  embedded model's random text never repeats, so prompt lookup would have nothing to guess). After every step each
-  side notes its plan (decodes, prefill chunks, verify chunks with their guesses), the guesses
+  embedded model's random text never repeats, so prompt lookup would have nothing to guess). After
+  every step each side notes its plan (decodes, prefill chunks, verify chunks with their guesses), the guesses
   accepted and rolled back, the blocks in use, the preemptions and the tokens it produced.
 - Day 4.2: `LLMEngine` over an 8-bit and a 4-bit pool sized by `kv_cache_bytes`: the blocks that
   memory buys and the bytes the pool's arrays take, then the same per-step notes. Your pool must
