@@ -195,13 +195,20 @@ def uneven(shape, seed: int) -> mx.array:
 def test_task_1_layout_is_mlx_quantize_per_token_and_head(bits, group_size):
     x = uneven((5, 3, 64), seed=1)
     packed, scales, biases = sol.quantized_kv.quantize_kv(x, group_size, bits)
-    assert packed.shape == (5, 3, 64 * bits // 32) and packed.dtype == mx.uint32
-    assert scales.shape == biases.shape == (5, 3, 64 // group_size)
+    assert packed.shape == (5, 3, 64 * bits // 32) and packed.dtype == mx.uint32, \
+        f"packed: {packed.shape} {packed.dtype}, want (5, 3, {64 * bits // 32}) uint32 (bits/32 words a feature)"
+    assert scales.shape == biases.shape == (5, 3, 64 // group_size), \
+        f"scales {scales.shape}, biases {biases.shape}: want one per group of {group_size}, (5, 3, {64 // group_size})"
     assert scales.dtype == biases.dtype == mx.float16, "scales and biases are stored as float16"
     mlx_packed, mlx_scales, mlx_biases = mx.quantize(x.reshape(15, 64), group_size, bits)
-    assert mx.array_equal(packed.reshape(15, -1), mlx_packed).item(), "packed words differ from mx.quantize's"
-    assert mx.array_equal(scales.reshape(15, -1), mlx_scales.astype(mx.float16)).item()
-    assert mx.array_equal(biases.reshape(15, -1), mlx_biases.astype(mx.float16)).item()
+    if mx.array_equal(scales.reshape(15, -1), mlx_biases.astype(mx.float16)).item():
+        pytest.fail("scales and biases swapped", pytrace=False)
+    assert mx.array_equal(scales.reshape(15, -1), mlx_scales.astype(mx.float16)).item(), \
+        "the scales differ from mx.quantize's (one per group, per token and head)"
+    assert mx.array_equal(biases.reshape(15, -1), mlx_biases.astype(mx.float16)).item(), \
+        "the biases differ from mx.quantize's"
+    assert mx.array_equal(packed.reshape(15, -1), mlx_packed).item(), \
+        "the packed words differ from mx.quantize's (the order of tokens, heads and features, or the bits)"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -234,7 +241,11 @@ def test_task_1_dequantize_matches_mlx(bits):
     got = sol.quantized_kv.dequantize_kv(mlx_packed.reshape(6, 2, -1), scales.reshape(6, 2, -1),
                                          biases.reshape(6, 2, -1), 32, bits, mx.float32)
     expected = mx.dequantize(mlx_packed, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
-    assert mx.allclose(got.reshape(12, 64), expected, rtol=1e-5, atol=1e-5).item()
+    assert got.dtype == mx.float32, f"dequantize_kv returned {got.dtype}, not the dtype asked for (float32)"
+    swapped = mx.dequantize(mlx_packed, biases.astype(mx.float32), scales.astype(mx.float32), 32, bits)
+    assert not mx.allclose(got.reshape(12, 64), swapped, rtol=1e-5, atol=1e-5).item(), "scales and biases swapped"
+    assert mx.allclose(got.reshape(12, 64), expected, rtol=1e-5, atol=1e-5).item(), \
+        "dequantize_kv differs from mx.dequantize on the same words, scales and biases (the group size or the bits)"
 
 
 # ---------------------------------------------------------------- Task 2: the quantized pool
