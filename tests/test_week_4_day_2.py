@@ -149,6 +149,11 @@ def grouped_ranges(x: mx.array, group_size: int) -> mx.array:
     return group_max(x, group_size) + group_max(-x, group_size)
 
 
+def head_major(x: mx.array, group_size: int, bits: int) -> mx.array:
+    """The packed words of `x` (T x H x D) quantized head by head instead of token by token: a swapped layout."""
+    return mx.quantize(x.swapaxes(0, 1).reshape(-1, x.shape[-1]), group_size, bits)[0]
+
+
 def stored_difference(pool, layer: int, slots: list[int], x: mx.array, bits: int, group_size: int, name: str) -> str:
     """What differs between the pool's stored `name` ("keys" or "values") at `slots` and mx.quantize's of `x`
     (T x H x D): the dtype, the scales, the biases (or both swapped), the packing order, the packed words; "" if
@@ -165,15 +170,14 @@ def stored_difference(pool, layer: int, slots: list[int], x: mx.array, bits: int
         return f"{name}: {scales.shape[-1]} scales a head, want {head_dim // group_size} (groups of {group_size})"
     if mx.array_equal(scales, want_biases).item() and mx.array_equal(biases, want_scales).item():
         return f"{name}: scales and biases swapped"
+    if tokens > 1 and heads > 1 and mx.array_equal(packed, head_major(x, group_size, bits)).item():
+        return f"{name}: quantized head-major (heads and tokens swapped: rows must be token by token, then head)"
     if not mx.array_equal(scales, want_scales).item():
         return f"{name}: the scales differ from mx.quantize's (one per group of {group_size} features, per token " \
                "and head)"
     if not mx.array_equal(biases, want_biases).item():
         return f"{name}: the biases differ from mx.quantize's"
     if not mx.array_equal(packed, want_packed).item():
-        swapped = mx.quantize(x.swapaxes(0, 1).reshape(-1, head_dim), group_size, bits)[0]
-        if mx.array_equal(packed, swapped).item():
-            return f"{name}: packed head-major (heads and tokens swapped)"
         return f"{name}: the packed words differ from mx.quantize's (the packing order or the bits)"
     return ""
 
@@ -203,6 +207,9 @@ def test_task_1_layout_is_mlx_quantize_per_token_and_head(bits, group_size):
     mlx_packed, mlx_scales, mlx_biases = mx.quantize(x.reshape(15, 64), group_size, bits)
     if mx.array_equal(scales.reshape(15, -1), mlx_biases.astype(mx.float16)).item():
         pytest.fail("scales and biases swapped", pytrace=False)
+    if mx.array_equal(packed.reshape(15, -1), head_major(x, group_size, bits)).item():
+        pytest.fail("quantized head-major (heads and tokens swapped: rows must be token by token, then head)",
+                    pytrace=False)
     assert mx.array_equal(scales.reshape(15, -1), mlx_scales.astype(mx.float16)).item(), \
         "the scales differ from mx.quantize's (one per group, per token and head)"
     assert mx.array_equal(biases.reshape(15, -1), mlx_biases.astype(mx.float16)).item(), \
