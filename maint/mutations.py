@@ -193,6 +193,12 @@ MUTATIONS = [
              "finished sequence", (1,), (
         ("speculative", "                return outputs  # finishing freed every block\n", "                break\n"),),
              week=4),
+    Mutation("roll-back-before-append", "rolled back before the accepted tokens are appended", (1,), (
+        ("speculative", "        outputs = []\n        for token in accepted:\n",
+         "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n        outputs = []\n"
+         "        for token in accepted:\n"),
+        ("speculative", "        # The newest token and the accepted guesses are in the cache; the last token (the target's own) is not.\n"
+                        "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n", ""),), week=4),
     # Day 4.2: the quantized pool.
     Mutation("group-size-ignored", "the pool quantizes in groups of 64 whatever the head's size", (2,), (
         ("quantized_kv", "            for part, new_part in zip(stored, quantize_kv(new, self.group_size, self.bits)):\n",

@@ -489,6 +489,33 @@ def workload_speculative_back_off(package):
             f"asks {want}"
 
 
+def workload_speculative_follow_up(package):
+    """A follow-up request whose prompt is an earlier request's prompt and answer (a chat's next turn), on the same
+    engine with prefix caching: every full block of the earlier request's accepted tokens was named for the cache
+    with the tokens it holds, so the follow-up computes only what its cached blocks do not cover."""
+    first = Request("turn1", tokens(9, 162), max_tokens=16)
+    answer, reason = expected(first)
+    assert reason == "length" and len(answer) == 16, "pick a seed whose first turn runs to max_tokens"
+    follow_up = Request("turn2", first.prompt + answer[:10], max_tokens=4)
+    probe = w3.new_probe(package)
+    engine = speculative_engine(package, probe, TruthProposer([first, follow_up], seed=9))
+    earlier = Run(engine, probe, [first], 4)
+    earlier.drive(after_step=lambda run: check_blocks_after_every_step(run.engine))
+    earlier.check_outputs()
+    calls = len(probe.calls)
+    later = Run(engine, probe, [follow_up], 4)
+    later.step_index = earlier.step_index
+    later.drive()
+    later.check_outputs()
+    later.check_clean()
+    cached = (len(follow_up.prompt) - 1) // 4 * 4  # every full block but the one holding the last prompt token
+    computed = probe.calls[calls][0]
+    assert computed == len(follow_up.prompt) - cached, \
+        f"the follow-up's first step computed {computed} of its {len(follow_up.prompt)} prompt tokens; the first " \
+        f"turn's blocks cover {cached}, so {len(follow_up.prompt) - cached}: roll back after appending the accepted " \
+        "tokens, so that the blocks the scheduler names for the prefix cache hold their tokens"
+
+
 def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: int, latest: bool = True,
                   longest_first: bool = True) -> list[int]:
     """The rule of Task 1, written again as the oracle: longest suffix first, its latest earlier occurrence, the up
@@ -548,7 +575,7 @@ def workload_speculative_prompt_lookup(package):
 SPECULATIVE_WORKLOADS = [workload_speculative_pressure, workload_speculative_exact, workload_speculative_model_failure,
                          workload_speculative_mixed_requests, workload_speculative_sampling,
                          workload_speculative_seeded, workload_speculative_eos_guessed, workload_speculative_back_off,
-                         workload_speculative_prompt_lookup]
+                         workload_speculative_prompt_lookup, workload_speculative_follow_up]
 
 
 # ---------------------------------------------------------------- day 4.2: the quantized pool
