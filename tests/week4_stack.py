@@ -14,11 +14,16 @@ oracle, token for token:
   with the student's prompt lookup and with guesses right for a known number of tokens (so every step
   must yield exactly the right guesses plus one, and rejected positions must go back across block
   boundaries); a model failure then a clean rerun; top-k/top-p, penalty, logit_bias and logprobs
-  requests beside speculating ones, served as week 3 serves them; and sampled speculation keeping the
-  target's distribution (a chi-square test on the tiny model's exact probabilities);
+  requests beside speculating ones, served as week 3 serves them; sampled speculation keeping the
+  target's distribution at the second and third tokens (chi-square tests on the tiny model's exact
+  probabilities); seeds that reproduce, run twice and beside another request; an EOS inside accepted
+  guesses; no guess past max_tokens - 1; back-off step by step as a fed `AcceptanceTracker` asks; the
+  student's prompt lookup checked at every proposal; a follow-up turn served from the prefix cache;
 - day 4.2: the same server workloads on 8-bit and 4-bit pools sized by memory: the blocks a memory
   budget buys, preemptions, and every token equal to mlx-lm's model over a cache that stores MLX's own
-  quantize-then-dequantize of each key and value (`RoundTripCache`).
+  quantize-then-dequantize of each key and value (`RoundTripCache`); float16 and bfloat16 models
+  (every call in the model's dtype), heads of 128 features in groups of 64, a float16 pool on a
+  float32 model.
 
 Every workload ends with every block back in the pool; every loop has a step limit.
 """
