@@ -1,10 +1,11 @@
-"""Check that `pdm run compare --week 3 --day D` tells an honest engine from a broken one.
+"""Check that `pdm run compare --week W --day D` tells an honest engine from a broken one (weeks 3 and 4).
 
-    pdm run python -m maint.check_compare              # every day honest, every mutation on its days
+    pdm run python -m maint.check_compare              # every week-3 day honest, every mutation on its days
     pdm run python -m maint.check_compare --day 1      # day 3.1 only
+    pdm run python -m maint.check_compare --week 4     # days 4.1 (speculative decoding) and 4.2 (quantized pool)
 
 In a temporary copy of the repository whose `src/tiny_llm` holds the reference's code (a finished,
-honest solution), `compare` must report no difference on any week-3 day. Then each mutation below
+honest solution), `compare` must report no difference on any day of the week. Then each mutation below
 (a bug a student would plant) is applied to that copy alone, and `compare` must report a
 difference (exit status 1) on each of its days (the preemption bugs on day 3.1 too: day 3.1's
 engine runs the student's day-3.2 scheduler code as well). Exits 1 naming every case that went the wrong way.
@@ -23,16 +24,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 COPIED = ("src", "src_ref", "course", "scripts", "benches")
-DAYS = (1, 2, 3, 4)
+DAYS = {3: (1, 2, 3, 4), 4: (1, 2)}
 
 
 @dataclass(frozen=True)
 class Mutation:
     name: str
-    days: tuple[int, ...]  # the week-3 days whose compare must catch it
+    days: tuple[int, ...]  # the days of `week` whose compare must catch it
     module: str  # file of src/tiny_llm
     old: str  # text that occurs exactly once in the reference's module
     new: str
+    week: int = 3
 
 
 MUTATIONS = [
@@ -49,6 +51,19 @@ MUTATIONS = [
     Mutation("priorities ignored in the ranking", (4,), "priority_scheduler",
              "        return (-self.effective_priority(seq), self.arrival_step[seq])\n",
              "        return (0, self.arrival_step[seq])\n"),
+    Mutation("no token of the target's own when every guess is accepted", (1,), "speculative",
+             "    accepted.append(target_tokens[len(accepted)])\n    return accepted\n",
+             "    if len(accepted) < len(draft):\n        accepted.append(target_tokens[len(accepted)])\n"
+             "    return accepted\n", week=4),
+    Mutation("rolled back to the end of the verify chunk: rejected positions kept", (1,), "speculative",
+             "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n",
+             "        self.scheduler.roll_back(seq, chunk.start + chunk.length)\n", week=4),
+    Mutation("dequantize given the biases as scales and the scales as biases", (2,), "quantized_kv",
+             "    return dequantize(packed, scales.astype(dtype), biases.astype(dtype), group_size, bits)\n",
+             "    return dequantize(packed, biases.astype(dtype), scales.astype(dtype), group_size, bits)\n", week=4),
+    Mutation("bytes per token count the keys and forget the values", (2,), "quantized_kv",
+             "    return 2 * num_layers * num_kv_heads * per_head\n",
+             "    return num_layers * num_kv_heads * per_head\n", week=4),
 ]
 
 
@@ -72,33 +87,35 @@ def apply(root: Path, mutation: Mutation) -> str:
     return text
 
 
-def compare(root: Path, day: int) -> subprocess.CompletedProcess:
+def compare(root: Path, day: int, week: int = 3) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": "src:src_ref:."}
-    return subprocess.run([sys.executable, "-m", "scripts.compare", "--week", "3", "--day", str(day)], cwd=root,
+    return subprocess.run([sys.executable, "-m", "scripts.compare", "--week", str(week), "--day", str(day)], cwd=root,
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-def check(days=DAYS, mutations=MUTATIONS) -> list[str]:
-    """Run every case on `days`; return the ones that went the wrong way (empty: all good)."""
+def check(days=DAYS[3], mutations=None, week: int = 3) -> list[str]:
+    """Run every case on `days` of `week` (default: that week's mutations); return the ones that went the wrong way
+    (empty: all good)."""
+    mutations = [m for m in MUTATIONS if m.week == week] if mutations is None else mutations
     failures = []
     with tempfile.TemporaryDirectory(prefix="tiny-llm-compare-") as tmp:
         root = Path(tmp)
         honest_copy(root)
         for day in days:
-            result = compare(root, day)
+            result = compare(root, day, week)
             verdict = "no difference" if result.returncode == 0 else f"exit {result.returncode}"
-            print(f"honest solution, day 3.{day}: {verdict}", flush=True)
+            print(f"honest solution, day {week}.{day}: {verdict}", flush=True)
             if result.returncode != 0:
-                failures.append(f"honest solution, day 3.{day}: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+                failures.append(f"honest solution, day {week}.{day}: {result.stdout[-2000:]}{result.stderr[-2000:]}")
         for mutation in mutations:
             before = apply(root, mutation)
             try:
                 for day in (d for d in mutation.days if d in days):
-                    result = compare(root, day)
+                    result = compare(root, day, week)
                     caught = result.returncode == 1 and "differs from the reference" in result.stdout
-                    print(f"{mutation.name}, day 3.{day}: {'reported' if caught else 'NOT reported'}", flush=True)
+                    print(f"{mutation.name}, day {week}.{day}: {'reported' if caught else 'NOT reported'}", flush=True)
                     if not caught:
-                        failures.append(f"{mutation.name}, day 3.{day}: exit {result.returncode}\n"
+                        failures.append(f"{mutation.name}, day {week}.{day}: exit {result.returncode}\n"
                                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
             finally:
                 (root / "src" / "tiny_llm" / f"{mutation.module}.py").write_text(before)
@@ -108,13 +125,15 @@ def check(days=DAYS, mutations=MUTATIONS) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m maint.check_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--day", type=int, choices=DAYS, action="append", help="week-3 day(s) to check (default all)")
+    parser.add_argument("--week", type=int, choices=sorted(DAYS), default=3, help="the week (default 3)")
+    parser.add_argument("--day", type=int, choices=(1, 2, 3, 4), action="append",
+                        help="day(s) of the week to check (default all)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    failures = check(tuple(args.day or DAYS))
+    failures = check(tuple(args.day or DAYS[args.week]), week=args.week)
     for failure in failures:
         print(f"\nWRONG: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -163,6 +163,42 @@ MUTATIONS = [
     Mutation("appends-past-the-end", "accepted tokens appended after one finished the sequence", (1,), (
         ("speculative", "            if outputs[-1].finished:\n                return outputs  # finishing freed every block\n",
          ""),), week=4),
+    Mutation("sampling-draws-from-python-random", "rejection sampling's coin drawn from Python's random, not MLX's "
+             "(seeded by the engine)", (1,), (
+        ("speculative", "import math\n", "import math\nimport random\n"),
+        ("speculative", "        if mx.random.uniform().item() < ratio.item():\n",
+         "        if random.random() < ratio.item():\n"),), week=4),
+    Mutation("residual-break-not-return", "after the replacement token, break out of the loop (so the bonus draw "
+             "from the last row follows it) instead of returning", (1,), (
+        ("speculative", "        accepted.append(mx.random.categorical(mx.log(residual / residual.sum())).item())\n"
+                        "        return accepted\n",
+         "        accepted.append(mx.random.categorical(mx.log(residual / residual.sum())).item())\n"
+         "        break\n"),), week=4),
+    Mutation("guesses-up-to-max-tokens", "a sequence guesses up to max_tokens - emitted, not one fewer", (1,), (
+        ("speculative", "seq.sampling.max_tokens - len(seq.output_token_ids) - 1)",
+         "seq.sampling.max_tokens - len(seq.output_token_ids))"),), week=4),
+    Mutation("tracker-never-fed", "the acceptance tracker never told how a verification went", (1,), (
+        ("speculative", "        self.tracker.observe(seq.request_id, len(chunk.draft), len(accepted) - 1)\n", ""),),
+             week=4),
+    Mutation("tracker-counts-the-bonus", "the tracker told the target's own token was an accepted guess", (1,), (
+        ("speculative", "        self.tracker.observe(seq.request_id, len(chunk.draft), len(accepted) - 1)\n",
+         "        self.tracker.observe(seq.request_id, len(chunk.draft), len(accepted))\n"),), week=4),
+    Mutation("ngram-earliest-match", "prompt lookup takes the earliest earlier occurrence, not the latest", (1,), (
+        ("speculative", "            for start in range(len(tokens) - n - 1, -1, -1):\n",
+         "            for start in range(len(tokens) - n):\n"),), week=4),
+    Mutation("ngram-shortest-first", "prompt lookup tries the shortest suffix first", (1,), (
+        ("speculative", "        for n in range(self.max_ngram, self.min_ngram - 1, -1):\n",
+         "        for n in range(self.min_ngram, self.max_ngram + 1):\n"),), week=4),
+    Mutation("finished-then-rolled-back", "Task 5 read literally: stop appending at the end, then roll back the "
+             "finished sequence", (1,), (
+        ("speculative", "                return outputs  # finishing freed every block\n", "                break\n"),),
+             week=4),
+    Mutation("roll-back-before-append", "rolled back before the accepted tokens are appended", (1,), (
+        ("speculative", "        outputs = []\n        for token in accepted:\n",
+         "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n        outputs = []\n"
+         "        for token in accepted:\n"),
+        ("speculative", "        # The newest token and the accepted guesses are in the cache; the last token (the target's own) is not.\n"
+                        "        self.scheduler.roll_back(seq, chunk.start + len(accepted))\n", ""),), week=4),
     # Day 4.2: the quantized pool.
     Mutation("group-size-ignored", "the pool quantizes in groups of 64 whatever the head's size", (2,), (
         ("quantized_kv", "            for part, new_part in zip(stored, quantize_kv(new, self.group_size, self.bits)):\n",
@@ -186,6 +222,19 @@ MUTATIONS = [
     Mutation("scales-not-counted", "bytes per token forget the scales and biases", (2,), (
         ("quantized_kv", "        per_head = head_dim * kv_bits // 8 + 2 * groups * SCALE_DTYPE.size\n",
          "        per_head = head_dim * kv_bits // 8\n"),), week=4),
+    Mutation("gather-always-float32", "gather dequantizes to float32 whatever the model's dtype", (2,), (
+        ("quantized_kv", "*(part[slots] for part in stored), self.group_size, self.bits, self.dtype)",
+         "*(part[slots] for part in stored), self.group_size, self.bits, mx.float32)"),), week=4),
+    Mutation("bytes-one-group-per-head", "bytes per token count one scale and bias per head, whatever group_size",
+             (2,), (
+        ("quantized_kv", "        groups = head_dim // kv_group_size(head_dim, group_size)\n", "        groups = 1\n"),),
+             week=4),
+    Mutation("kv16-at-model-dtype", "a kv_bits=16 pool counted at the model's dtype, not float16's", (2,), (
+        ("quantized_kv", "        per_head = head_dim * (dtype.size if kv_bits is None else mx.float16.size)\n",
+         "        per_head = head_dim * dtype.size\n"),), week=4),
+    Mutation("one-group-per-head-quantized", "keys quantized in one group per head, whatever group_size", (2,), (
+        ("quantized_kv", "quantize(x.reshape(tokens * heads, head_dim), group_size, bits)",
+         "quantize(x.reshape(tokens * heads, head_dim), head_dim, bits)"),), week=4),
     # Day 4.3: sharding.
     Mutation("tp-second-matmuls-split-by-outputs", "o_proj and down_proj split by outputs, like q/k/v and gate/up",
              (3,), (

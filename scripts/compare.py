@@ -5,6 +5,8 @@
     pdm run compare --week 2 --day 1 --max-tokens 32 --model Qwen/Qwen2-0.5B-Instruct-MLX
     pdm run compare --week 2 --day 1 --loop plain    # day 2.1's plain loop (Task 3) instead of the pipelined one (Task 4)
     pdm run compare --week 3 --day 2                 # your engine, step by step, on a small KV pool
+    pdm run compare --week 4 --day 1                 # your speculative engine: guesses accepted, rolled back, blocks
+    pdm run compare --week 4 --day 2                 # your 8-bit and 4-bit pools: blocks, bytes, every step and token
 
 The student side is your src/tiny_llm as the selector (course/selector.py) runs it: your code for
 every task you have written, the reference's for every task still raising "not implemented yet" (one
@@ -15,7 +17,9 @@ also show how each side scheduled the work: prefill chunks and their sizes, deco
 shared an iteration with a chunk, and the longest stall of a decoding request; on the chunked-prefill
 day the logit line compares your chunked prefill with the reference's one-shot prefill. Week 3's days
 run both engines on one workload with a small KV pool and compare every step's plan, budget,
-preemptions, blocks in use (and hit rate) and every token (scripts/compare_week3.py). Days without
+preemptions, blocks in use (and hit rate) and every token (scripts/compare_week3.py); days 4.1 and 4.2
+do the same with your speculative engine (verify chunks, guesses accepted and rolled back) and your
+quantized pools (blocks and bytes a memory budget buys) (scripts/compare_week4.py). Days without
 a model-level run (attention, RoPE, metrics, ...) say so and give the test command instead.
 
 Exit status: 0 when the student's run matches the reference; 1 when it differs or raises; 2 on bad
@@ -266,6 +270,10 @@ def compare(args) -> int:
 
     from course.models import MEANINGLESS_NOTE, is_embedded, load_model, resolve_model
 
+    if day.compare == "engine" and day.week == 4:
+        from scripts.compare_week4 import compare_week4
+
+        return compare_week4(args, day, explain_failure)
     if day.compare == "engine":
         from scripts.compare_week3 import compare_engines
 

@@ -175,7 +175,9 @@ def run_to_end(engine, arrivals=(), check=None) -> dict:
         engine.step()
         if check:
             check(engine)
-    raise AssertionError(f"not done after {STEP_LIMIT} steps: {engine.scheduler.running} still running")
+    raise AssertionError(f"not done after {STEP_LIMIT} steps: {engine.num_running} running, {engine.num_waiting} "
+                         "waiting; every step must move a running sequence forward (a prefill chunk, at least one "
+                         "token, or a preemption), so the engine stopped making progress")
 
 
 def random_prompts(n, seed, longest=30):

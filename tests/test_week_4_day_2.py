@@ -125,7 +125,8 @@ def run_to_end(engine, prompts, max_tokens, max_steps=3000):
             return [s.output_token_ids for s in seqs]
         engine.step()
         check_pool(engine)
-    raise AssertionError(f"no progress after {max_steps} steps")
+    raise AssertionError(f"no end after {max_steps} steps: every step must make progress (a prefill chunk, a token "
+                         "or a preemption), so the engine stopped moving")
 
 
 def check_pool(engine):
@@ -148,6 +149,39 @@ def grouped_ranges(x: mx.array, group_size: int) -> mx.array:
     return group_max(x, group_size) + group_max(-x, group_size)
 
 
+def head_major(x: mx.array, group_size: int, bits: int) -> mx.array:
+    """The packed words of `x` (T x H x D) quantized head by head instead of token by token: a swapped layout."""
+    return mx.quantize(x.swapaxes(0, 1).reshape(-1, x.shape[-1]), group_size, bits)[0]
+
+
+def stored_difference(pool, layer: int, slots: list[int], x: mx.array, bits: int, group_size: int, name: str) -> str:
+    """What differs between the pool's stored `name` ("keys" or "values") at `slots` and mx.quantize's of `x`
+    (T x H x D): the dtype, the scales, the biases (or both swapped), the packing order, the packed words; "" if
+    nothing does."""
+    tokens, heads, head_dim = x.shape
+    stored = pool.keys[layer] if name == "keys" else pool.values[layer]
+    packed, scales, biases = (part[mx.array(slots)].reshape(tokens * heads, -1) for part in stored)
+    want_packed, want_scales, want_biases = mx.quantize(x.reshape(-1, head_dim), group_size, bits)
+    want_scales, want_biases = want_scales.astype(mx.float16), want_biases.astype(mx.float16)
+    if packed.dtype != mx.uint32 or scales.dtype != mx.float16 or biases.dtype != mx.float16:
+        return f"{name}: stored as {packed.dtype}, {scales.dtype}, {biases.dtype}; want uint32 words and float16 " \
+               "scales and biases"
+    if scales.shape != want_scales.shape:
+        return f"{name}: {scales.shape[-1]} scales a head, want {head_dim // group_size} (groups of {group_size})"
+    if mx.array_equal(scales, want_biases).item() and mx.array_equal(biases, want_scales).item():
+        return f"{name}: scales and biases swapped"
+    if tokens > 1 and heads > 1 and mx.array_equal(packed, head_major(x, group_size, bits)).item():
+        return f"{name}: quantized head-major (heads and tokens swapped: rows must be token by token, then head)"
+    if not mx.array_equal(scales, want_scales).item():
+        return f"{name}: the scales differ from mx.quantize's (one per group of {group_size} features, per token " \
+               "and head)"
+    if not mx.array_equal(biases, want_biases).item():
+        return f"{name}: the biases differ from mx.quantize's"
+    if not mx.array_equal(packed, want_packed).item():
+        return f"{name}: the packed words differ from mx.quantize's (the packing order or the bits)"
+    return ""
+
+
 def uneven(shape, seed: int) -> mx.array:
     """Keys-like data whose heads and tokens differ in scale by 10^4 and in offset: per-group scales matter."""
     mx.random.seed(seed)
@@ -165,13 +199,23 @@ def uneven(shape, seed: int) -> mx.array:
 def test_task_1_layout_is_mlx_quantize_per_token_and_head(bits, group_size):
     x = uneven((5, 3, 64), seed=1)
     packed, scales, biases = sol.quantized_kv.quantize_kv(x, group_size, bits)
-    assert packed.shape == (5, 3, 64 * bits // 32) and packed.dtype == mx.uint32
-    assert scales.shape == biases.shape == (5, 3, 64 // group_size)
+    assert packed.shape == (5, 3, 64 * bits // 32) and packed.dtype == mx.uint32, \
+        f"packed: {packed.shape} {packed.dtype}, want (5, 3, {64 * bits // 32}) uint32 (bits/32 words a feature)"
+    assert scales.shape == biases.shape == (5, 3, 64 // group_size), \
+        f"scales {scales.shape}, biases {biases.shape}: want one per group of {group_size}, (5, 3, {64 // group_size})"
     assert scales.dtype == biases.dtype == mx.float16, "scales and biases are stored as float16"
     mlx_packed, mlx_scales, mlx_biases = mx.quantize(x.reshape(15, 64), group_size, bits)
-    assert mx.array_equal(packed.reshape(15, -1), mlx_packed).item(), "packed words differ from mx.quantize's"
-    assert mx.array_equal(scales.reshape(15, -1), mlx_scales.astype(mx.float16)).item()
-    assert mx.array_equal(biases.reshape(15, -1), mlx_biases.astype(mx.float16)).item()
+    if mx.array_equal(scales.reshape(15, -1), mlx_biases.astype(mx.float16)).item():
+        pytest.fail("scales and biases swapped", pytrace=False)
+    if mx.array_equal(packed.reshape(15, -1), head_major(x, group_size, bits)).item():
+        pytest.fail("quantized head-major (heads and tokens swapped: rows must be token by token, then head)",
+                    pytrace=False)
+    assert mx.array_equal(scales.reshape(15, -1), mlx_scales.astype(mx.float16)).item(), \
+        "the scales differ from mx.quantize's (one per group, per token and head)"
+    assert mx.array_equal(biases.reshape(15, -1), mlx_biases.astype(mx.float16)).item(), \
+        "the biases differ from mx.quantize's"
+    assert mx.array_equal(packed.reshape(15, -1), mlx_packed).item(), \
+        "the packed words differ from mx.quantize's (the order of tokens, heads and features, or the bits)"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -204,7 +248,11 @@ def test_task_1_dequantize_matches_mlx(bits):
     got = sol.quantized_kv.dequantize_kv(mlx_packed.reshape(6, 2, -1), scales.reshape(6, 2, -1),
                                          biases.reshape(6, 2, -1), 32, bits, mx.float32)
     expected = mx.dequantize(mlx_packed, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits)
-    assert mx.allclose(got.reshape(12, 64), expected, rtol=1e-5, atol=1e-5).item()
+    assert got.dtype == mx.float32, f"dequantize_kv returned {got.dtype}, not the dtype asked for (float32)"
+    swapped = mx.dequantize(mlx_packed, biases.astype(mx.float32), scales.astype(mx.float32), 32, bits)
+    assert not mx.allclose(got.reshape(12, 64), swapped, rtol=1e-5, atol=1e-5).item(), "scales and biases swapped"
+    assert mx.allclose(got.reshape(12, 64), expected, rtol=1e-5, atol=1e-5).item(), \
+        "dequantize_kv differs from mx.dequantize on the same words, scales and biases (the group size or the bits)"
 
 
 # ---------------------------------------------------------------- Task 2: the quantized pool
@@ -218,17 +266,16 @@ def test_task_2_pool_stores_keys_and_values_quantized(bits):
     slots = mx.array([6, 7, 0, 3])
     pool.write(1, slots, keys, values)
     mx.eval(pool.arrays())
-    for stored, x, name in ((pool.keys[1], keys, "keys"), (pool.values[1], values, "values")):
-        packed, scales, biases = (part[slots] for part in stored)
-        assert packed.dtype == mx.uint32, f"{name} are stored as packed integers"
-        read = mx.dequantize(packed.reshape(8, -1), scales.reshape(8, -1).astype(mx.float32),
-                             biases.reshape(8, -1).astype(mx.float32), 64, bits).reshape(4, 2, 64)
-        assert mx.allclose(read, round_trip(x, bits, 64), rtol=1e-5, atol=1e-5).item(), \
-            f"the pool's {name} are not mx.quantize's"
+    for x, name in ((keys, "keys"), (values, "values")):
+        differs = stored_difference(pool, 1, [6, 7, 0, 3], x, bits, 64, name)
+        assert not differs, differs
     got_keys, got_values = pool.gather(1, mx.array([[0, 6], [3, 7]]))
-    assert got_keys.shape == got_values.shape == (2, 2, 2, 64) and got_keys.dtype == mx.float32
-    assert mx.allclose(got_keys[0, 1], round_trip(keys, bits, 64)[0], rtol=1e-5, atol=1e-5).item()
-    assert mx.allclose(got_values[1, 0], round_trip(values, bits, 64)[3], rtol=1e-5, atol=1e-5).item()
+    assert got_keys.shape == got_values.shape == (2, 2, 2, 64), f"gather's shape {got_keys.shape}, want (2, 2, 2, 64)"
+    assert got_keys.dtype == got_values.dtype == mx.float32, f"gather returns {got_keys.dtype}, not the pool's float32"
+    assert mx.allclose(got_keys[0, 1], round_trip(keys, bits, 64)[0], rtol=1e-5, atol=1e-5).item(), \
+        "the stored keys are right but gather's are not their dequantization (its bits, group size, scale and bias)"
+    assert mx.allclose(got_values[1, 0], round_trip(values, bits, 64)[3], rtol=1e-5, atol=1e-5).item(), \
+        "the stored values are right but gather's are not their dequantization, or they are the keys"
     assert all(mx.array_equal(part, mx.zeros_like(part)).item() for part in pool.keys[0] + pool.values[0]), \
         "other layers untouched"
 
@@ -241,10 +288,20 @@ def test_task_2_rewriting_a_slot_requantizes_it(bits):
     pool.write(0, mx.array([0, 1, 2, 3]), first, -first)
     mx.eval(pool.arrays())
     pool.write(0, mx.array([2, 3]), second, -second)
+    mx.eval(pool.arrays())
+    for slots, x in (([0, 1], first[:2]), ([2, 3], second)):
+        for name, sign in (("keys", 1), ("values", -1)):
+            differs = stored_difference(pool, 0, slots, sign * x, bits, 64, name)
+            assert not differs, f"slots {slots} after {'a rewrite' if slots[0] else 'their neighbours rewrite'}: " \
+                                f"{differs}"
     keys, values = pool.gather(0, mx.array([0, 1, 2, 3]))
+    assert keys.dtype == values.dtype == mx.float32, f"gather returns {keys.dtype}, not the pool's dtype (float32)"
     expected = mx.concatenate([round_trip(first, bits, 64)[:2], round_trip(second, bits, 64)])
-    assert mx.allclose(keys, expected, rtol=1e-5, atol=1e-4).item(), "a rewritten slot reads back stale data"
-    assert mx.allclose(values, -expected, rtol=1e-5, atol=1e-4).item()
+    assert mx.allclose(keys, expected, rtol=1e-5, atol=1e-4).item(), \
+        "the stored parts are right but gather's keys are not their dequantization (its bits, group size, or scale " \
+        "and bias order)"
+    assert mx.allclose(values, -expected, rtol=1e-5, atol=1e-4).item(), \
+        "the stored parts are right but gather's values are not their dequantization"
 
 
 @pytest.mark.parametrize("bits", [8, 4])

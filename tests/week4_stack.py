@@ -14,26 +14,36 @@ oracle, token for token:
   with the student's prompt lookup and with guesses right for a known number of tokens (so every step
   must yield exactly the right guesses plus one, and rejected positions must go back across block
   boundaries); a model failure then a clean rerun; top-k/top-p, penalty, logit_bias and logprobs
-  requests beside speculating ones, served as week 3 serves them; and sampled speculation keeping the
-  target's distribution (a chi-square test on the tiny model's exact probabilities);
+  requests beside speculating ones, served as week 3 serves them; sampled speculation keeping the
+  target's distribution at the second and third tokens (chi-square tests on the tiny model's exact
+  probabilities); seeds that reproduce, run twice and beside another request; an EOS inside accepted
+  guesses; no guess past max_tokens - 1; back-off step by step as a fed `AcceptanceTracker` asks; the
+  student's prompt lookup checked at every proposal; a follow-up turn served from the prefix cache;
 - day 4.2: the same server workloads on 8-bit and 4-bit pools sized by memory: the blocks a memory
   budget buys, preemptions, and every token equal to mlx-lm's model over a cache that stores MLX's own
-  quantize-then-dequantize of each key and value (`RoundTripCache`).
+  quantize-then-dequantize of each key and value (`RoundTripCache`); float16 and bfloat16 models
+  (every call in the model's dtype), heads of 128 features in groups of 64, a float16 pool on a
+  float32 model.
 
 Every workload ends with every block back in the pool; every loop has a step limit.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import qwen2 as mlx_qwen2
+from mlx_lm.models.cache import KVCache
 
 from tests import week3_stack as w3
 from tests.chi_square import assert_distribution
 from tests.harness import solution_name
-from tests.week3_stack import EOS, VOCAB, ModelFailure, ModelProbe, Request, Run, Tokenizer, expected, tokens
+from tests.week3_stack import (EOS, VOCAB, ModelFailure, ModelProbe, Request, RoundTripCache, Run, Tokenizer, expected,
+                               tokens)
 
 K = 3  # guesses per verify chunk in the speculative workloads
 
@@ -52,10 +62,12 @@ class TruthProposer:
             self.truth[request.request_id] = request.prompt + output + ([EOS] if reason == "stop" else [])
         self.rng = random.Random(seed)
         self.calls: dict[object, tuple[int, int]] = {}  # request id -> (guesses, right ones), this step
+        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
 
     def propose(self, seq, k):
         truth, n = self.truth[seq.request_id], len(seq.token_ids)
         assert truth[:n] == seq.token_ids, f"{seq.request_id!r} asked for guesses after tokens it should not have"
+        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
         # Right guesses stop before the last true token, so the first wrong one is always checked against the truth.
         right = min(self.rng.randint(0, k), len(truth) - n - 1)
         draft = truth[n : n + right] + [(truth[n + right] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB]
@@ -68,15 +80,23 @@ class TruthProposer:
         pass
 
 
-def speculative_engine(package, probe: ModelProbe, proposer, **options):
+def check_guess_limit(request_id, k: int, num_tokens: int, prompt_length: int, max_tokens: int) -> None:
+    """The rule of Task 4: the last token a sequence emits is always the target's own, so it guesses at most
+    max_tokens - emitted - 1 tokens (a guess past that is a row computed for nothing)."""
+    left = max_tokens - (num_tokens - prompt_length)
+    assert k <= left - 1, f"{request_id!r} was asked for {k} guesses with {left} tokens left to emit: at most " \
+                          f"max_tokens - emitted - 1 = {left - 1} (the last token is always the target's own)"
+
+
+def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate: float = 0.0, **options):
     """The one place a day-4.1 engine is built here: the student's SpeculativeEngine on their week-3 engine.
 
-    No back-off (min_acceptance_rate 0): every decode guesses as many tokens as it may, so every
-    workload exercises verification and roll-back at every step.
+    No back-off by default (min_acceptance_rate 0): every decode guesses as many tokens as it may, so
+    every workload exercises verification and roll-back at every step.
     """
     merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **w3.engine_options(4))
     merged.update(options)
-    speculation = package.speculative.SpeculativeConfig(K, min_acceptance_rate=0.0)
+    speculation = package.speculative.SpeculativeConfig(K, min_acceptance_rate=min_acceptance_rate)
     return package.speculative.SpeculativeEngine(probe, Tokenizer(), package.engine.EngineConfig(**merged),
                                                  speculation=speculation, proposer=proposer, clock=probe.clock)
 
@@ -93,10 +113,11 @@ def check_blocks_after_every_step(engine):
             f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
 
 
-def drive_speculative(package, requests, proposer, probe=None, after_step=None, **options) -> Run:
+def drive_speculative(package, requests, proposer, probe=None, after_step=None, min_acceptance_rate=0.0,
+                      **options) -> Run:
     """Run `requests` on a speculative engine, checking the blocks (and `after_step(run)`) after every step."""
     probe = probe or w3.new_probe(package)
-    engine = speculative_engine(package, probe, proposer, **options)
+    engine = speculative_engine(package, probe, proposer, min_acceptance_rate, **options)
     result = Run(engine, probe, requests, engine.config.max_num_seqs)
 
     def check(run):
@@ -222,7 +243,8 @@ def workload_speculative_mixed_requests(package):
         for output in engine.step():
             streams[output.request_id].append(output)
     else:
-        raise AssertionError(f"no end after {w3.STEP_LIMIT} steps")
+        raise AssertionError(f"no end after {w3.STEP_LIMIT} steps: every step must move a request forward (a prefill "
+                             "chunk, at least one token, or a preemption), so the engine stopped making progress")
     got = {name: [o.token for o in outputs if o.token is not None] for name, outputs in streams.items()}
     assert got["plain"] == plain, f"greedy request: {got['plain']}, alone {plain}"
     assert got["biased"] == want, f"a logit_bias request streamed {got['biased']}; with its bias mlx-lm gives {want}"
@@ -256,46 +278,309 @@ class FixedGuess:
         pass
 
 
-def second_token_distribution() -> dict[int, float]:
-    """The exact law of the second output token at TEMPERATURE, given the first is not EOS: mlx-lm's model on
-    every possible first token at once."""
+class ExactCache(KVCache):
+    """mlx-lm's KV cache without its room to grow: keys and values exactly as long as what was fed, so a batch of
+    thousands of one-token continuations attends to a few keys each."""
+
+    def update_and_fetch(self, keys, values):
+        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=2)
+        self.values = values if self.values is None else mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+
+@functools.cache
+def token_laws() -> tuple[dict[int, float], dict[int, float]]:
+    """The exact laws of the second and third output tokens at TEMPERATURE, given the tokens before are not EOS:
+    mlx-lm's model on every possible first token, then on every possible pair, at once."""
     model = w3.tiny_mlx_model()
-    first = mx.softmax(model(mx.array([SAMPLED_PROMPT]))[0, -1].astype(mx.float32) / TEMPERATURE).tolist()
-    batch = mx.array([SAMPLED_PROMPT + [t] for t in range(VOCAB)])
-    second = mx.softmax(model(batch)[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1).tolist()
-    alive = 1 - first[EOS]
-    return {t2: sum(first[t1] * second[t1][t2] for t1 in range(VOCAB) if t1 != EOS) / alive for t2 in range(VOCAB)}
+
+    def law(logits: mx.array) -> mx.array:
+        return mx.softmax(logits[:, -1].astype(mx.float32) / TEMPERATURE, axis=-1)
+
+    first = law(model(mx.array([SAMPLED_PROMPT])))[0]
+    cache = [ExactCache() for _ in model.layers]
+    second = law(model(mx.array([SAMPLED_PROMPT + [t] for t in range(VOCAB)]), cache=cache))  # row t1: after t1
+    for layer in cache:  # each context P + [t1] once per t2, in order: row t1 * VOCAB + t2
+        layer.keys, layer.values = (mx.repeat(part, VOCAB, axis=0) for part in (layer.keys, layer.values))
+    following = mx.array([[t2] for _ in range(VOCAB) for t2 in range(VOCAB)])
+    third = law(model(following, cache=cache)).reshape(VOCAB, VOCAB, VOCAB)
+    alive = mx.ones(VOCAB).at[EOS].add(-1.0)  # the paths that go on: neither token before is EOS
+    pairs = first[:, None] * alive[:, None] * second * alive[None, :]  # P(t1, t2), both alive
+    law2 = (first * alive) @ second / (first * alive).sum()
+    law3 = (pairs[:, :, None] * third).sum(axis=(0, 1)) / pairs.sum()
+    return dict(enumerate(law2.tolist())), dict(enumerate(law3.tolist()))
+
+
+def output_at(result: Run, request: Request, index: int) -> int | None:
+    """The request's output token number `index` (EOS when it stopped right there), None if it ended before."""
+    got = result.tokens_of(request.request_id)
+    if len(got) > index:
+        return got[index]
+    if len(got) == index and result.streams[request.request_id][-1][1].finish_reason == "stop":
+        return EOS
+    return None
 
 
 def workload_speculative_sampling(package):
-    """Temperature sampling through verification: the second token (the first one guessed) follows the target's
-    own law, whatever the guesses (a chi-square test at the stated false-alarm rate, fixed seed)."""
-    law = second_token_distribution()
-    guess = max(law, key=law.get)
-    requests = [Request(f"t{i}", SAMPLED_PROMPT, max_tokens=3, sampling=dict(temperature=TEMPERATURE))
+    """Temperature sampling through verification: the second token (the first one guessed) and the third (after a
+    rejection, the token after the replacement must come from the next verify chunk, not from a row of guesses the
+    target rejected) follow the target's own law, whatever the guesses (chi-square tests at the stated false-alarm
+    rate, fixed seed)."""
+    law2, law3 = token_laws()
+    guess = max(law2, key=law2.get)
+    requests = [Request(f"t{i}", SAMPLED_PROMPT, max_tokens=4, sampling=dict(temperature=TEMPERATURE))
                 for i in range(NUM_SAMPLED)]
     mx.random.seed(2024)
     result = drive_speculative(package, requests, FixedGuess(guess), token_budget=512, max_num_seqs=128,
                                num_blocks=512)
     result.check_clean()
-    counts: dict[int, int] = {}
-    for request in requests:
-        stream = result.streams[request.request_id]
-        got = result.tokens_of(request.request_id)
-        if len(got) >= 2:
-            second = got[1]
-        elif len(got) == 1 and stream[-1][1].finish_reason == "stop":
-            second = EOS
-        else:
-            continue  # EOS first: no second token
-        counts[second] = counts.get(second, 0) + 1
-    assert sum(counts.values()) >= NUM_SAMPLED // 2, "too few requests reached a second token to test its law"
-    assert_distribution(counts, law, f"second tokens (the guess {guess} has probability {law[guess]:.2f})")
+    for index, law, name in ((1, law2, "second"), (2, law3, "third")):
+        counts: dict[int, int] = {}
+        for request in requests:
+            token = output_at(result, request, index)
+            if token is not None:
+                counts[token] = counts.get(token, 0) + 1
+        assert sum(counts.values()) >= NUM_SAMPLED // 2, f"too few requests reached a {name} token to test its law"
+        assert_distribution(counts, law, f"{name} tokens (the guess {guess} has probability {law[guess]:.2f}; after "
+                                         "a rejected guess nothing more comes from that verify chunk)")
     assert result.engine.summary()["speculative_proposed"] >= NUM_SAMPLED // 2, "the second tokens were not verified"
 
 
+class ArgmaxProposer:
+    """Guesses the target's own greedy continuation of whatever the sequence holds: at temperature 1 such a guess
+    is often, not always, accepted, so the outcome of each verification turns on rejection sampling's draws."""
+
+    def propose(self, seq, k):
+        return greedy_past_eos(list(seq.token_ids), k)
+
+    def forget(self, request_id):
+        pass
+
+
+def seeded_run(package, requests: list[Request]) -> dict[str, list[int]]:
+    """`requests` on a fresh speculative engine guessing the target's argmax: each request's tokens."""
+    result = drive_speculative(package, requests, ArgmaxProposer(), token_budget=32)
+    result.check_clean()
+    summary = result.engine.summary()
+    assert summary["speculative_proposed"] > summary["speculative_accepted"] > 0, \
+        "the guesses must be accepted sometimes and rejected sometimes"
+    return {r.request_id: result.tokens_of(r.request_id) for r in requests}
+
+
+def workload_speculative_seeded(package):
+    """A seed reproduces a temperature request through speculation: run twice, and beside another request, the
+    same tokens (every draw of rejection sampling comes from MLX's random state, which the engine seeds with the
+    request's seed plus the tokens it has so far; with a roomy budget each request guesses alike)."""
+    seeded = [Request(f"seeded{i}", tokens(6, 70 + i), max_tokens=14, sampling=dict(temperature=1.0, seed=500 + i))
+              for i in range(2)]
+    neighbour = Request("neighbour", tokens(7, 79), max_tokens=14)
+    first = seeded_run(package, seeded)
+    mx.random.seed(7)  # whatever the global random state was: the seed alone decides
+    again = seeded_run(package, seeded)
+    for request in seeded:
+        assert again[request.request_id] == first[request.request_id], \
+            f"{request.request_id!r} with seed {request.sampling['seed']} gave {first[request.request_id]}, then " \
+            f"{again[request.request_id]}: rejection sampling must draw from MLX's random state (mx.random), " \
+            "which the engine seeds, never from Python's random or an unseeded source"
+    beside = seeded_run(package, seeded[:1] + [neighbour])
+    assert beside["seeded0"] == first["seeded0"], \
+        f"seeded0 gave {first['seeded0']} beside seeded1 and {beside['seeded0']} beside a greedy request: a seed " \
+        "reproduces a request whatever shares its batch"
+
+
+def greedy_past_eos(prompt: list[int], length: int) -> list[int]:
+    """mlx-lm's model alone, greedy, for `length` tokens, going on past EOS as if it were any token."""
+    model, history = w3.tiny_mlx_model(), list(prompt)
+    for _ in range(length):
+        history.append(mx.argmax(model(mx.array([history]))[0, -1]).item())
+    return history[len(prompt):]
+
+
+class PastEosProposer:
+    """Guesses each request's greedy continuation right, EOS included and the target's tokens after it: the target
+    accepts every guess, so an EOS inside the accepted guesses must end the request there."""
+
+    def __init__(self, requests: list[Request]):
+        self.truth = {r.request_id: r.prompt + greedy_past_eos(r.prompt, r.max_tokens + K) for r in requests}
+        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
+        self.eos_guessed = 0  # proposals with EOS before their last guess
+
+    def propose(self, seq, k):
+        n = len(seq.token_ids)
+        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
+        draft = self.truth[seq.request_id][n : n + k]
+        self.eos_guessed += EOS in draft[:-1]
+        return draft
+
+    def forget(self, request_id):
+        pass
+
+
+def stopping_requests(count: int, max_tokens: int) -> list[Request]:
+    """`count` requests whose greedy output meets EOS within `max_tokens` tokens (found by seed, in order)."""
+    found = []
+    for seed in range(200, 400):
+        request = Request(f"eos{seed}", tokens(6, seed), max_tokens=max_tokens, arrive=len(found))
+        if expected(request)[1] == "stop" and len(expected(request)[0]) >= 2:
+            found.append(request)
+            if len(found) == count:
+                return found
+    raise AssertionError("the tiny model never stops: pick other seeds")
+
+
+def workload_speculative_eos_guessed(package):
+    """A proposer guesses EOS followed by more tokens, and the target agrees with all of them: the request ends at
+    the EOS (finish reason "stop", no token after it streamed, its blocks home), whatever guesses were accepted."""
+    requests = stopping_requests(3, max_tokens=14)
+    proposer = PastEosProposer(requests)
+    result = drive_speculative(package, requests, proposer)
+    result.check_outputs()
+    result.check_clean()
+    assert proposer.eos_guessed > 0, "no proposal had an EOS followed by more guesses: the workload checks nothing"
+
+
+class WrongProposer:
+    """Guesses wrong every time (the first guess is never the target's token) and records, per request, how many
+    tokens it had emitted and how many guesses it was asked for."""
+
+    def __init__(self, requests: list[Request]):
+        self.truth = {r.request_id: r.prompt + expected(r)[0] + [EOS] for r in requests}
+        self.prompts = {r.request_id: len(r.prompt) for r in requests}
+        self.asked: dict[object, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
+
+    def propose(self, seq, k):
+        n = len(seq.token_ids)
+        self.asked[seq.request_id].append((n - self.prompts[seq.request_id], k))
+        return [(self.truth[seq.request_id][n] + 1) % VOCAB] * k
+
+    def forget(self, request_id):
+        pass
+
+
+def tracker_schedule(request: Request, min_rate: float, probe_interval: int) -> list[tuple[int, int]]:
+    """(tokens emitted, guesses) of each proposal for `request` when every guess fails and the request decodes
+    one token a step: a fresh `AcceptanceTracker` told each verification's outcome (k proposed, 0 accepted)."""
+    tracker = w3.ref.speculative.AcceptanceTracker(min_rate, probe_interval)
+    output, reason = expected(request)
+    last = len(output) if reason == "stop" else request.max_tokens - 1  # the last step that decodes
+    schedule = []
+    for emitted in range(1, last + 1):
+        most = min(K, request.max_tokens - emitted - 1)
+        if most <= 0:
+            continue
+        k = tracker.num_guesses(request.request_id, most)
+        if k:
+            schedule.append((emitted, k))
+            tracker.observe(request.request_id, k, 0)
+    return schedule
+
+
+def workload_speculative_back_off(package):
+    """Guesses that always fail, with back-off on (the defaults): each verification's outcome reaches the
+    acceptance tracker, so a request guesses k, then fewer, then stops and probes with one guess after 2, 4, 8 ...
+    plain steps: the guesses asked for, step by step, are an AcceptanceTracker's told every outcome."""
+    requests = [Request(f"b{i}", tokens(6, 300 + i), max_tokens=24) for i in range(2)]
+    proposer = WrongProposer(requests)
+    result = drive_speculative(package, requests, proposer, min_acceptance_rate=0.3, token_budget=16)
+    result.check_outputs()
+    result.check_clean()
+    for request in requests:
+        want = tracker_schedule(request, 0.3, 16)
+        got = proposer.asked[request.request_id]
+        assert got == want, \
+            f"{request.request_id!r} (every guess wrong) was asked for guesses at (tokens emitted, guesses) {got}; " \
+            f"a tracker told each verification's outcome (tracker.observe(request id, proposed, accepted guesses)) " \
+            f"asks {want}"
+
+
+def workload_speculative_follow_up(package):
+    """A follow-up request whose prompt is an earlier request's prompt and answer (a chat's next turn), on the same
+    engine with prefix caching: every full block of the earlier request's accepted tokens was named for the cache
+    with the tokens it holds, so the follow-up computes only what its cached blocks do not cover."""
+    first = Request("turn1", tokens(9, 162), max_tokens=16)
+    answer, reason = expected(first)
+    assert reason == "length" and len(answer) == 16, "pick a seed whose first turn runs to max_tokens"
+    follow_up = Request("turn2", first.prompt + answer[:10], max_tokens=4)
+    probe = w3.new_probe(package)
+    engine = speculative_engine(package, probe, TruthProposer([first, follow_up], seed=9))
+    earlier = Run(engine, probe, [first], 4)
+    earlier.drive(after_step=lambda run: check_blocks_after_every_step(run.engine))
+    earlier.check_outputs()
+    calls = len(probe.calls)
+    later = Run(engine, probe, [follow_up], 4)
+    later.step_index = earlier.step_index
+    later.drive()
+    later.check_outputs()
+    later.check_clean()
+    cached = (len(follow_up.prompt) - 1) // 4 * 4  # every full block but the one holding the last prompt token
+    computed = probe.calls[calls][0]
+    assert computed == len(follow_up.prompt) - cached, \
+        f"the follow-up's first step computed {computed} of its {len(follow_up.prompt)} prompt tokens; the first " \
+        f"turn's blocks cover {cached}, so {len(follow_up.prompt) - cached}: roll back after appending the accepted " \
+        "tokens, so that the blocks the scheduler names for the prefix cache hold their tokens"
+
+
+def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: int, latest: bool = True,
+                  longest_first: bool = True) -> list[int]:
+    """The rule of Task 1, written again as the oracle: longest suffix first, its latest earlier occurrence, the up
+    to k tokens after it (`latest` and `longest_first` False: the wrong rules, to check the workload sees them)."""
+    sizes = range(max_ngram, min_ngram - 1, -1)
+    for n in sizes if longest_first else reversed(sizes):
+        if len(tokens_so_far) <= n:
+            continue
+        suffix = tokens_so_far[-n:]
+        starts = [s for s in range(len(tokens_so_far) - n) if tokens_so_far[s : s + n] == suffix]
+        if starts:
+            start = starts[-1] if latest else starts[0]
+            return tokens_so_far[start + n : start + n + k]
+    return []
+
+
+class CheckedLookup:
+    """The student's `NgramProposer`, each proposal checked against the rule as it is made."""
+
+    def __init__(self, lookup, max_ngram: int, min_ngram: int):
+        self.lookup, self.max_ngram, self.min_ngram = lookup, max_ngram, min_ngram
+        self.proposals = 0
+        self.earliest_differs = 0  # proposals where the earliest match would have proposed something else
+        self.shortest_differs = 0  # proposals where trying the shortest suffix first would have
+
+    def propose(self, seq, k):
+        context = list(seq.token_ids)
+        draft = list(self.lookup.propose(seq, k))
+        want = latest_lookup(context, k, self.max_ngram, self.min_ngram)
+        assert draft == want, \
+            f"prompt lookup on {context} (k={k}, n-grams {self.max_ngram} down to {self.min_ngram}) proposed " \
+            f"{draft}; the rule gives {want}: the longest suffix that occurs earlier, its latest occurrence, the " \
+            "tokens that followed it"
+        self.proposals += 1
+        self.earliest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, latest=False)
+        self.shortest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, longest_first=False)
+        return draft
+
+    def forget(self, request_id):
+        self.lookup.forget(request_id)
+
+
+def workload_speculative_prompt_lookup(package):
+    """The student's prompt lookup in the engine, on prompts where an n-gram recurs with different continuations:
+    every proposal is the latest match of the longest suffix, and every token mlx-lm's."""
+    # Prompts over 6 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
+    requests = [Request(f"p{i}", [rng.randrange(6) for _ in range(20)], max_tokens=20, arrive=i)
+                for i, rng in enumerate(random.Random(51 + i) for i in range(3))]
+    proposer = CheckedLookup(package.speculative.NgramProposer(max_ngram=3, min_ngram=1), 3, 1)
+    result = drive_speculative(package, requests, proposer)
+    result.check_outputs()
+    result.check_clean()
+    assert proposer.earliest_differs > 0 and proposer.shortest_differs > 0, \
+        "no proposal where the earliest match or the shortest suffix differs: the workload checks nothing"
+
+
 SPECULATIVE_WORKLOADS = [workload_speculative_pressure, workload_speculative_exact, workload_speculative_model_failure,
-                         workload_speculative_mixed_requests, workload_speculative_sampling]
+                         workload_speculative_mixed_requests, workload_speculative_sampling,
+                         workload_speculative_seeded, workload_speculative_eos_guessed, workload_speculative_back_off,
+                         workload_speculative_prompt_lookup, workload_speculative_follow_up]
 
 
 # ---------------------------------------------------------------- day 4.2: the quantized pool
@@ -382,8 +667,188 @@ def workload_quantized_seeded_sampling(package):
     assert result.engine.summary()["num_preemptions"] > 0, "a pool of 10 blocks must force preemptions"
 
 
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int = 64,
+                    float_bytes: int = 2) -> int:
+    """The oracle of Task 3: keys and values of every layer and head; quantized: `head_dim * bits / 8` bytes plus a
+    float16 scale and bias per group of min(group_size, head_dim) features; 16 bits: float16, whatever the model."""
+    if bits == 16:
+        return 2 * num_layers * num_kv_heads * head_dim * float_bytes
+    groups = head_dim // min(group_size, head_dim)
+    return 2 * num_layers * num_kv_heads * (head_dim * bits // 8 + 2 * 2 * groups)
+
+
+@functools.cache
+def head128_mlx_model():
+    """A model whose heads have 128 features: with the default group size of 64, two groups per head vector
+    (scaled up 5x like the others)."""
+    args = mlx_qwen2.ModelArgs(model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
+                                  num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                                  max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True)
+    mx.random.seed(20281)
+    model = mlx_qwen2.Model(args)
+    model.update(tree_map(lambda p: p * 5 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@functools.cache
+def wide_model_in(dtype: mx.Dtype):
+    """`wide_mlx_model` with every weight cast to `dtype`: a float16 or bfloat16 checkpoint."""
+    model = mlx_qwen2.Model(w3.wide_mlx_model().args)
+    model.update(tree_map(lambda p: p.astype(dtype), w3.wide_mlx_model().parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+class GroupRoundTripCache(RoundTripCache):
+    """`RoundTripCache` in groups of `group_size` features (the whole head when it is smaller)."""
+
+    def __init__(self, bits: int, group_size: int):
+        super().__init__(bits)
+        self.group_size = group_size
+
+    def round_trip(self, x: mx.array) -> mx.array:
+        group = min(self.group_size, x.shape[-1])
+        packed, scales, biases = mx.quantize(x.reshape(-1, group), group, self.num_bits)
+        scales, biases = (a.astype(mx.float16).astype(x.dtype) for a in (scales, biases))
+        return mx.dequantize(packed, scales, biases, group, self.num_bits).reshape(x.shape)
+
+
+class Float16Cache(KVCache):
+    """mlx-lm's KV cache storing float16 keys and values, read back in the model's dtype: a kv_bits=16 pool."""
+
+    def update_and_fetch(self, keys, values):
+        keys, values = super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+        return keys, values
+
+
+def greedy_alone(model, make_cache, request: Request) -> tuple[list[int], str]:
+    """(tokens, finish reason) of `request` alone on mlx-lm's `model` over the caches `make_cache()` gives."""
+    cache = [make_cache() for _ in model.layers]
+    history, output = list(request.prompt), []
+    while len(output) < request.max_tokens:
+        token = mx.argmax(model(mx.array([history]), cache=cache)[0, -1]).item()
+        if token == EOS:
+            return output, "stop"
+        output.append(token)
+        history = [token]
+    return output, "length"
+
+
+class DtypeProbe(ModelProbe):
+    """The probe, checking that every model call computes in the model's own dtype."""
+
+    def __init__(self, model, dtype: mx.Dtype):
+        super().__init__(model)
+        self.want = dtype
+
+    def __call__(self, batch, pool):
+        logits = super().__call__(batch, pool)
+        assert logits.dtype == self.want, \
+            f"a {self.want} model computed {logits.dtype} logits over the quantized pool: gather must return keys " \
+            f"and values in the pool's dtype (the model's, {self.want}), or attention promotes every later layer"
+        return logits
+
+
+def sized_pool_run(package, probe: ModelProbe, requests: list[Request], bits: int, num_blocks: int, per_token: int,
+                   why: str) -> Run:
+    """`requests` to the end on the student's engine over a `bits` pool that `kv_cache_bytes` sizes to `num_blocks`
+    blocks of 4 tokens at `per_token` bytes a token; the pool's own arrays fit the budget."""
+    memory = (num_blocks + 1) * 4 * per_token - 1
+    engine = w3.make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, kv_bits=bits,
+                            kv_cache_bytes=memory, **w3.engine_options(4))
+    assert engine.block_manager.num_blocks == num_blocks, \
+        f"{memory} bytes of {bits}-bit KV cache hold {num_blocks} blocks of 4 tokens at {per_token} bytes a token " \
+        f"({why}); the engine made {engine.block_manager.num_blocks}"
+    used = package.quantized_kv.pool_nbytes(engine.runner.pool)
+    assert used <= memory, f"the {bits}-bit pool's arrays take {used} bytes, over kv_cache_bytes={memory}"
+    result = Run(engine, probe, requests, 4)
+    result.drive()
+    result.check_clean()
+    return result
+
+
+def check_tokens(result: Run, oracle, what: str) -> None:
+    """Every request's tokens and ending as `oracle(request)` gives."""
+    for request in result.requests:
+        want, reason = oracle(request)
+        got, stream = result.tokens_of(request.request_id), result.streams[request.request_id]
+        assert got == want, f"{what}: request {request.request_id!r} streamed {got}; mlx-lm over the same " \
+                            f"round trip gives {want}"
+        assert stream[-1][1].finish_reason == reason, \
+            f"{what}: request {request.request_id!r} finished by {stream[-1][1].finish_reason!r}, expected {reason!r}"
+
+
+# Logits a half-precision model may miss the argmax by (measured at 4 bits: 0.8 in float16, 1.1 in bfloat16).
+HALF_TOLERANCE = {mx.float16: 2.0, mx.bfloat16: 4.0}
+
+
+def check_near_greedy(result: Run, model, make_cache, tolerance: float, what: str) -> float:
+    """In half precision the order of the sums moves the logits by float rounding, so the tokens may part from
+    mlx-lm's: given the tokens before it, each streamed token (and the EOS that ended a request) must be within
+    `tolerance` of mlx-lm's best logit over the same round trip. The largest miss."""
+    worst = 0.0
+    for request in result.requests:
+        got, stream = result.tokens_of(request.request_id), result.streams[request.request_id]
+        chosen = got + ([EOS] if stream[-1][1].finish_reason == "stop" else [])
+        cache = [make_cache() for _ in model.layers]
+        rows = model(mx.array([request.prompt + got]), cache=cache)[0, len(request.prompt) - 1:].astype(mx.float32)
+        for i, token in enumerate(chosen):
+            miss = (rows[i].max() - rows[i, token]).item()
+            worst = max(worst, miss)
+            assert miss <= tolerance, \
+                f"{what}: request {request.request_id!r}'s token {i} ({token}) is {miss:.2f} below mlx-lm's best " \
+                f"logit over the same round trip (float rounding moves it by less than {tolerance})"
+        assert stream[-1][1].finished, f"{what}: request {request.request_id!r} never finished"
+    return worst
+
+
+def small_requests(count: int, seed: int, max_tokens: int = 8) -> list[Request]:
+    return [Request(f"r{i}", tokens(5 + 2 * i, seed + i), max_tokens=max_tokens, arrive=i) for i in range(count)]
+
+
+def workload_quantized_half_precision(package):
+    """A float16 and a bfloat16 model over 8-bit and 4-bit pools: every call computes in the model's dtype (gather
+    returns it), every token one mlx-lm's model in that dtype over MLX's round trip ranks first, to float rounding."""
+    for dtype in (mx.float16, mx.bfloat16):
+        model = wide_model_in(dtype)
+        for bits in (8, 4):
+            probe = DtypeProbe(package.qwen2_week3.Qwen2ModelWeek3(model), dtype)
+            requests = small_requests(3, 610)
+            result = sized_pool_run(package, probe, requests, bits, 24, bytes_per_token(2, 2, 32, bits, 32),
+                                    "head_dim 32: one group of 32 per head")
+            check_near_greedy(result, model, lambda: GroupRoundTripCache(bits, 32), HALF_TOLERANCE[dtype],
+                              f"{dtype} model, {bits}-bit pool")
+
+
+def workload_quantized_wide_heads(package):
+    """head_dim 128 with the default group size of 64: two groups per head vector, in the bytes a token costs
+    (kv_group_size(head_dim, group_size)) and in the quantization (every token mlx-lm's over MLX's round trip in
+    groups of 64); a pool small enough to preempt."""
+    model = head128_mlx_model()
+    for bits in (8, 4):
+        probe = ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(model))
+        requests = small_requests(5, 620, max_tokens=10)
+        result = sized_pool_run(package, probe, requests, bits, 12, bytes_per_token(2, 2, 128, bits, 64),
+                                "head_dim 128 in groups of kv_group_size(128, 64) = 64: two scales and biases a head")
+        check_tokens(result, lambda r: greedy_alone(model, lambda: GroupRoundTripCache(bits, 64), r),
+                     f"head_dim 128, {bits}-bit pool")
+
+
+def workload_float16_pool(package):
+    """kv_bits=16 on a float32 model: two bytes a number whatever the model's dtype (the pool stores float16), so a
+    memory budget buys twice the float32 blocks; every token mlx-lm's over float16 keys and values."""
+    model = w3.wide_mlx_model()
+    probe = wide_probe(package)
+    requests = small_requests(3, 630)
+    result = sized_pool_run(package, probe, requests, 16, 20, bytes_per_token(2, 2, 32, 16),
+                            "kv_bits 16: float16, two bytes a number, on a float32 model")
+    check_tokens(result, lambda r: greedy_alone(model, Float16Cache, r), "float16 pool")
+
+
 QUANTIZED_WORKLOADS = [workload_quantized_pressure, workload_quantized_model_failure,
-                       workload_quantized_seeded_sampling]
+                       workload_quantized_seeded_sampling, workload_quantized_half_precision,
+                       workload_quantized_wide_heads, workload_float16_pool]
 
 
 def check_speculative_stack(package) -> None:

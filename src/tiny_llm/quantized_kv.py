@@ -116,7 +116,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bit
     `dtype` is the model's: what a float pool (`kv_bits` None) stores.
     """
     # TODO: per layer, keys and values, per head: D floats (dtype's size, or float16's for kv_bits 16)
-    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group
+    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group of kv_group_size(head_dim, group_size)
     raise NotImplementedError(
         "Week 4 Day 2 Task 3 (book/src/week4-02-quantized-kv-cache.md): bytes per token of a float or quantized pool"
     )

@@ -415,10 +415,12 @@ class SpeculativeEngine(LLMEngine):
 
     def apply_verification(self, chunk: VerifyChunk, accepted: list[int]) -> list[StepOutput]:
         """Append the accepted tokens (EOS and max_tokens end it as usual), count them, give back rejected positions."""
-        # TODO: count the chunk in self.speculation and the tracker (accepted guesses = len(accepted) - 1);
-        # TODO: scheduler.append_token each accepted token, stopping when one finishes the sequence; then the cache holds
-        # TODO: the newest token and the accepted guesses stay cached: self.scheduler.roll_back(seq, start + len(accepted))
-        # TODO: (provided: the scheduler sets the progress, gives back the blocks past it, names new full blocks)
+        # TODO: count the chunk in self.speculation and in the tracker (accepted guesses = len(accepted) - 1)
+        # TODO: scheduler.append_token each accepted token in order; as soon as one finishes the sequence, return the
+        # TODO: outputs so far (its blocks are already freed: no later token, no roll-back)
+        # TODO: when none finished: only the newest token and the accepted guesses stay cached, so
+        # TODO: self.scheduler.roll_back(seq, chunk.start + len(accepted)) (provided: it sets the progress, gives back
+        # TODO: the blocks past it, names the new full blocks)
         raise NotImplementedError(
             "Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back"
         )

@@ -127,7 +127,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bit
     """
     # BEGIN TASK Week 4 Day 2 Task 3: bytes per token of a float or quantized pool
     # TODO: per layer, keys and values, per head: D floats (dtype's size, or float16's for kv_bits 16)
-    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group
+    # TODO: quantized: D*bits/8 bytes plus a float16 scale and bias per group of kv_group_size(head_dim, group_size)
     if kv_bits is None or kv_bits == 16:
         per_head = head_dim * (dtype.size if kv_bits is None else mx.float16.size)
     else:
