@@ -233,18 +233,18 @@ def plain(value):
     kind = type(value)
     if kind in (bool, int, float, str, list, tuple, set, frozenset, dict) or value is None:
         return value
-    if isinstance(value, enum.Enum):
+    if issubclass(kind, enum.Enum):
         return None  # an enum member travels as its name (see `encode`)
-    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+    if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
         return value.item()
     for base, read in ((bool, bool.__index__), (int, int.__index__), (float, float.__float__), (str, str.__str__),
                        (list, list.copy), (collections.deque, lambda d: list(collections.deque.__iter__(d))),
                        (tuple, lambda t: tuple.__getitem__(t, slice(None))),
                        (set, lambda s: set(set.__iter__(s))), (frozenset, lambda s: frozenset(frozenset.__iter__(s)))):
-        if isinstance(value, base):
+        if issubclass(kind, base):  # the class itself, never what its `__class__` claims
             result = read(value)
             return bool(result) if base is bool else result
-    if isinstance(value, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
+    if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
         return dict(dict.items(value))
     return None
 
@@ -460,11 +460,11 @@ class Endpoint:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
-        if not self.judge and isinstance(value, type) and issubclass(value, Exception) \
+        if not self.judge and issubclass(kind, type) and issubclass(value, Exception) \
                 and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
             return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
-        if isinstance(value, enum.Enum) and (not self.judge or _shared_class(path) is kind):
+        if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
             return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
 
