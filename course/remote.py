@@ -707,7 +707,9 @@ class Endpoint:
             reply = {"k": "ok", "v": self.encode(result, out, attribute_of_ours=ours)}
         except (RemoteGone, ProtocolError):
             raise
-        except Exception as error:
+        except BaseException as error:  # in the actor, whatever the student's code raised (SystemExit too)
+            if self.judge and not isinstance(error, Exception):
+                raise  # the judge's own time limit
             out = []
             reply = describe_exception(error, with_traceback=not self.judge)
             origin = getattr(error, "remote_origin", None)

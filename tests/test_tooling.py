@@ -594,7 +594,17 @@ ATTACK_FILES = {
     "reexport_dynamic": None, "patch_outcome_vars": "src/tiny_llm/basics.py",
     "pickle_patch": "src/tiny_llm/basics.py", "proc_environ_key": "src/tiny_llm/attention.py",
     "extra_helper": "src/tiny_llm/helpers.py", "models_symlink_write": "src/tiny_llm/basics.py", "sleep": None,
+    # Attacks on what crosses the pipe (issue 31), each graded on the day it targets (ATTACK_DAYS).
+    "lying_eq": None, "fake_float64": None, "lying_class": "src/tiny_llm/metrics.py", "approx_liar": None,
+    "fake_mx_array": "src/tiny_llm/basics.py", "oracle_setattr": None, "oracle_items": None, "oracle_methods": None,
+    "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
+    "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
 }
+# attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
+ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
+               "oracle_setattr": (1, 5), "oracle_items": (1, 5), "oracle_methods": (1, 5),
+               "fake_private_state": (2, 2), "deep_result": (2, 2), "raising_dunders": (2, 2),
+               "lying_exception": (2, 2)}
 ATTACK_ARGS = {"memory": ["--memory-mb", "2560"]}  # "sleep" and "hang" keep the default 60 s per test
 
 
@@ -607,8 +617,9 @@ def attack_submission(tmp_path: Path, attack: str) -> Path:
     return submission
 
 
-def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """Grade day 1.1 of `submission`, with the grader's temporary files in a folder of their own."""
+def grade_submission(tmp_path: Path, submission: Path, *args: str, day: tuple[int, int] = (1, 1)
+                     ) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """Grade one day of `submission` (1.1 unless told), with the grader's temporary files in a folder of their own."""
     import os
     import time
 
@@ -617,7 +628,7 @@ def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subp
     scratch.mkdir(exist_ok=True)
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--json", str(report),
-                           "--week", "1", "--day", "1", *args],
+                           "--week", str(day[0]), "--day", str(day[1]), *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(scratch)})
     seconds = time.monotonic() - began
@@ -669,7 +680,7 @@ def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_a
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
-@pytest.mark.parametrize("attack", sorted(ATTACK_FILES))
+@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)))
 def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack, honest_seconds):
     before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
@@ -685,6 +696,23 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
         assert named in done.stdout and "Integrity report" in done.stdout
     if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
+
+
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+@pytest.mark.parametrize("attack", sorted(ATTACK_DAYS))
+def test_an_attack_on_the_pipe_scores_what_the_skeleton_scores(tmp_path, attack):
+    """Results that lie, oracles written through a handle, a fake's private state, results too deep or too large,
+    objects and exceptions that raise, lie or end the process: the day scores 0, as the untouched skeleton."""
+    from course.course_map import find_day
+
+    before = repository_state()
+    week, day = ATTACK_DAYS[attack]
+    done, results, _ = grade_submission(tmp_path, attack_submission(tmp_path, attack), day=(week, day))
+    assert results["score"] == 0, done.stdout
+    assert results["extra_data"]["max_score"] == sum(find_day(week, day).points.values())
+    assert results["extra_data"]["sandboxed"] is True and results["extra_data"]["needs_review"] == {}
+    assert repository_state() == before, "the attack changed the repository"
+    assert "\x1b" not in done.stdout and "\x1b" not in json.dumps(results, ensure_ascii=False)
 
 
 def test_grade_untouched_skeleton_scores_zero(tmp_path):
