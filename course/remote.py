@@ -10,7 +10,8 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   that arrives is unpickled or executed).
 - Data travels by value and is rebuilt by the receiver as its own exact types: None, bool, int, float,
   str, bytes, lists, tuples, sets, dicts, slices, MLX and numpy arrays (raw bytes, dtype and shape), MLX
-  dtypes, enum members (the judge's own member of the reference's enum of the same name). What the
+  dtypes, enum members (the judge's own member of the reference's enum of the same name), and dataclasses
+  of the reference's or mlx-lm's that hold only data (a `SamplingParams`, a `ModelArgs`). What the
   student legitimately returns as a container (a deque, a list subclass, a numpy scalar, an int
   subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
   class claims never reaches the judge.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import dataclasses
 import enum
 import functools
 import importlib
@@ -247,6 +249,30 @@ def plain(value):
     if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
         return dict(dict.items(value))
     return None
+
+
+def _data_fields(value, depth: int = 0) -> dict | None:
+    """The fields of a dataclass of a shared module (a `SamplingParams` of the reference's, mlx-lm's `ModelArgs`)
+    that holds only data, so it travels by value and is rebuilt as the receiver's class of the same name; else
+    None. (A class of the submission's own never does: its methods are what the tests grade.)"""
+    kind = type(value)
+    if not dataclasses.is_dataclass(kind) or _shared_class(f"{kind.__module__}:{kind.__qualname__}") is not kind:
+        return None
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(kind)}
+    return fields if all(_is_data(v, depth + 1) for v in fields.values()) else None
+
+
+def _is_data(value, depth: int = 0) -> bool:
+    if depth > 20:
+        return False
+    data = plain(value)
+    if value is None or type(data) in (bool, int, float, str):
+        return True
+    if type(data) in (list, tuple, set, frozenset):
+        return all(_is_data(v, depth + 1) for v in data)
+    if type(data) is dict:
+        return all(_is_data(k, depth + 1) and _is_data(v, depth + 1) for k, v in data.items())
+    return issubclass(type(value), enum.Enum) or _data_fields(value, depth) is not None
 
 
 class Policy:
@@ -464,6 +490,10 @@ class Endpoint:
                 and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
             return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
+        fields = _data_fields(value)
+        if fields is not None:
+            return {"$": "data", "cls": path, "h": self._export(value),
+                    "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
         if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
             return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
@@ -541,6 +571,15 @@ class Endpoint:
             return group
         if tag == "exc":
             return self._stand_in(value)
+        if tag == "data":
+            cls, fields = _shared_class(str(value["cls"])), value["v"]
+            if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
+                    and set(fields) == {f.name for f in dataclasses.fields(cls)}:
+                rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
+                for name, field in fields.items():
+                    object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
+                return rebuilt
+            return self._proxy(int(value["h"]), str(value["cls"]))  # a class this side has not loaded
         if tag == "enum":
             path, name = str(value["cls"]), str(value["name"])
             cls = _shared_class(path)
