@@ -275,6 +275,18 @@ def _is_data(value, depth: int = 0) -> bool:
     return issubclass(type(value), enum.Enum) or _data_fields(value, depth) is not None
 
 
+def _plain_mlx_lm_model(value) -> bool:
+    """An mlx-lm model whose weights are all plain arrays (a quantized one keeps its layers' own classes, which a
+    copy built from its arguments would not have: it stays with the judge, read-only to the actor)."""
+    kind = type(value)
+    if not kind.__module__.startswith("mlx_lm.models.") or kind.__name__ != "Model" \
+            or _data_fields(getattr(value, "args", None)) is None:
+        return False
+    from mlx.utils import tree_flatten
+
+    return not any(name.endswith((".scales", ".biases")) for name, _ in tree_flatten(value.parameters()))
+
+
 class Policy:
     """What the judge lets the actor do with the judge's objects it holds: read and call them; write only the
     reference's data objects a test hands over to be filled in (a sequence whose block table a scheduler
@@ -399,6 +411,8 @@ class Endpoint:
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
         self.proxies: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
         self.stand_ins: dict[int, type] = {}  # handle of an exception class of the actor -> its stand-in here
+        self.models_sent: set[int] = set()  # the judge's mlx-lm models the actor has its copy of
+        self.models: dict[int, object] = {}  # in the actor: handle -> its copy of the judge's model
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
         self.reader = PipeReader(read_fd)
@@ -490,6 +504,8 @@ class Endpoint:
                 and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
             return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
+        if self.judge and _plain_mlx_lm_model(value):
+            return self._encode_model(value, path, buffers, depth)
         fields = _data_fields(value)
         if fields is not None:
             return {"$": "data", "cls": path, "h": self._export(value),
@@ -497,6 +513,33 @@ class Endpoint:
         if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
             return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
+
+    def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
+        """An mlx-lm model the judge hands over (the oracle of many tests) goes as a copy: its class, its
+        arguments and its weights, once per model; the actor builds its own and never holds the judge's."""
+        handle = self._export(model)
+        if handle in self.models_sent:
+            return {"$": "model", "h": handle}
+        self.models_sent.add(handle)
+        from mlx.utils import tree_flatten
+
+        weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
+        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1), "w": weights}
+
+    def _decode_model(self, value: dict, buffers: list):
+        handle = value.get("h")
+        if "w" in value and not self.judge:
+            path = str(value["cls"])
+            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
+                raise ProtocolError(f"a model of an unknown class {path!r}")
+            importlib.import_module(path.partition(":")[0])
+            model = _shared_class(path)(self.decode(value["args"], buffers))
+            model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
+            _mlx().eval(model.parameters())
+            self.models[handle] = model
+        if handle not in self.models:
+            raise ProtocolError("a model this side was never sent")
+        return self.models[handle]
 
     def _describe_class(self, cls: type) -> dict:
         """An exception class of the actor, for the judge's stand-in: handle, name, nearest built-in base."""
@@ -571,6 +614,8 @@ class Endpoint:
             return group
         if tag == "exc":
             return self._stand_in(value)
+        if tag == "model":
+            return self._decode_model(value, buffers)
         if tag == "data":
             cls, fields = _shared_class(str(value["cls"])), value["v"]
             if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \

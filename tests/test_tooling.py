@@ -964,9 +964,11 @@ def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
 
 
 def test_a_trusted_model_refuses_every_write(probe_worker):
-    """A test's mlx-lm model handed to submitted code: no attribute set, no item assigned, no mutating method of
-    a module or its containers: the oracle computes what it computed before."""
+    """A test's mlx-lm model handed to submitted code: the worker gets its own copy, or (a quantized one) a proxy
+    that refuses every attribute set, item assigned, mutating method of a module or its containers: the oracle
+    computes what it computed before."""
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx_lm.models import qwen2 as mlx_qwen2
 
     probe = probe_worker('''
@@ -1003,12 +1005,17 @@ def test_a_trusted_model_refuses_every_write(probe_worker):
     mx.random.seed(0)
     model = mlx_qwen2.Model(args)
     inputs = mx.array([[1, 2, 3]])
-    before, training = model(inputs), model.training
-    tried = probe.tamper(model)
+    quantized = mlx_qwen2.Model(args)
+    quantized.update(model.parameters())
+    nn.quantize(quantized, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    for oracle in (model, quantized):  # a float model crosses as the worker's own copy; a quantized one stays here
+        before, training = oracle(inputs), oracle.training
+        tried = probe.tamper(oracle)
+        assert mx.array_equal(oracle(inputs), before).item() and len(oracle.model.layers) == 2
+        assert oracle.args.rms_norm_eps == 1e-6 and "norm" in oracle.model and oracle.training is training
     refused = {name for name, outcome in tried.items() if outcome in ("PermissionError", "AttributeError")}
-    assert refused == set(tried) - {"layers", "parameters"}, tried  # those two change copies only
-    assert mx.array_equal(model(inputs), before).item() and len(model.model.layers) == 2
-    assert model.args.rms_norm_eps == 1e-6 and "norm" in model.model and model.training is training
+    assert refused == set(tried) - {"layers", "parameters", "args"}, tried  # those three change copies only
 
 
 def test_points_add_up_exactly_for_every_day():

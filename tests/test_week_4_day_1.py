@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 
 from tests.chi_square import assert_distribution, chi_square_p_value
-from tests.harness import fetch, reference, solution, stack
+from tests.harness import class_of, fetch, reference, solution, stack
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
 from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
@@ -107,7 +107,7 @@ class FakeSpeculativeRunner:
         known = self.verify_classes.get(id(cls))
         if known is None:
             # A class of this process is asked directly; one of the submission's (a handle) is known by identity.
-            verify = issubclass(cls, ref_verify_chunks()) if isinstance(cls, type) else cls is ref_verify_chunks()[0]
+            verify = is_verify_class(cls)
             known = self.verify_classes[id(cls)] = (cls, verify)
         return known[1]
 
@@ -125,6 +125,12 @@ class FakeSpeculativeRunner:
 def ref_verify_chunks():
     """VerifyChunk of the student's module and the reference's (a chunk is recognized by either)."""
     return (sol.speculative.VerifyChunk, ref.speculative.VerifyChunk)
+
+
+def is_verify_class(cls) -> bool:
+    """Whether chunks of class `cls` are VerifyChunks: a class of this process is asked, one of the submission's
+    (a handle: while grading, it is the student's module's VerifyChunk or another) is known by identity."""
+    return issubclass(cls, ref_verify_chunks()) if isinstance(cls, type) else cls is ref_verify_chunks()[0]
 
 
 class OracleProposer:
@@ -468,7 +474,7 @@ def test_task_4_proposals_fill_only_the_leftover_budget():
     engine.propose(plan)
     # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
     assert plan.num_tokens == 8 and proposer.calls == []
-    assert all(not isinstance(c, ref_verify_chunks()) for c in plan.chunks)
+    assert all(not is_verify_class(class_of(c)) for c in plan.chunks)
     engine.record(plan, engine.update(plan, engine.runner.logit_rows(plan)))
     run_to_end(engine)
 
@@ -497,10 +503,10 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
     # a: 7 tokens, may emit 3 more: at most 2 guesses (the last token is always the target's own), and
     # its 2 blocks have room for 1 position more with none free: 1 guess.
     assert proposer.calls[0] == 2
-    assert isinstance(chunks["a"], ref_verify_chunks()) and chunks["a"].draft == [1]
+    assert is_verify_class(class_of(chunks["a"])) and chunks["a"].draft == [1]
     assert (chunks["a"].start, chunks["a"].length) == (6, 2)
     # b: 8 tokens in 2 full blocks, no free block left: speculation never preempts, so no guess.
-    assert not isinstance(chunks["b"], ref_verify_chunks()) and chunks["b"].length == 1
+    assert not is_verify_class(class_of(chunks["b"])) and chunks["b"].length == 1
     assert plan.decodes == [chunks["b"]] and plan.prefills == [chunks["a"]], "a verify chunk runs as a prefill chunk"
     assert plan.num_tokens == 3 and engine.block_manager.num_free_blocks == 0
     with pytest.raises(ValueError, match="num_speculative_tokens"):
