@@ -832,11 +832,11 @@ def _nearest_builtin(cls: type) -> type:
 
 def _student_frames(error: BaseException) -> str:
     """The traceback's frames outside this module and the worker's (the student's own, and the reference's
-    they call), innermost last, as `pdm run test` shows them: file, line and code."""
+    they call), innermost first, one line each: file, line and code, as `pdm run test` shows them."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
-    lines = traceback.format_list(frames[-12:])
-    return "".join(lines)[-6000:]
+    lines = [f'  File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}' for f in frames[::-1]]
+    return "\n".join(lines[:12])[:6000]
 
 
 def describe_exception(error: BaseException, with_traceback: bool) -> dict:
@@ -869,7 +869,7 @@ def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseExcepti
     if trace:
         name = escape_controls(str(header.get("name", "")))
         error.add_note(f"Raised in the submission's code (sandboxed){f' as {name}' if name else ''}, "
-                       f"most recent call last:\n{trace.rstrip()}")
+                       f"innermost first:\n{trace.rstrip()}")
     return error
 
 
