@@ -10,7 +10,7 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   that arrives is unpickled or executed).
 - Data travels by value and is rebuilt by the receiver as its own exact types: None, bool, int, float,
   str, bytes, lists, tuples, sets, dicts, slices, MLX and numpy arrays (raw bytes, dtype and shape), MLX
-  dtypes, enum members (the judge's own member of the reference's enum of the same name), and dataclasses
+  dtypes, enum members of a shared module (the reference's, MLX's), and dataclasses
   of the reference's or mlx-lm's that hold only data (a `SamplingParams`, a `ModelArgs`). What the
   student legitimately returns as a container (a deque, a list subclass, a numpy scalar, an int
   subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
@@ -22,12 +22,14 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   that expects a value and gets an object fails. The same object is always the same handle (`is` works).
   A list or dict that is an attribute of the actor's object arrives as a copy whose changes the judge
   makes are made to the original too (`MirrorList`, `MirrorDict`: the judge writing the actor's state).
-- An object of the judge handed to the student's code (a test's fake) is, for the actor, a transparent
-  `Remote` proxy, served by the judge under a `Policy` that refuses every write: no attribute set or
-  deleted, no item assignment, no mutating method (a module's `update`/`load_weights`, a dict's or list's
-  `pop`/`clear`/..., a tokenizer's `add_tokens`), nothing private, no module, class, code, frame or
-  built-in function. Lists and dicts of the judge go as copies, so nothing the actor does reaches a
-  trusted object.
+- What the judge hands the student's code: an mlx-lm model (an oracle of many tests) goes as the actor's
+  own copy, built from its class, arguments and weights (once per model); any other object (a fake, a
+  tokenizer, a quantized model) is, for the actor, a transparent `Remote` proxy served by the judge's
+  `Policy`: read and call, never write (no attribute set or deleted, no item assigned, no method that
+  changes a module, a container or a tokenizer, nothing private, no module, class, code, frame or
+  built-in function); the judge's lists and dicts go as copies. The one exception: a data object of the
+  reference's that a test hands over to be filled in (a sequence whose block table a scheduler fills)
+  takes plain data.
 - An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
   one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
   own frames of the traceback as a note, control characters escaped; an exception of the judge that the
@@ -117,23 +119,6 @@ def _shared_class(path: str):
     for part in qualname.split("."):
         found = getattr(found, part, None)
     return found if isinstance(found, type) else None
-
-
-def _reference_enum(path: str, name: str):
-    """The judge's member `name` of the reference's enum named like `path` (an enum of the graded package,
-    `tiny_llm_week3_day1.sequence:SequenceStatus`, is the reference's `tiny_llm_ref.sequence.SequenceStatus`)."""
-    module, _, qualname = path.partition(":")
-    if not re.fullmatch(r"[\w.]+", module) or not re.fullmatch(r"[\w.]+", qualname):
-        return None
-    try:
-        found = importlib.import_module("tiny_llm_ref." + module.rpartition(".")[2])
-    except ImportError:
-        return None
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    if isinstance(found, type) and issubclass(found, enum.Enum) and name in found.__members__:
-        return found[name]
-    return None
 
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
@@ -239,13 +224,12 @@ def plain(value):
         return None  # an enum member travels as its name (see `encode`)
     if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
         return value.item()
-    for base, read in ((bool, bool.__index__), (int, int.__index__), (float, float.__float__), (str, str.__str__),
+    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__),
                        (list, list.copy), (collections.deque, lambda d: list(collections.deque.__iter__(d))),
                        (tuple, lambda t: tuple.__getitem__(t, slice(None))),
                        (set, lambda s: set(set.__iter__(s))), (frozenset, lambda s: frozenset(frozenset.__iter__(s)))):
         if issubclass(kind, base):  # the class itself, never what its `__class__` claims
-            result = read(value)
-            return bool(result) if base is bool else result
+            return read(value)
     if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
         return dict(dict.items(value))
     return None
@@ -630,12 +614,9 @@ class Endpoint:
             cls = _shared_class(path)
             if cls is not None and issubclass(cls, enum.Enum) and name in cls.__members__:
                 return cls[name]
-            member = _reference_enum(path, name) if self.judge else None
-            if member is None and isinstance(value.get("h"), int) and self.judge:
+            if isinstance(value.get("h"), int) and self.judge:
                 return self._proxy(value["h"], path)  # an enum of the student's own: an object like any other
-            if member is None:
-                raise ProtocolError(f"an enum of an unknown class {path!r}")
-            return member
+            raise ProtocolError(f"an enum of an unknown class {path!r}")
         raise ProtocolError(f"an unknown value tag {tag!r}")
 
     def _decode_array(self, value, buffers):
