@@ -432,6 +432,8 @@ class Endpoint:
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
+        if kind in (Handle, Remote) and value._endpoint is self:
+            return {"$": "ref", "h": value._handle}  # back to its owner
         if kind in (MirrorList, MirrorDict) and value.handle._endpoint is self:
             return {"$": "ref", "h": value.handle._handle}  # the original, back home
         data = plain(value)
@@ -475,8 +477,6 @@ class Endpoint:
             flat = np.ascontiguousarray(value).reshape(-1)
             buffers.append(flat.view(np.uint8).data if flat.size else b"")
             return {"$": "np", "b": len(buffers) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
-        if kind in (Remote, Handle) and value._endpoint is self:
-            return {"$": "ref", "h": value._handle}  # back to its owner
         mx = _mlx() if "mlx" in kind.__module__ else None
         if mx is not None and kind is mx.array:
             return self._encode_array(value, buffers)
