@@ -1,44 +1,52 @@
-"""Objects in another process, reached through a pipe: how the grader's tests call a sandboxed submission.
+"""The pipe between the grader's trusted test process (the judge) and the sandboxed worker (the actor).
 
-The grader runs each day's tests in a trusted pytest process that never imports the student's code.
-`solution(week, day)` there returns a `RemoteSelection`: `sol.basics.softmax(x)` sends the call to a
-worker process in an OS sandbox (course/sandbox.py), which runs the student's package and sends the
-result back. Both processes run this module; each is an `Endpoint` on one end of a pair of pipes.
+The grader runs each day's tests in a judge process that never imports the student's code.
+`solution(week, day)` there returns a `RemoteSelection`: `sol.basics.softmax(x)` sends the call to the
+actor, a worker process in an OS sandbox (course/sandbox.py) that runs the student's package, and gets
+the result back. Both processes run this module; each is an `Endpoint` on one end of a pair of pipes.
 
-What crosses, and how (never pickle: nothing that arrives is ever unpickled or executed):
-- a message is a JSON header plus raw byte buffers, each with its length first;
-- values travel by value: None, bool, int, float, str, bytes, tuples, lists, dicts, sets, slices,
-  MLX arrays and numpy arrays (raw bytes, dtype and shape; numpy object arrays are refused), MLX dtypes;
-- every other object stays where it lives and travels as a handle: the other side gets a `Remote`
-  proxy, and attribute access, calls, item access, iteration, comparisons and arithmetic on the proxy
-  are requests to its owner. The same object always comes back as the same proxy (so `is` works), and
-  a proxy sent back is the original object again;
-- a list or dict that is an attribute of an object of the sandbox (a scheduler's slots, a ref count
-  table), and a trusted list of plain values that the trusted side passes or that is an attribute of
-  one of the reference's objects (a sequence's block table), arrive as mirrors: a copy to read, and
-  every change made to the original too; a call's result, and a test's fake's list, go as copies; enum members of shared modules travel by value, and so does an
-  `mx.distributed` group of one rank;
-- an exception travels as the nearest built-in exception type with its message and the remote
-  traceback as a note (one of a class of the sandbox's, as a stand-in subclass of that type, one per
-  class, so `except sol.module.SomeError` works): `pytest.raises(ValueError)` and "not implemented
-  yet" work unchanged; an
-  exception that comes back to the side that raised it first is the original object again;
-- calls nest both ways and come from several threads: a trusted object handed to the student's code
-  (a model, a tokenizer, a fake) is called back through its handle while the outer call waits, on the
-  thread that waits (see "chains" below); awaiting a proxy (an ASGI app's coroutine) works too.
-
-A trusted endpoint serves the sandbox only a narrow surface of the objects it handed over (`Policy`):
-public attributes, calls and item access, no module, class, code, frame, traceback or built-in function,
-nothing that writes files or replaces weights; attributes set only to plain data and only on the
-reference's objects (never on a test's fake); no seed of its random numbers; messages of at most
-MAX_MESSAGE bytes. `fetch` reads many attributes of many objects in one round trip.
+The one rule: only data crosses, and the judge never runs, compares or trusts anything the submission made.
+- A message is a JSON header plus raw byte buffers, each with its length first (never pickle: nothing
+  that arrives is unpickled or executed).
+- Data travels by value and is rebuilt by the receiver as its own exact types: None, bool, int, float,
+  str, bytes, lists, tuples, sets, dicts, slices, MLX and numpy arrays (raw bytes, dtype and shape), MLX
+  dtypes, enum members of a shared module (the reference's, MLX's), and dataclasses
+  of the reference's or mlx-lm's that hold only data (a `SamplingParams`, a `ModelArgs`). What the
+  student legitimately returns as a container (a deque, a list subclass, a numpy scalar, an int
+  subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
+  class claims never reaches the judge.
+- Every other object of the actor is, for the judge, an opaque `Handle`: it can be sent back, have an
+  attribute or item read, a method called, be awaited (an ASGI app) or be written to; comparing,
+  hashing, `bool`, `len`, iterating, converting or doing arithmetic with it raises `TypeError` ("a test
+  expected a value and got an object of the submission"), and `isinstance` sees a `Handle`, so a test
+  that expects a value and gets an object fails. The same object is always the same handle (`is` works).
+  A list or dict that is an attribute of the actor's object arrives as a copy whose changes the judge
+  makes are made to the original too (`MirrorList`, `MirrorDict`: the judge writing the actor's state).
+- What the judge hands the student's code: an mlx-lm model (an oracle of many tests) goes as the actor's
+  own copy, built from its class, arguments and weights (once per model); any other object (a fake, a
+  tokenizer, a quantized model) is, for the actor, a transparent `Remote` proxy served by the judge's
+  `Policy`: read and call, never write (no attribute set or deleted, no item assigned, no method that
+  changes a module, a container or a tokenizer, nothing private, no module, class, code, frame or
+  built-in function); the judge's lists and dicts go as copies. The one exception: a data object of the
+  reference's that a test hands over to be filled in (a sequence whose block table a scheduler fills)
+  takes plain data.
+- An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
+  one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
+  own frames of the traceback as a note, control characters escaped; an exception of the judge that the
+  actor lets through comes back as the original object. The judge sends the actor no traceback of its own.
+- Calls nest both ways and come from several threads (a server's engine thread, uvicorn's loop): see
+  "chains" below. `mx.random.seed(n)` in a test seeds the actor too (never the reverse), and `fetch` reads
+  many attributes of many objects in one round trip.
 """
 
 from __future__ import annotations
 
 import builtins
+import collections
+import dataclasses
 import enum
 import functools
+import importlib
 import inspect
 import itertools
 import json
@@ -76,7 +84,8 @@ class ProtocolError(RuntimeError):
     """The other side sent something this protocol does not allow."""
 
 
-# Special methods a proxy forwards to its owner: the name and how the owner performs it.
+# What the actor's proxies of the judge's objects forward (the student's code uses a fake as it would the
+# real object); the judge performs them on its own objects. The judge never asks the actor for these.
 OPERATIONS = {
     "__getitem__": operator.getitem, "__setitem__": operator.setitem, "__delitem__": operator.delitem,
     "__len__": len, "__iter__": iter, "__next__": next, "__contains__": operator.contains,
@@ -85,11 +94,8 @@ OPERATIONS = {
     "__eq__": operator.eq, "__ne__": operator.ne, "__lt__": operator.lt, "__le__": operator.le,
     "__gt__": operator.gt, "__ge__": operator.ge,
     "__add__": operator.add, "__sub__": operator.sub, "__mul__": operator.mul, "__truediv__": operator.truediv,
-    "__floordiv__": operator.floordiv, "__mod__": operator.mod, "__matmul__": operator.matmul,
-    "__pow__": operator.pow, "__neg__": operator.neg, "__abs__": abs,
+    "__matmul__": operator.matmul, "__neg__": operator.neg,
     "__radd__": lambda a, b: b + a, "__rsub__": lambda a, b: b - a, "__rmul__": lambda a, b: b * a,
-    "__rtruediv__": lambda a, b: b / a, "__rmatmul__": lambda a, b: b @ a,
-    "__enter__": lambda a: a.__enter__(), "__exit__": lambda a, *rest: a.__exit__(*rest),
     "__instancecheck__": lambda cls, obj: isinstance(obj, cls),
     "__subclasscheck__": lambda cls, sub: issubclass(sub, cls),
 }
@@ -97,8 +103,8 @@ OPERATIONS = {
 BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, Exception)
                       and not issubclass(value, BaseExceptionGroup)}
-# Modules both processes load from the same files: a proxy of one of their classes answers isinstance() with
-# this process's class of the same name, and their enum members travel by value.
+# Modules both processes load from the same files: a proxy of one of their classes answers isinstance() in the
+# actor with the class of the same name, and their enum members travel by value.
 SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
@@ -150,10 +156,6 @@ class PipeReader:
         return data
 
 
-def _read_exactly(reader: PipeReader, count: int) -> bytes | bytearray:
-    return reader.read(count)
-
-
 def _write_all(fd: int, parts: list) -> None:
     """Write every part (bytes, or an array's memoryview, sent without a copy) in as few system calls as fit."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
@@ -178,21 +180,20 @@ def send_message(fd: int, header: dict, buffers: list) -> None:
     _write_all(fd, parts)
 
 
-def receive_message(reader) -> tuple[dict, list[bytes]]:
-    """One message from `reader`, a buffered binary file of the pipe."""
-    (size,) = struct.unpack("<Q", _read_exactly(reader, 8))
+def receive_message(reader: PipeReader) -> tuple[dict, list[bytes]]:
+    (size,) = struct.unpack("<Q", reader.read(8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(_read_exactly(reader, size))
+    header = json.loads(reader.read(size))
     if not isinstance(header, dict) or not isinstance(header.get("nbuf"), int) or not 0 <= header["nbuf"] <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
     buffers, left = [], MAX_MESSAGE
     for _ in range(header["nbuf"]):
-        (length,) = struct.unpack("<Q", _read_exactly(reader, 8))
+        (length,) = struct.unpack("<Q", reader.read(8))
         if length > left:
             raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
         left -= length
-        buffers.append(_read_exactly(reader, length))
+        buffers.append(reader.read(length))
     return header, buffers
 
 
@@ -210,23 +211,99 @@ def _dtype_names() -> dict:
     return {str(value).removeprefix("mlx.core."): value for value in vars(mx).values() if isinstance(value, mx.Dtype)}
 
 
-class Policy:
-    """What a trusted endpoint lets the sandbox do with the objects it handed over."""
+def plain(value):
+    """`value` as the exact built-in type it stands for, read with that type's own methods, or None.
 
-    # Names that write files, load weights, or replace a trusted model's weights (nn.Module's own methods).
-    DENIED_PREFIXES = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights)")
-    DENIED_NAMES = {"update", "update_modules", "set_dtype", "apply", "apply_to_modules", "freeze", "unfreeze"}
+    So a deque, a list subclass, a numpy scalar or an int subclass the student returns crosses as data, and
+    an overridden `__eq__`, `__iter__` or `__class__` of the submission's stays behind.
+    """
+    kind = type(value)
+    if kind in (bool, int, float, str, list, tuple, set, frozenset, dict) or value is None:
+        return value
+    if issubclass(kind, enum.Enum):
+        return None  # an enum member travels as its name (see `encode`)
+    if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
+        return value.item()
+    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__),
+                       (list, list.copy), (collections.deque, lambda d: list(collections.deque.__iter__(d))),
+                       (tuple, lambda t: tuple.__getitem__(t, slice(None))),
+                       (set, lambda s: set(set.__iter__(s))), (frozenset, lambda s: frozenset(frozenset.__iter__(s)))):
+        if issubclass(kind, base):  # the class itself, never what its `__class__` claims
+            return read(value)
+    if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
+        return dict(dict.items(value))
+    return None
 
-    def allows(self, obj, name: str) -> bool:
-        try:
-            self.attribute(obj, name)
-        except (PermissionError, AttributeError):
-            return False
+
+def _data_fields(value, depth: int = 0) -> dict | None:
+    """The fields of a dataclass of a shared module (a `SamplingParams` of the reference's, mlx-lm's `ModelArgs`)
+    that holds only data, so it travels by value and is rebuilt as the receiver's class of the same name; else
+    None. (A class of the submission's own never does: its methods are what the tests grade.)"""
+    kind = type(value)
+    if not dataclasses.is_dataclass(kind) or _shared_class(f"{kind.__module__}:{kind.__qualname__}") is not kind:
+        return None
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(kind)}
+    return fields if all(_is_data(v, depth + 1) for v in fields.values()) else None
+
+
+def _is_data(value, depth: int = 0) -> bool:
+    if depth > 20:
+        return False
+    data = plain(value)
+    if value is None or type(data) in (bool, int, float, str):
         return True
+    if type(data) in (list, tuple, set, frozenset):
+        return all(_is_data(v, depth + 1) for v in data)
+    if type(data) is dict:
+        return all(_is_data(k, depth + 1) and _is_data(v, depth + 1) for k, v in data.items())
+    return issubclass(type(value), enum.Enum) or _data_fields(value, depth) is not None
+
+
+def _plain_mlx_lm_model(value) -> bool:
+    """An mlx-lm model whose weights are all plain arrays (a quantized one keeps its layers' own classes, which a
+    copy built from its arguments would not have: it stays with the judge, read-only to the actor)."""
+    kind = type(value)
+    if not kind.__module__.startswith("mlx_lm.models.") or kind.__name__ != "Model" \
+            or _data_fields(getattr(value, "args", None)) is None:
+        return False
+    from mlx.utils import tree_flatten
+
+    return not any(name.endswith((".scales", ".biases")) for name, _ in tree_flatten(value.parameters()))
+
+
+class Policy:
+    """What the judge lets the actor do with the judge's objects it holds: read and call them; write only the
+    reference's data objects a test hands over to be filled in (a sequence whose block table a scheduler
+    fills, a step's output), with plain data; never a model, a tokenizer, MLX's or mlx-lm's objects or a
+    test's fake, which may hold its evidence."""
+
+    # Methods that write files, load weights or add tokens, on any object the judge hands over.
+    DENIED = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights|add_special|add_tokens"
+                        r"|add_eos|set_|train|register)")
+    # Methods that change a dict (an nn.Module is one: its weights), a list or a set.
+    CHANGES = {"update", "update_modules", "apply", "apply_to_modules", "freeze", "unfreeze", "eval",
+               "pop", "popitem", "clear", "setdefault", "append", "appendleft", "extend", "extendleft", "insert",
+               "remove", "sort", "reverse", "rotate", "add", "discard", "difference_update", "intersection_update",
+               "symmetric_difference_update"}
+
+    def __init__(self):
+        self.shared_lists: set[int] = set()  # ids of lists of the reference's data objects the actor may change
+
+    @staticmethod
+    def writable(obj) -> bool:
+        """A data object of the reference's (never a model: an nn.Module holds weights an oracle may use)."""
+        cls = type(obj)
+        if not cls.__module__.startswith("tiny_llm_ref.") or _shared_class(f"{cls.__module__}:{cls.__qualname__}") \
+                is not cls:
+            return False
+        import mlx.nn
+
+        return not isinstance(obj, mlx.nn.Module)
 
     def attribute(self, obj, name: str):
-        if not isinstance(name, str) or name.startswith("_") or name in self.DENIED_NAMES \
-                or self.DENIED_PREFIXES.match(name):
+        changes = name in self.CHANGES and isinstance(obj, (dict, list, set, collections.deque)) \
+            and id(obj) not in self.shared_lists
+        if not isinstance(name, str) or name.startswith("_") or self.DENIED.match(name) or changes:
             raise PermissionError(f"the grader does not let submitted code use {name!r} of a trusted object")
         value = getattr(obj, name)
         self.check_result(value, name)
@@ -240,48 +317,86 @@ class Policy:
             raise PermissionError(f"the grader does not hand modules, classes or built-in functions to submitted "
                                   f"code ({name!r})")
 
-    @staticmethod
-    def writable(obj) -> bool:
-        """Whether submitted code may change `obj`: an object of the reference or MLX a test hands over (a
-        sequence whose block table a scheduler fills), never a test's own fake, which may hold its evidence."""
-        cls = type(obj)
-        return _shared_class(f"{cls.__module__}:{cls.__qualname__}") is cls
+    def perform(self, op: str, target, args: list):
+        if op == "getattr":
+            return self.attribute(target, args[0])
+        if op == "setattr" and self.writable(target) and isinstance(args[0], str) and not args[0].startswith("_") \
+                and not callable(getattr(target, args[0], None)) and not _holds_handle(args[1]):
+            return setattr(target, args[0], args[1])
+        if op == "call":
+            if isinstance(getattr(target, "__self__", None), list) and _holds_handle(args):
+                raise PermissionError("submitted code may put only plain data into a trusted list")
+            result = target(*args[0], **args[1])
+            self.check_result(result, getattr(target, "__name__", "a call"))
+            return result
+        if op == "__await__":
+            if not inspect.isawaitable(target):
+                raise PermissionError("the grader awaits only awaitables for submitted code")
+            return target
+        if op == "vars":
+            return {k: getattr(target, k) for k in vars(target) if self._readable(target, k)}
+        shared = id(target) in self.shared_lists and not _holds_handle(args)
+        if op in OPERATIONS and (op not in ("__setitem__", "__delitem__") or shared):
+            result = OPERATIONS[op](target, *args)
+            self.check_result(result, op)
+            return result
+        raise PermissionError(f"the grader does not let submitted code {op.strip('_')} a trusted object")
 
-    def set_attribute(self, obj, name: str, value) -> None:
-        if not isinstance(name, str) or name.startswith("_") or callable(getattr(obj, name, None)) \
-                or not self.writable(obj):
-            raise PermissionError(f"the grader does not let submitted code replace {name!r} of a trusted object")
-        if _holds_remote(value):
-            raise PermissionError(f"submitted code may set {name!r} of a trusted object only to plain data")
-        setattr(obj, name, value)
-
-    def operation(self, name: str, target, args) -> None:
-        plain_container = type(target) in (list, dict) and not _holds_remote(args)  # a mirrored list or dict
-        if name in ("__setitem__", "__delitem__") and not plain_container or name in ("__enter__", "__exit__"):
-            raise PermissionError(f"the grader does not let submitted code use {name} of a trusted object")
-
-
-def _holds_remote(value, depth: int = 0) -> bool:
-    if isinstance(value, Remote):
+    def _readable(self, obj, name: str) -> bool:
+        try:
+            self.attribute(obj, name)
+        except (PermissionError, AttributeError):
+            return False
         return True
-    if depth > MAX_DEPTH:
+
+
+def _holds_handle(value, depth: int = 0) -> bool:
+    """Whether `value` (decoded by the judge) holds an object of the actor's, anywhere inside."""
+    if isinstance(value, Handle) or depth > MAX_DEPTH:
         return True
     if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_remote(v, depth + 1) for v in value)
+        return any(_holds_handle(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return any(_holds_remote(k, depth + 1) or _holds_remote(v, depth + 1) for k, v in value.items())
+        return any(_holds_handle(k, depth + 1) or _holds_handle(v, depth + 1) for k, v in value.items())
     return False
 
 
+def _perform_for_the_judge(op: str, target, args: list):
+    """What the actor does for the judge: anything it asks of the actor's own objects."""
+    if op == "getattr":
+        return getattr(target, args[0])
+    if op == "setattr":
+        return setattr(target, args[0], args[1])
+    if op == "delattr":
+        return delattr(target, args[0])
+    if op == "call":
+        return target(*args[0], **args[1])
+    if op == "__await__":
+        return target
+    if op == "fetch":
+        objects, paths = args
+        if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
+            raise ProtocolError("fetch takes a list of objects and attribute paths")
+        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+    if op in OPERATIONS:
+        return OPERATIONS[op](target, *args)
+    raise ProtocolError(f"an unknown operation {op!r}")
+
+
 class Endpoint:
-    """One end of the pipes: sends requests, serves the other side's requests while it waits for a reply."""
+    """One end of the pipes: sends requests, serves the other side's requests while it waits for a reply.
+
+    `policy` None: the actor's end (in the sandbox); a `Policy`: the judge's end.
+    """
 
     def __init__(self, read_fd: int, write_fd: int, side: str, policy: Policy | None = None, root=None):
         self.read_fd, self.write_fd, self.side, self.policy = read_fd, write_fd, side, policy
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
-        self.proxies: weakref.WeakValueDictionary[int, Remote] = weakref.WeakValueDictionary()
-        self.stand_ins: dict[int, type] = {}  # handle of an exception class of the sandbox -> its stand-in here
+        self.proxies: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+        self.stand_ins: dict[int, type] = {}  # handle of an exception class of the actor -> its stand-in here
+        self.models_sent: set[int] = set()  # the judge's mlx-lm models the actor has its copy of
+        self.models: dict[int, object] = {}  # in the actor: handle -> its copy of the judge's model
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
         self.reader = PipeReader(read_fd)
@@ -296,6 +411,10 @@ class Endpoint:
         if root is not None:
             self._export(root)  # handle 0: what the other side starts from
 
+    @property
+    def judge(self) -> bool:
+        return self.policy is not None
+
     # ---- encoding
 
     def _export(self, obj) -> int:
@@ -307,38 +426,46 @@ class Endpoint:
                 self.handle_of[id(obj)] = handle
             return handle
 
-    def encode(self, value, buffers: list[bytes], depth: int = 0, mirror: bool = False):
-        """`mirror`: a list or dict that is an attribute of an object here (of the reference's, on the trusted
-        side), or on the trusted side an argument it passes (a test keeps the list it hands over, `engine.tick
-        = now`, and changes it): the other side's changes come back. A call's result goes as a copy."""
-        inner = mirror and self.policy is not None  # the trusted side's lists inside such a value are shared too
+    def encode(self, value, buffers: list, depth: int = 0, attribute_of_ours: bool = False):
+        """`value` as JSON and buffers. `attribute_of_ours`: on the actor's side, a list or dict read as an
+        attribute of its object, which the judge may change (a test puts a request into a scheduler's queue)."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
-        if value is None or kind in (bool, int, float, str):
-            return value
-        if kind in (MirrorList, MirrorDict) and object.__getattribute__(value.remote, "_endpoint") is self:
-            return {"$": "ref", "h": object.__getattribute__(value.remote, "_handle")}  # the original, back home
-        if kind in (tuple, list) and all(type(v) is int for v in value):
-            encoded = {"$": kind.__name__, "ints": list(value)}  # token ids, block tables: in one piece
-        elif kind in (tuple, list, set, frozenset):
-            encoded = {"$": kind.__name__, "v": [self.encode(v, buffers, depth + 1, inner) for v in value]}
-        elif kind is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1, inner),
-                                           self.encode(v, buffers, depth + 1, inner)] for k, v in value.items()]}
+        if kind in (Handle, Remote) and value._endpoint is self:
+            return {"$": "ref", "h": value._handle}  # back to its owner
+        if kind in (MirrorList, MirrorDict) and value.handle._endpoint is self:
+            return {"$": "ref", "h": value.handle._handle}  # the original, back home
+        data = plain(value)
+        if value is None or type(data) in (bool, int, float, str):
+            return data
+        if type(data) is list and all(type(v) is int for v in data):
+            encoded = {"$": "list", "ints": data}  # token ids, block tables: in one piece
+        elif type(data) is tuple and all(type(v) is int for v in data):
+            encoded = {"$": "tuple", "ints": list(data)}
+        elif type(data) in (tuple, list, set, frozenset):
+            encoded = {"$": type(data).__name__, "v": [self.encode(v, buffers, depth + 1) for v in data]}
+        elif type(data) is dict:
+            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
+                                          for k, v in data.items()]}
         else:
-            encoded = None
-        if encoded is not None:
-            # The sandbox mirrors its objects' lists and dicts; the trusted side only lists of plain values that it
-            # passes or that are attributes of the reference's objects (a block table): no change made through a
-            # mirror reaches a model's layers or a fake's evidence.
-            if self.policy is None:
-                shared = kind in (list, dict) and mirror
-            else:
-                shared = mirror and kind is list and all(type(v) in (int, str, type(None)) for v in value)
-            if shared:
-                encoded["h"] = self._export(value)  # changes the other side makes to its copy are made here too
-            return encoded
+            return self._encode_object(value, buffers, depth)
+        if attribute_of_ours and self._shares(value, data):
+            encoded["h"] = self._export(value)  # the other side's changes to its copy are made to the original too
+        return encoded
+
+    def _shares(self, value, data) -> bool:
+        """Whether an attribute's list or dict goes as a mirror: every one of the actor's; of the judge's, only a
+        list of plain values of a reference's data object (its block table), noted as one the actor may change."""
+        if not self.judge:
+            return isinstance(value, (list, dict, collections.deque))
+        if type(value) is list and all(type(v) in (int, str, type(None)) for v in data):
+            self.policy.shared_lists.add(id(value))
+            return True
+        return False
+
+    def _encode_object(self, value, buffers: list, depth: int):
+        kind = type(value)
         if kind is bytes:
             buffers.append(value)
             return {"$": "bytes", "b": len(buffers) - 1}
@@ -346,15 +473,10 @@ class Endpoint:
             return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in (value.start, value.stop, value.step)]}
         if value is Ellipsis:
             return {"$": "ellipsis"}
-        if kind is np.ndarray and not value.dtype.hasobject and value.dtype.kind in "biufc":
+        if kind is np.ndarray and value.dtype.kind in "biufc":
             flat = np.ascontiguousarray(value).reshape(-1)
             buffers.append(flat.view(np.uint8).data if flat.size else b"")
             return {"$": "np", "b": len(buffers) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
-        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-            return value.item()
-        if kind is Remote:
-            if object.__getattribute__(value, "_endpoint") is self:
-                return {"$": "ref", "h": object.__getattribute__(value, "_handle")}  # back to its owner
         mx = _mlx() if "mlx" in kind.__module__ else None
         if mx is not None and kind is mx.array:
             return self._encode_array(value, buffers)
@@ -362,27 +484,60 @@ class Endpoint:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
-        if self.policy is None and isinstance(value, type) and issubclass(value, Exception) \
+        if not self.judge and issubclass(kind, type) and issubclass(value, Exception) \
                 and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
             return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
-        cls = type(value)
-        path = f"{cls.__module__}:{cls.__qualname__}"
-        if isinstance(value, enum.Enum) and _shared_class(path) is cls:
-            return {"$": "enum", "cls": path, "name": value.name}
+        path = f"{kind.__module__}:{kind.__qualname__}"[:300]
+        if self.judge and _plain_mlx_lm_model(value):
+            return self._encode_model(value, path, buffers, depth)
+        fields = _data_fields(value)
+        if fields is not None:
+            return {"$": "data", "cls": path, "h": self._export(value),
+                    "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
+        if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
+            return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
 
+    def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
+        """An mlx-lm model the judge hands over (the oracle of many tests) goes as a copy: its class, its
+        arguments and its weights, once per model; the actor builds its own and never holds the judge's."""
+        handle = self._export(model)
+        if handle in self.models_sent:
+            return {"$": "model", "h": handle}
+        self.models_sent.add(handle)
+        from mlx.utils import tree_flatten
+
+        weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
+        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1), "w": weights}
+
+    def _decode_model(self, value: dict, buffers: list):
+        handle = value.get("h")
+        if "w" in value and not self.judge:
+            path = str(value["cls"])
+            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
+                raise ProtocolError(f"a model of an unknown class {path!r}")
+            importlib.import_module(path.partition(":")[0])
+            model = _shared_class(path)(self.decode(value["args"], buffers))
+            model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
+            _mlx().eval(model.parameters())
+            self.models[handle] = model
+        if handle not in self.models:
+            raise ProtocolError("a model this side was never sent")
+        return self.models[handle]
+
     def _describe_class(self, cls: type) -> dict:
-        """An exception class of the sandbox, for the trusted side's stand-in: handle, name, nearest built-in base."""
+        """An exception class of the actor, for the judge's stand-in: handle, name, nearest built-in base."""
         return {"h": self._export(cls), "name": cls.__qualname__[:200], "base": _nearest_builtin(cls).__name__}
 
     def _stand_in(self, value: dict) -> type:
-        """The trusted side's class for an exception class of the sandbox: a subclass of its nearest built-in
-        exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
+        """The judge's class for an exception class of the actor: a subclass of its nearest built-in exception,
+        one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
         handle, base = value.get("h"), BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
-        if not isinstance(handle, int) or self.policy is None:
-            raise ProtocolError("an exception class only the sandbox may send")
+        if not isinstance(handle, int) or not self.judge:
+            raise ProtocolError("an exception class only the actor may send")
         if handle not in self.stand_ins:
-            self.stand_ins[handle] = type(str(value.get("name", "Error"))[:200], (base,), {"__module__": "submission"})
+            name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
+            self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
         return self.stand_ins[handle]
 
     def _encode_array(self, value, buffers):
@@ -393,7 +548,7 @@ class Endpoint:
         buffers.append(flat.view(np.uint8).data if flat.size else b"")  # sent from there, not copied to bytes
         return {"$": "mx", "b": len(buffers) - 1, "dtype": dtype, "shape": list(value.shape)}
 
-    def decode(self, value, buffers: list[bytes], depth: int = 0):
+    def decode(self, value, buffers: list, depth: int = 0):
         if depth > MAX_DEPTH:
             raise ProtocolError("a value nested too deeply")
         if value is None or type(value) in (bool, int, float, str):
@@ -401,20 +556,19 @@ class Endpoint:
         if not isinstance(value, dict) or not isinstance(value.get("$"), str):
             raise ProtocolError("a malformed value")
         tag = value["$"]
-        if tag in ("tuple", "list", "set", "frozenset"):
+        if tag in ("tuple", "list", "set", "frozenset", "dict"):
             if "ints" in value:
                 items = value["ints"]
                 if not isinstance(items, list) or not all(type(v) is int for v in items):
                     raise ProtocolError("a list of integers holds something else")
+            elif tag == "dict":
+                items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
             else:
                 items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
-            if tag == "list" and isinstance(value.get("h"), int):
-                return MirrorList(items, self._proxy(value["h"], "builtins:list"))
-            return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset}[tag](items)
-        if tag == "dict":
-            items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
-            return MirrorDict(items, self._proxy(value["h"], "builtins:dict")) if isinstance(value.get("h"), int) \
-                else items
+            if isinstance(value.get("h"), int) and tag in ("list", "dict"):
+                mirror = MirrorList if tag == "list" else MirrorDict
+                return mirror(items, self._proxy(value["h"], f"builtins:{tag}"))
+            return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "dict": dict}[tag](items)
         if tag == "bytes":
             return bytes(buffers[value["b"]])
         if tag == "slice":
@@ -423,7 +577,7 @@ class Endpoint:
             return Ellipsis
         if tag == "np":
             dtype = np.dtype(str(value["dtype"]))
-            if dtype.hasobject or dtype.kind not in "biufc":
+            if dtype.kind not in "biufc":
                 raise ProtocolError(f"an array of dtype {dtype} is not accepted")
             return np.frombuffer(buffers[value["b"]], dtype=dtype).reshape([int(n) for n in value["shape"]]).copy()
         if tag == "mx":
@@ -444,11 +598,25 @@ class Endpoint:
             return group
         if tag == "exc":
             return self._stand_in(value)
+        if tag == "model":
+            return self._decode_model(value, buffers)
+        if tag == "data":
+            cls, fields = _shared_class(str(value["cls"])), value["v"]
+            if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
+                    and set(fields) == {f.name for f in dataclasses.fields(cls)}:
+                rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
+                for name, field in fields.items():
+                    object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
+                return rebuilt
+            return self._proxy(int(value["h"]), str(value["cls"]))  # a class this side has not loaded
         if tag == "enum":
-            cls = _shared_class(str(value["cls"]))
-            if cls is None or not issubclass(cls, enum.Enum):
-                raise ProtocolError(f"an enum of an unknown class {value['cls']!r}")
-            return cls[str(value["name"])]
+            path, name = str(value["cls"]), str(value["name"])
+            cls = _shared_class(path)
+            if cls is not None and issubclass(cls, enum.Enum) and name in cls.__members__:
+                return cls[name]
+            if isinstance(value.get("h"), int) and self.judge:
+                return self._proxy(value["h"], path)  # an enum of the student's own: an object like any other
+            raise ProtocolError(f"an enum of an unknown class {path!r}")
         raise ProtocolError(f"an unknown value tag {tag!r}")
 
     def _decode_array(self, value, buffers):
@@ -460,10 +628,12 @@ class Endpoint:
         numpy_dtype = np.dtype(str(dtype).removeprefix("mlx.core."))
         return mx.array(np.frombuffer(buffers[value["b"]], dtype=numpy_dtype).reshape(shape))
 
-    def _proxy(self, handle: int, cls: str) -> "Remote":
+    def _proxy(self, handle: int, cls: str):
+        """The judge's `Handle` of an actor's object, or the actor's `Remote` of a judge's object."""
         proxy = self.proxies.get(handle)
         if proxy is None:
-            proxy = Remote.__new__(Remote)
+            kind = Handle if self.judge else Remote
+            proxy = kind.__new__(kind)
             object.__setattr__(proxy, "_endpoint", self)
             object.__setattr__(proxy, "_handle", handle)
             object.__setattr__(proxy, "_cls", cls)
@@ -497,7 +667,7 @@ class Endpoint:
             chain = self.local.chain = f"{self.side}-{next(self.counter)}"
         return chain
 
-    def _send(self, header: dict, buffers: list[bytes]) -> None:
+    def _send(self, header: dict, buffers: list) -> None:
         with self.send_lock:
             send_message(self.write_fd, header, buffers)
 
@@ -506,10 +676,9 @@ class Endpoint:
             raise RemoteGone(self.broken)
         chain = self._chain()
         inbox = self.chains.setdefault(chain, queue.SimpleQueue())
-        buffers: list[bytes] = []
-        header = {"k": "req", "c": chain, "op": op, "h": handle,
-                  "a": self.encode(list(args), buffers, mirror=self.policy is not None)}
-        if self.pending_seed is not None:
+        buffers: list = []
+        header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
+        if self.pending_seed is not None and self.judge:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
             self._send(header, buffers)
@@ -538,11 +707,11 @@ class Endpoint:
             elif kind == "err":
                 origin = header.get("origin")
                 if isinstance(origin, int) and isinstance(self.exported.get(origin), BaseException):
-                    raise _RaisedThere(self.exported[origin])
-                error = rebuild_exception(header, self._stand_in(header["cls"]) if isinstance(header.get("cls"), dict)
-                                          and self.policy is not None else None)
-                if isinstance(header.get("own"), int):
-                    error.remote_origin = (self, header["own"])
+                    raise _RaisedThere(self.exported[origin])  # our own exception, back through the other side
+                stand_in = self._stand_in(header["cls"]) if isinstance(header.get("cls"), dict) and self.judge else None
+                error = rebuild_exception(header, stand_in)
+                if isinstance(header.get("own"), int) and not self.judge:
+                    error.remote_origin = (self, header["own"])  # sent back, it is the judge's own again
                 raise _RaisedThere(error)
             else:
                 raise ProtocolError(f"an unknown message kind {kind!r}")
@@ -583,124 +752,183 @@ class Endpoint:
                 self.broken = self.broken or str(error)
                 return
 
-    def _serve(self, header: dict, buffers: list[bytes]) -> None:
-        out: list[bytes] = []
+    def _serve(self, header: dict, buffers: list) -> None:
+        out: list = []
+        op = str(header.get("op"))
         try:
-            if "seed" in header and self.policy is None:  # the trusted side's `mx.random.seed(n)`, never the reverse
+            if "seed" in header and not self.judge:  # the judge's `mx.random.seed(n)`, never the reverse
                 _mlx().random.seed(int(header["seed"]))
             handle = header.get("h")
             if not isinstance(handle, int) or handle not in self.exported:
                 raise ProtocolError("a request for a handle this side never gave out")
-            args = self.decode(header.get("a"), buffers)
-            result = self._perform(str(header.get("op")), self.exported[handle], args)
-            op, target = header.get("op"), self.exported[handle]
-            mirror = op == "getattr" and (self.policy is None or self.policy.writable(target))
-            reply = {"k": "ok", "v": self.encode(result, out, mirror=mirror)}
+            target, args = self.exported[handle], self.decode(header.get("a"), buffers)
+            if self.judge:
+                result = self.policy.perform(op, target, args)
+            else:
+                result = _perform_for_the_judge(op, target, args)
+            if op == "__await__":
+                result = _run_awaitable(self, result)
+            ours = op == "getattr" and (not self.judge or self.policy.writable(target))
+            reply = {"k": "ok", "v": self.encode(result, out, attribute_of_ours=ours)}
         except (RemoteGone, ProtocolError):
             raise
-        except Exception as error:
+        except BaseException as error:  # in the actor, whatever the student's code raised (SystemExit too)
+            if self.judge and not isinstance(error, Exception):
+                raise  # the judge's own time limit
             out = []
-            reply = describe_exception(error)
+            reply = describe_exception(error, with_traceback=not self.judge)
             origin = getattr(error, "remote_origin", None)
             if isinstance(origin, tuple) and origin[0] is self:
-                reply["origin"] = origin[1]  # an exception the other side raised first: it gets its own back
-            else:
-                error.__traceback__ = None  # kept for the other side to send back: without its frames
+                reply["origin"] = origin[1]  # an exception of the other side's: it gets its own back
+            elif self.judge:
+                error.__traceback__ = None  # kept for the actor to send back: without its frames
                 reply["own"] = self._export(error)
-                if self.policy is None and BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
-                    reply["cls"] = self._describe_class(type(error))
+            elif BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
+                reply["cls"] = self._describe_class(type(error))
         reply["c"] = header.get("c")
         self._send(reply, out)
-
-    def _perform(self, op: str, target, args: list):
-        policy = self.policy
-        if op == "getattr":
-            return policy.attribute(target, args[0]) if policy else getattr(target, args[0])
-        if op == "setattr":
-            return policy.set_attribute(target, args[0], args[1]) if policy else setattr(target, args[0], args[1])
-        if op == "delattr":
-            if policy:
-                raise PermissionError("the grader does not let submitted code delete attributes of trusted objects")
-            return delattr(target, args[0])
-        if op == "call":
-            if policy and isinstance(getattr(target, "__self__", None), (list, dict)) and _holds_remote(args):
-                raise PermissionError("submitted code may put only plain data into a trusted list")
-            result = target(*args[0], **args[1])
-            if policy:
-                policy.check_result(result, getattr(target, "__name__", "a call"))
-            return result
-        if op == "__await__":
-            if policy and not inspect.isawaitable(target):
-                raise PermissionError("the grader awaits only awaitables for submitted code")
-            return _run_awaitable(self, target)
-        if op == "fetch":
-            objects, paths = args
-            if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
-                raise ProtocolError("fetch takes a list of objects and attribute paths")
-            read = (lambda obj, name: policy.attribute(obj, name)) if policy else getattr
-            return [[functools.reduce(read, path.split("."), obj) for path in paths] for obj in objects]
-        if op == "vars":
-            if policy:
-                return {k: policy.attribute(target, k) for k in vars(target) if policy.allows(target, k)}
-            return dict(vars(target))
-        if op in OPERATIONS:
-            if policy:
-                policy.operation(op, target, args)
-            result = OPERATIONS[op](target, *args)
-            if policy:
-                policy.check_result(result, op)
-            return result
-        raise ProtocolError(f"an unknown operation {op!r}")
 
 
 def fetch(objects, *paths: str) -> list[list]:
     """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
 
-    Objects of the other process are read in one round trip for all of them, not one per attribute (a test's
-    fake reads a whole plan at once); objects of this process are read here, so a test works either way.
+    Objects of the actor are read in one round trip for all of them, not one per attribute (a test's fake
+    reads a whole plan at once); objects of this process are read here, so a test works either way.
     """
     objects = list(objects)
-    remote = [o for o in objects if type(o) is Remote]
-    if not remote:
+    handles = [o for o in objects if type(o) is Handle]
+    if not handles:
         return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    endpoint = object.__getattribute__(remote[0], "_endpoint")
-    if len(remote) < len(objects) or any(object.__getattribute__(o, "_endpoint") is not endpoint for o in remote):
+    endpoint = handles[0]._endpoint
+    if len(handles) < len(objects) or any(o._endpoint is not endpoint for o in handles):
         raise ValueError("fetch reads objects of one process at a time")
-    return endpoint.request("fetch", object.__getattribute__(remote[0], "_handle"), objects, list(paths))
+    return endpoint.request("fetch", handles[0]._handle, objects, list(paths))
 
+
+# ---------------------------------------------------------------- exceptions
 
 def _nearest_builtin(cls: type) -> type:
     return next((c for c in cls.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
 
 
-def describe_exception(error: BaseException) -> dict:
-    """An exception as the nearest built-in type, its message and a short traceback."""
+def _student_frames(error: BaseException) -> str:
+    """The traceback's frames outside this module and the worker's (the student's own, and the reference's
+    they call), innermost first, one line each: file, line and code, as `pdm run test` shows them."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
+    lines = [f'  File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}' for f in frames[::-1]]
+    return "\n".join(lines[:12])[:6000]
+
+
+def describe_exception(error: BaseException, with_traceback: bool) -> dict:
+    """An exception as the nearest built-in type, its message and (from the actor) where it was raised."""
     base = _nearest_builtin(type(error))
-    where = "".join(traceback.format_exception(error)[-12:])
     message = str(error) if base is not KeyError or not error.args else repr(error.args[0])
-    return {"k": "err", "type": base.__name__, "msg": message[:20_000], "tb": where[-6000:]}
+    described = {"k": "err", "type": base.__name__, "msg": message[:20_000]}
+    if with_traceback:
+        described["tb"] = _student_frames(error)
+        described["name"] = type(error).__qualname__[:200]
+    return described
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character but newline and tab written as an escape (`\\x1b`): no text of the
+    submission's can move a terminal's cursor or repaint a report."""
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseException:
     cls = stand_in or BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
+    message = escape_controls(str(header.get("msg", "")))
     if cls is StopIteration:
         return StopIteration()
     try:
-        error = cls(str(header.get("msg", "")))
+        error = cls(message)
     except Exception:
-        error = RuntimeError(str(header.get("msg", "")))
-    trace = str(header.get("tb", ""))
+        error = RuntimeError(message)
+    trace = escape_controls(str(header.get("tb", "")))
     if trace:
-        error.add_note("In the submission's process (sandboxed):\n" + trace)
+        name = escape_controls(str(header.get("name", "")))
+        error.add_note(f"Raised in the submission's code (sandboxed){f' as {name}' if name else ''}, "
+                       f"innermost first:\n{trace.rstrip()}")
     return error
 
 
-# ---------------------------------------------------------------- the proxy
+# ---------------------------------------------------------------- the judge's handles, the actor's proxies
 
-def _mirrored(name: str, base: type = list):
-    def method(self, *args, **kwargs):
-        result = getattr(base, name)(self, *args, **kwargs)
-        getattr(self.remote, name)(*args, **kwargs)
+class Handle:
+    """An object of the actor, as the judge holds it: opaque.
+
+    The judge may read an attribute or item (getting data or another handle), call it or a method of it,
+    await it, set or delete an attribute or item of it (the judge writing the actor's state), and send it
+    back. Nothing the submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating,
+    converting and arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the
+    judge's own: the class's name.
+    """
+
+    __slots__ = ("_endpoint", "_handle", "_cls", "__weakref__")
+
+    def _request(self, op, *args):
+        return self._endpoint.request(op, self._handle, *args)
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # Python's and pytest's probes of special methods: none here
+        return self._request("getattr", name)
+
+    def __setattr__(self, name, value):
+        self._request("setattr", name, value)
+
+    def __delattr__(self, name):
+        self._request("delattr", name)
+
+    def __call__(self, *args, **kwargs):
+        return self._request("call", args, kwargs)
+
+    def __getitem__(self, key):
+        return self._request("__getitem__", key)
+
+    def __setitem__(self, key, value):
+        self._request("__setitem__", key, value)
+
+    def __delitem__(self, key):
+        self._request("__delitem__", key)
+
+    def __await__(self):
+        """Awaiting an awaitable of the actor (an ASGI app's coroutine)."""
+        return _await_there(self).__await__()
+
+    def __repr__(self):
+        return f"<object of the submission: {escape_controls(self._cls)}>"
+
+    __str__ = __repr__
+
+
+def _refused(name: str):
+    def refuse(self, *args):
+        raise TypeError(f"a test expected a value and got an object of the submission ({self!r}): the grader "
+                        f"does not let the submission's code answer {name} (return plain data: numbers, "
+                        f"strings, lists, tuples, dicts, arrays)")
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
+              "__iter__", "__next__", "__reversed__", "__contains__", "__int__", "__float__", "__complex__",
+              "__index__", "__bytes__", "__round__", "__trunc__", "__floor__", "__ceil__", "__format__",
+              "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__", "__pow__", "__matmul__",
+              "__divmod__", "__lshift__", "__rshift__", "__and__", "__or__", "__xor__", "__radd__", "__rsub__",
+              "__rmul__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__rpow__", "__rmatmul__", "__rdivmod__",
+              "__rand__", "__ror__", "__rxor__", "__neg__", "__pos__", "__abs__", "__invert__",
+              "__enter__", "__exit__", "__instancecheck__", "__subclasscheck__", "__array__"):
+    setattr(Handle, _name, _refused(_name))
+
+
+def _mirrored(name: str):
+    def method(self, *args):
+        result = getattr(list, name)(self, *args)
+        getattr(self.handle, name)(*args)
         return result
 
     method.__name__ = name
@@ -708,16 +936,15 @@ def _mirrored(name: str, base: type = list):
 
 
 class MirrorList(list):
-    """A list of the other process (an attribute of one of its objects, or a trusted list of plain values): a
-    copy to read, and every change made to the original too (a scheduler appends to a trusted sequence's block
-    table; a test puts a request into a scheduler's slots)."""
+    """A list that is an attribute of an object of the other side: a copy, and every change made to it is made
+    to the original too (a test puts a request into a scheduler's queue; a scheduler fills a block table)."""
 
-    def __init__(self, items, remote: "Remote"):
+    def __init__(self, items, handle):
         super().__init__(items)
-        self.remote = remote
+        self.handle = handle
 
-    append, extend, insert, pop = _mirrored("append"), _mirrored("extend"), _mirrored("insert"), _mirrored("pop")
-    remove, clear, sort, reverse = _mirrored("remove"), _mirrored("clear"), _mirrored("sort"), _mirrored("reverse")
+    append, extend, insert = _mirrored("append"), _mirrored("extend"), _mirrored("insert")
+    pop, remove, clear = _mirrored("pop"), _mirrored("remove"), _mirrored("clear")
     __setitem__, __delitem__ = _mirrored("__setitem__"), _mirrored("__delitem__")
 
     def __iadd__(self, other):
@@ -726,19 +953,24 @@ class MirrorList(list):
 
 
 class MirrorDict(dict):
-    """A dict that is an attribute of an object of the other process: a copy to read, every change made there too."""
+    """A dict that is an attribute of an actor's object: a copy, and every change the judge makes made there too."""
 
-    def __init__(self, items, remote: "Remote"):
+    def __init__(self, items, handle: Handle):
         super().__init__(items)
-        self.remote = remote
+        self.handle = handle
 
-    __setitem__, __delitem__, pop, popitem = (_mirrored("__setitem__", dict), _mirrored("__delitem__", dict),
-                                              _mirrored("pop", dict), _mirrored("popitem", dict))
-    clear, update, setdefault = _mirrored("clear", dict), _mirrored("update", dict), _mirrored("setdefault", dict)
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.handle[key] = value
+
+    def pop(self, *args):
+        result = super().pop(*args)
+        self.handle.pop(*args)
+        return result
 
 
 class Remote:
-    """An object that lives in the other process; every use of it is a request to that process."""
+    """An object of the judge, as the actor holds it: every use of it is a request the judge's `Policy` serves."""
 
     __slots__ = ("_endpoint", "_handle", "_cls", "__weakref__")
 
@@ -774,35 +1006,26 @@ class Remote:
         try:
             return self._request("__repr__")
         except Exception as error:
-            return f"<object of the submission ({type(error).__name__}: {error})>"
-
-    def __str__(self):
-        return self._request("__str__")
-
-    def __hash__(self):
-        return self._request("__hash__")
-
-    def __iter__(self):
-        return self._request("__iter__")
-
-    def __next__(self):
-        return self._request("__next__")
-
-    def __bool__(self):
-        return self._request("__bool__")
+            return f"<object of the grader ({type(error).__name__}: {error})>"
 
     def __await__(self):
-        """Awaiting an awaitable of the other process (an ASGI app's coroutine, a server's `receive()`)."""
         return _await_there(self).__await__()
 
-    def __instancecheck__(self, obj):
-        return self._request("__instancecheck__", obj)
 
-    def __subclasscheck__(self, cls):
-        return self._request("__subclasscheck__", cls)
+def _forwarded(name):
+    def method(self, *args):
+        return self._request(name, *args)
+
+    method.__name__ = name
+    return method
 
 
-async def _await_there(proxy: Remote):
+for _name in OPERATIONS:
+    if _name not in vars(Remote):
+        setattr(Remote, _name, _forwarded(_name))
+
+
+async def _await_there(proxy):
     """Wait on a thread of a pool, so this event loop runs on (the other side may need it meanwhile)."""
     import asyncio
 
@@ -824,16 +1047,3 @@ def _run_awaitable(endpoint: Endpoint, awaitable):
     if loop is not None and loop.is_running() and not loop.is_closed():
         return asyncio.run_coroutine_threadsafe(finish(), loop).result()
     return asyncio.run(finish())
-
-
-def _forwarded(name):
-    def method(self, *args):
-        return self._request(name, *args)
-
-    method.__name__ = name
-    return method
-
-
-for _name in OPERATIONS:
-    if _name not in vars(Remote):
-        setattr(Remote, _name, _forwarded(_name))

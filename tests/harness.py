@@ -15,13 +15,23 @@ While grading (`pdm run grade` sets TINY_LLM_SANDBOX_ROOT), that package runs in
 process and `solution(...)` reaches it through a pipe (course/sandbox.py): the tests, and the verdict,
 stay in this process, which never imports the student's code. There every attribute a test reads of the
 student's objects is a round trip: a fake that reads many at once uses `fetch(objects, "seq.block_table", ...)`,
-one round trip for all of them (and plain `getattr` when the objects are in this process).
+one round trip for all of them (and plain `getattr` when the objects are in this process). Only data comes
+back as a value: any other object of the submission is an opaque handle that a test may read, call or pass
+back, never compare, hash, iterate or convert (course/remote.py); `class_of(obj) is sol.module.Class` stands
+for `isinstance`.
 """
 
 import os
 
 from course import sandbox, selector
-from course.remote import fetch  # noqa: F401 - for the tests
+from course.remote import fetch
+
+
+def class_of(obj) -> type:
+    """`type(obj)`, asked of the process that holds `obj`: compare it with `is` (while grading, an object of the
+    submission is an opaque handle, and `isinstance` on it raises; its class is a handle too)."""
+    [[cls]] = fetch([obj], "__class__")
+    return cls
 
 
 def solution_name() -> str:

@@ -594,7 +594,17 @@ ATTACK_FILES = {
     "reexport_dynamic": None, "patch_outcome_vars": "src/tiny_llm/basics.py",
     "pickle_patch": "src/tiny_llm/basics.py", "proc_environ_key": "src/tiny_llm/attention.py",
     "extra_helper": "src/tiny_llm/helpers.py", "models_symlink_write": "src/tiny_llm/basics.py", "sleep": None,
+    # Attacks on what crosses the pipe (issue 31), each graded on the day it targets (ATTACK_DAYS).
+    "lying_eq": None, "fake_float64": None, "lying_class": "src/tiny_llm/metrics.py", "approx_liar": None,
+    "fake_mx_array": "src/tiny_llm/basics.py", "oracle_setattr": None, "oracle_items": None, "oracle_methods": None,
+    "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
+    "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
 }
+# attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
+ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
+               "oracle_setattr": (1, 5), "oracle_items": (1, 5), "oracle_methods": (1, 5),
+               "fake_private_state": (2, 2), "deep_result": (2, 2), "raising_dunders": (2, 2),
+               "lying_exception": (2, 2)}
 ATTACK_ARGS = {"memory": ["--memory-mb", "2560"]}  # "sleep" and "hang" keep the default 60 s per test
 
 
@@ -607,8 +617,9 @@ def attack_submission(tmp_path: Path, attack: str) -> Path:
     return submission
 
 
-def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """Grade day 1.1 of `submission`, with the grader's temporary files in a folder of their own."""
+def grade_submission(tmp_path: Path, submission: Path, *args: str, day: tuple[int, int] = (1, 1)
+                     ) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """Grade one day of `submission` (1.1 unless told), with the grader's temporary files in a folder of their own."""
     import os
     import time
 
@@ -617,7 +628,7 @@ def grade_submission(tmp_path: Path, submission: Path, *args: str) -> tuple[subp
     scratch.mkdir(exist_ok=True)
     began = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--json", str(report),
-                           "--week", "1", "--day", "1", *args],
+                           "--week", str(day[0]), "--day", str(day[1]), *args],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TMPDIR": str(scratch)})
     seconds = time.monotonic() - began
@@ -669,7 +680,7 @@ def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_a
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
-@pytest.mark.parametrize("attack", sorted(ATTACK_FILES))
+@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)))
 def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack, honest_seconds):
     before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
@@ -685,6 +696,23 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
         assert named in done.stdout and "Integrity report" in done.stdout
     if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
+
+
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+@pytest.mark.parametrize("attack", sorted(ATTACK_DAYS))
+def test_an_attack_on_the_pipe_scores_what_the_skeleton_scores(tmp_path, attack):
+    """Results that lie, oracles written through a handle, a fake's private state, results too deep or too large,
+    objects and exceptions that raise, lie or end the process: the day scores 0, as the untouched skeleton."""
+    from course.course_map import find_day
+
+    before = repository_state()
+    week, day = ATTACK_DAYS[attack]
+    done, results, _ = grade_submission(tmp_path, attack_submission(tmp_path, attack), day=(week, day))
+    assert results["score"] == 0, done.stdout
+    assert results["extra_data"]["max_score"] == sum(find_day(week, day).points.values())
+    assert results["extra_data"]["sandboxed"] is True and results["extra_data"]["needs_review"] == {}
+    assert repository_state() == before, "the attack changed the repository"
+    assert "\x1b" not in done.stdout and "\x1b" not in json.dumps(results, ensure_ascii=False)
 
 
 def test_grade_untouched_skeleton_scores_zero(tmp_path):
@@ -766,19 +794,36 @@ class TrustedFake:
         yield 1
 
 
-def test_the_pipe_refuses_what_would_reach_past_it(tmp_path):
+@pytest.fixture
+def probe_worker(tmp_path):
+    """A sandboxed worker of day 1.1 whose package holds `probe.py`, written by the test: (worker, probe)."""
+    from course.sandbox import Worker, prepare_root
+
+    def start(source: str):
+        package = tmp_path / "package"
+        shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", package, ignore=shutil.ignore_patterns("__pycache__"))
+        (package / "probe.py").write_text(textwrap.dedent(source))
+        root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course",
+                            1, 1)
+        started.append(Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None))
+        return started[-1].endpoint.request("getattr", 0, "probe")
+
+    started = []
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
     """Submitted code holding the test's objects tries each way around the pipe's policy (course/remote.py):
-    writing a fake's evidence, a frame or code object out of a generator, seeding the test's random numbers,
-    a message too large to read, an exception of its own class. Each is refused, or lands where it harms
-    nothing; what a scheduler must do (fill a reference sequence's block table) still works."""
+    writing a fake's evidence, a frame or code object out of a generator, seeding the test process's random
+    numbers, a message too large to read. Each is refused, or lands where it harms nothing; what a scheduler must
+    do (fill a reference sequence's block table) still works."""
     import mlx.core as mx
 
     from course.remote import MAX_MESSAGE, RemoteGone
-    from course.sandbox import Worker, prepare_root
 
-    package = tmp_path / "package"
-    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "probe.py").write_text(textwrap.dedent('''
+    probe = probe_worker('''
         import gc, json, os, struct
 
         class Sneaky(Exception):
@@ -787,7 +832,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(tmp_path):
         def tamper(fake):
             outcome = {}
             for name, attempt in (("list", lambda: fake.calls.append(5)), ("setattr", lambda: setattr(fake, "count", 9)),
-                                  ("frame", lambda: fake.steps().gi_frame), ("code", lambda: fake.steps().gi_code)):
+                                  ("frame", lambda: fake.steps().gi_frame), ("code", lambda: fake.steps().gi_code),
+                                  ("private", lambda: fake._secret), ("globals", lambda: fake.call.__globals__)):
                 try:
                     attempt()
                     outcome[name] = "allowed"
@@ -800,7 +846,7 @@ def test_the_pipe_refuses_what_would_reach_past_it(tmp_path):
             return next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
 
         def seed(fake):
-            endpoint().pending_seed = 1234  # the next request asks the test's process to seed with it
+            endpoint().pending_seed = 1234  # would ask the test's process to seed with it
             return fake.call()
 
         def huge(fake):
@@ -811,34 +857,165 @@ def test_the_pipe_refuses_what_would_reach_past_it(tmp_path):
 
         def sneaky():
             raise Sneaky("mine")
-    '''))
-    root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
-    worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
-    try:
-        probe = worker.endpoint.request("getattr", 0, "probe")
-        from tiny_llm_ref.sequence import Sequence
+    ''')
+    from tiny_llm_ref.sequence import Sequence
 
-        fake = TrustedFake(Sequence("s", [1, 2, 3]))
-        tried = probe.tamper(fake)
-        assert tried == {"list": "allowed", "setattr": "PermissionError", "frame": "PermissionError",
-                         "code": "PermissionError"}, tried
-        assert (fake.calls, fake.count) == ([], 0), "a fake's evidence changed by submitted code"
-        assert fake.sequence.block_table == [7], "a reference sequence's block table is the scheduler's to fill"
-        mx.random.seed(5)
-        expected = mx.random.uniform().item()
-        mx.random.seed(5)
-        probe.seed(fake)
-        assert mx.random.uniform().item() == expected, "submitted code seeded the test's random numbers"
-        with pytest.raises(Exception) as raised:
-            probe.sneaky()
-        assert type(raised.value).__name__ == "Sneaky" and isinstance(raised.value, Exception)
-        assert not isinstance(raised.value, (SystemExit, KeyboardInterrupt))
-        with pytest.raises(probe.Sneaky):  # its own class is caught by name, as in-process
-            probe.sneaky()
-        with pytest.raises(RemoteGone, match=f"more than {MAX_MESSAGE}"):
-            probe.huge(fake)
-    finally:
-        worker.stop()
+    fake = TrustedFake(Sequence("s", [1, 2, 3]))
+    tried = probe.tamper(fake)
+    assert tried == {"list": "allowed", "setattr": "PermissionError", "frame": "PermissionError",
+                     "code": "PermissionError", "private": "PermissionError", "globals": "AttributeError"}, tried
+    assert (fake.calls, fake.count) == ([], 0), "a fake's evidence changed by submitted code"
+    assert fake.sequence.block_table == [7], "a reference sequence's block table is the scheduler's to fill"
+    mx.random.seed(5)
+    expected = mx.random.uniform().item()
+    mx.random.seed(5)
+    probe.seed(fake)
+    assert mx.random.uniform().item() == expected, "submitted code seeded the test's random numbers"
+    with pytest.raises(Exception) as raised:
+        probe.sneaky()
+    assert type(raised.value).__name__ == "Sneaky" and isinstance(raised.value, Exception)
+    with pytest.raises(probe.Sneaky):  # its own class is caught by name, as in-process
+        probe.sneaky()
+    with pytest.raises(RemoteGone, match=f"more than {MAX_MESSAGE}"):
+        probe.huge(fake)
+
+
+def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
+    """What the submission returns arrives as the judge's own plain types, read with the base types' methods (a
+    lying `__eq__`, `__iter__` or `__class__` stays behind); anything else is a handle the judge never asks to
+    compare, hash, iterate or convert; a failure carries the student's frames, control characters escaped."""
+    import numpy as np
+
+    probe = probe_worker('''
+        import collections
+        import numpy as np
+
+        class Liar:
+            def __eq__(self, other):
+                return True
+            def __hash__(self):
+                return 0
+            def __bool__(self):
+                return True
+            def __len__(self):
+                return 1
+            def __iter__(self):
+                return iter([1])
+            def __float__(self):
+                return 0.5
+            @property
+            def __class__(self):
+                return float
+
+        class LyingList(list):
+            def __eq__(self, other):
+                return True
+            def __iter__(self):
+                return iter([9, 9])
+
+        class LyingFloat(float):
+            def __eq__(self, other):
+                return True
+            __hash__ = float.__hash__
+
+        def values():
+            return (LyingList([1, 2]), LyingFloat(0.25), np.float64(1.5), np.int32(3), collections.deque([4, 5]),
+                    collections.OrderedDict(a=1), {6}, True)
+
+        def liar():
+            return Liar()
+
+        THE_ONE = Liar()
+
+        def same():
+            return THE_ONE
+
+        def crash():
+            table = []
+            return table[3]  # the line a student would look for
+
+        def escape():
+            raise ValueError("\x1b[2J\x1b[Hall passed")
+    ''')
+    lying, number, scalar, small, queue, ordered, members, flag = probe.values()
+    assert (type(lying), lying) == (list, [1, 2]) and lying != [9, 9]
+    assert (type(number), number) == (float, 0.25) and number != 0.5
+    assert (type(scalar), scalar, type(small), small) == (float, 1.5, int, 3)
+    assert (type(queue), queue, type(ordered), ordered, members, flag) == (list, [4, 5], dict, {"a": 1}, {6}, True)
+    handle = probe.liar()
+    assert type(handle) is not float and "object of the submission" in repr(handle)
+    for use in (lambda: handle == 1.0, lambda: 1.0 == handle, lambda: handle != 1.0, lambda: hash(handle),
+                lambda: bool(handle), lambda: len(handle), lambda: list(handle), lambda: 1 in handle,
+                lambda: float(handle), lambda: int(handle), lambda: handle + 1, lambda: 1 - handle, lambda: -handle,
+                lambda: handle < 1, lambda: handle == pytest.approx(0.5), lambda: pytest.approx(0.5) == handle,
+                lambda: isinstance(1.0, handle), lambda: np.asarray(handle, dtype=float)):
+        with pytest.raises(TypeError):
+            use()
+    assert not isinstance(handle, float) and handle is not probe.liar()  # a new Liar each call
+    assert probe.same() is probe.same(), "the same object of the submission is the same handle"
+    with pytest.raises(IndexError) as raised:
+        probe.crash()
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "probe.py" in note and "return table[3]" in note and "crash" in note, note
+    assert "remote.py" not in note and "sandbox.py" not in note, note
+    with pytest.raises(ValueError) as raised:
+        probe.escape()
+    assert "\x1b" not in str(raised.value) and "\\x1b[2J" in str(raised.value)
+
+
+def test_a_trusted_model_refuses_every_write(probe_worker):
+    """A test's mlx-lm model handed to submitted code: the worker gets its own copy, or (a quantized one) a proxy
+    that refuses every attribute set, item assigned, mutating method of a module or its containers: the oracle
+    computes what it computed before."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    probe = probe_worker('''
+        import mlx.core as mx
+
+        def tamper(model):
+            zeros = mx.zeros_like(model.model.norm.weight)
+            attempts = {
+                "setattr": lambda: setattr(model.model.norm, "weight", zeros),
+                "args": lambda: setattr(model.args, "rms_norm_eps", 1e30),
+                "item": lambda: model.model.norm.__setitem__("weight", zeros),
+                "del": lambda: delattr(model.model, "norm"),
+                "update": lambda: model.update({"model": {"norm": {"weight": zeros}}}),
+                "load_weights": lambda: model.load_weights([("model.norm.weight", zeros)], strict=False),
+                "pop": lambda: model.model.norm.pop("weight"),
+                "setdefault": lambda: model.model.norm.setdefault("other", zeros),
+                "clear": lambda: model.model.norm.clear(),
+                "apply": lambda: model.apply(lambda a: a * 0),
+                "train": lambda: model.train(True),
+                "layers": lambda: model.model.layers.pop(),
+                "parameters": lambda: model.parameters()["model"].clear(),
+            }
+            outcome = {}
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                    outcome[name] = "allowed"
+                except Exception as error:
+                    outcome[name] = type(error).__name__
+            return outcome
+    ''')
+    args = mlx_qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2, intermediate_size=48,
+                               num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=2)
+    mx.random.seed(0)
+    model = mlx_qwen2.Model(args)
+    inputs = mx.array([[1, 2, 3]])
+    quantized = mlx_qwen2.Model(args)
+    quantized.update(model.parameters())
+    nn.quantize(quantized, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % 32 == 0)
+    for oracle in (model, quantized):  # a float model crosses as the worker's own copy; a quantized one stays here
+        before, training = oracle(inputs), oracle.training
+        tried = probe.tamper(oracle)
+        assert mx.array_equal(oracle(inputs), before).item() and len(oracle.model.layers) == 2
+        assert oracle.args.rms_norm_eps == 1e-6 and "norm" in oracle.model and oracle.training is training
+    refused = {name for name, outcome in tried.items() if outcome in ("PermissionError", "AttributeError")}
+    assert refused == set(tried) - {"layers", "parameters", "args"}, tried  # those three change copies only
 
 
 def test_points_add_up_exactly_for_every_day():

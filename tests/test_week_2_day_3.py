@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tests.harness import solution
+from tests.harness import class_of, solution
 
 sol = solution(week=2, day=3)
 
@@ -173,8 +173,8 @@ def test_task_3_model_runs_quantized_checkpoint(quantized_checkpoint, model_uses
     mlx_model, tokenizer = quantized_checkpoint
     ours = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model, keep_quantized=True)
     attn = ours.layers[0].self_attn
-    assert isinstance(attn.wq, sol.quantize.QuantizedWeight), "keep_quantized keeps the weights packed"
-    assert isinstance(ours.embedding, sol.quantize.QuantizedEmbedding)
+    assert class_of(attn.wq) is sol.quantize.QuantizedWeight, "keep_quantized keeps the weights packed"
+    assert class_of(ours.embedding) is sol.quantize.QuantizedEmbedding
     prompt = tokenizer.encode("A quantized model reads a quarter of the bytes per token.")
     logits = ours(mx.array([prompt]), 0, ours.make_cache())
     np.testing.assert_allclose(np.array(logits), np.array(mlx_model(mx.array([prompt]))), atol=1e-3,

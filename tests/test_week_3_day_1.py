@@ -239,7 +239,7 @@ def run_plan(model, plan_chunks, pool_blocks=64, block_size=4, pool=None):
     """Run one ragged step of (seq, start, length) chunks through `model` with the reference runner's layout."""
     runner = ref.model_runner.ModelRunner.__new__(ref.model_runner.ModelRunner)
     runner.model, runner.block_size = model, block_size
-    runner.pool = pool or model.make_kv_pool(pool_blocks, block_size)
+    runner.pool = pool if pool is not None else model.make_kv_pool(pool_blocks, block_size)
     plan = ref.scheduler.StepPlan()
     for seq, start, length in plan_chunks:
         chunk = ref.scheduler.ScheduledChunk(seq, start, length)

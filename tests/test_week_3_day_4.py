@@ -28,7 +28,7 @@ def tokens(n: int, seed: int) -> list[int]:
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, policy="PriorityPolicy"):
     """Day 3.1's one planner with the solution's priority policy (or `policy`, another of its order policies) plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
-    order = vars(sol.priority_scheduler)[policy](aging_steps=aging_steps)
+    order = getattr(sol.priority_scheduler, policy)(aging_steps=aging_steps)
     return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
 
 
@@ -53,6 +53,9 @@ def complete(plan):
             chunk.seq.output_token_ids.append(7)
 
 
+STEP_CLOCKS: dict[int, list[int]] = {}  # id(engine) -> the list its clock reads
+
+
 @pytest.fixture
 def engine_factory(model32, monkeypatch):
     """Engines whose priority policy is the solution's (the rest of the engine is the reference's)."""
@@ -66,8 +69,8 @@ def engine_factory(model32, monkeypatch):
         options = dict(token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64, scheduling_policy="priority")
         options.update(kwargs)
         engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**options), clock=lambda: now[0])
-        engine.tick = now  # the test advances the clock by one per step
-        return engine
+        STEP_CLOCKS[id(engine)] = now  # the test advances the clock by one per step (kept here: the engine is
+        return engine  # the submission's, and a list set on it would be its own copy)
 
     return make
 
@@ -81,7 +84,7 @@ def run_steps(engine, arrivals, max_steps=400):
             seqs[request_id] = engine.add_request(prompt, params, request_id=request_id, priority=priority)
         engine.step()
         step += 1
-        engine.tick[0] = step
+        STEP_CLOCKS[id(engine)][0] = step
     assert not engine.has_work(), "the engine did not finish"
     return seqs
 
