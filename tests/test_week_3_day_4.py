@@ -82,7 +82,8 @@ def run_steps(engine, arrivals, max_steps=400):
         engine.step()
         step += 1
         engine.tick[0] = step
-    assert not engine.has_work(), "the engine did not finish"
+    assert not engine.has_work(), f"the engine made no progress in {max_steps} steps (every request ends, however " \
+                                  f"urgent the others): {engine.num_running} running, {engine.num_waiting} waiting"
     return seqs
 
 

@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tests.harness import reference
 from tests.serve_fakes import running_server, wait_until
+from tests.week3_fakes import run_until_done
 
 VOCAB = 64
 EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
@@ -565,11 +566,7 @@ def warm_up(package, probe: ModelProbe) -> None:
     student's model left lazy must be evaluated here before the server's engine thread runs it."""
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=1, block_size=4, num_blocks=8)
     engine.add_request([1], ref.sequence.SamplingParams(max_tokens=1))
-    for _ in range(STEP_LIMIT):
-        if not engine.has_work():
-            return
-        engine.step()
-    raise AssertionError(f"a one-token request did not end in {STEP_LIMIT} steps")
+    run_until_done(engine, max_steps=STEP_LIMIT, rule="a one-token request ends")
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, leave_after: int | None = None):
