@@ -69,6 +69,8 @@ def test_task_1_adaptive_budget_holds_the_target():
                                                   initial_tokens=32, smoothing=1.0)
     assert policy.budget(0) == 512  # nobody decodes: nobody waits
     assert policy.budget(4) == 4  # no base yet: a decode-only step measures it
+    policy.observe_step(104, 4, 1.2)  # a mixed step before any decode-only one: no base to subtract, nothing learnt
+    assert policy.seconds_per_token(0) is None and policy.budget(4) == 4
     policy.observe_step(4, 4, 0.2)  # decode-only: the base cost of a step
     assert policy.budget(4) == 32  # no per-token cost yet
     policy.observe_step(104, 4, 1.2)  # 100 prefill tokens added 1.0 s
