@@ -154,9 +154,6 @@ MUTATIONS = [
     Mutation("waiting-before-partway", "waiting sequences ranked before part-way prompts among equals", (4,), (
         ("scheduler", "        for seq in self.order.order(partway + list(self.waiting)):\n",
          "        for seq in self.order.order(list(self.waiting) + partway):\n"),)),
-    Mutation("admission-goes-on-after-refusal", "after a waiting sequence is refused blocks, a later one is admitted",
-             (4,), (
-        ("scheduler", "                admitting = length > 0\n", ""),)),
     # Day 3.5: the server. The first and last live in provided code (the handler's token loop).
     Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (
         ("server", '                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',
