@@ -93,6 +93,26 @@ MUTATIONS = [
         ("prefix_cache", "        self.hit_tokens += cached_tokens\n", ""),)),
     Mutation("shared-block-freed", "a block freed while another sequence shares it", (3,), (
         ("prefix_cache", "            if self.ref_counts[block] > 0:\n                continue\n", ""),)),
+    Mutation("hash-ignores-parent", "a block's name is the hash of its tokens alone, not of its parent's name too",
+             (3,), (
+        ("prefix_cache", '    payload = parent_hash + b"".join(token.to_bytes(4, "little") for token in tokens)\n',
+         '    payload = b"".join(token.to_bytes(4, "little") for token in tokens)\n'),)),
+    Mutation("whole-prompt-from-cache", "a prompt of whole blocks served entirely from the cache (no last token "
+             "left to compute)", (3,), (
+        ("prefix_cache", "        usable = (seq.num_tokens - 1) // self.block_size\n",
+         "        usable = seq.num_tokens // self.block_size\n"),)),
+    Mutation("hit-left-on-free-list", "a cached block that nobody held is shared without taking it off the free list",
+             (3,), (
+        ("prefix_cache", "            if self.ref_counts[block] == 0:\n                del self.free_blocks[block]\n", ""),)),
+    Mutation("reused-block-keeps-name", "a free block taken for new tokens keeps its old name in the cache", (3,), (
+        ("prefix_cache", "            self.evict(block)\n", ""),)),
+    Mutation("name-overwritten", "a name computed again by another sequence is moved to its block", (3,), (
+        ("prefix_cache", "            if parent not in self.cached_blocks and block not in self.block_names:\n",
+         "            if block not in self.block_names:\n"),)),
+    Mutation("lru-evicts-newest", "freed named blocks go to the front of the free list (evicted first), unnamed to the back",
+             (3,), (
+        ("prefix_cache", "            if block not in self.block_names:\n                self.free_blocks.move_to_end(block, last=False)\n",
+         "            if block in self.block_names:\n                self.free_blocks.move_to_end(block, last=False)\n"),)),
     Mutation("priority-ignored-on-preemption", "priorities ignored on preemption: any running sequence is a victim",
              (4,), (
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n",
@@ -114,6 +134,26 @@ MUTATIONS = [
     Mutation("shorter-takes-blocks", "a shorter prompt outranks a longer one and preempts it", (4,), (
         ("priority_scheduler", "        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)\n",
          "        return self.rank(seq) < self.rank(other)\n"),)),
+    Mutation("no-aging", "priorities never age: a low priority waits as long as anything more urgent arrives", (4,), (
+        ("priority_scheduler", "        return seq.priority + waited // self.aging_steps\n",
+         "        return seq.priority\n"),)),
+    Mutation("aging-alike", "every request ages by the steps since the engine started, so none gains on another", (4,), (
+        ("priority_scheduler", "        waited = self.num_steps - self.arrival_step[seq]\n",
+         "        waited = self.num_steps\n"),)),
+    Mutation("room-one-victim", "room for an urgent request made with at most one preemption", (4,), (
+        ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n",
+         "        if self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n"),)),
+    Mutation("room-ignores-decode-blocks", "room for an urgent request counts its chunk's blocks, not the decodes' new ones",
+             (4,), (
+        ("scheduler", "        return decode_blocks + chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks\n",
+         "        return chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks\n"),)),
+    Mutation("later-jumps-queue", "most urgent first by a reversed sort of (priority, arrival): the later arrival first "
+             "among equals", (4,), (
+        ("priority_scheduler", "        return sorted(seqs, key=self.rank)\n",
+         "        return sorted(seqs, key=lambda seq: (self.effective_priority(seq), self.arrival_step[seq]), reverse=True)\n"),)),
+    Mutation("waiting-before-partway", "waiting sequences ranked before part-way prompts among equals", (4,), (
+        ("scheduler", "        for seq in self.order.order(partway + list(self.waiting)):\n",
+         "        for seq in self.order.order(list(self.waiting) + partway):\n"),)),
     # Day 3.5: the server. The first and last live in provided code (the handler's token loop).
     Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (
         ("server", '                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',

@@ -56,7 +56,8 @@ def run_to_end(engine, check=True, max_steps=2000):
         engine.step()
         if check:
             check_pool(engine)
-    raise AssertionError(f"no progress after {max_steps} steps: {engine.scheduler.running} {engine.scheduler.waiting}")
+    raise AssertionError(f"the engine made no progress in {max_steps} steps (every request ends, preempted ones "
+                         f"recomputed): {engine.num_running} running, {engine.num_waiting} waiting")
 
 
 def check_pool(engine):
@@ -213,7 +214,7 @@ def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths
     prompts = [[(7 * i + j) % EOS for j in range(n)] for i, n in enumerate(lengths)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
     steps = 0
-    while engine.has_work():
+    while engine.has_work():  # at most 2000 steps: the assertion at the end of the body
         plan_count = len(engine.runner.plans)
         engine.step()
         steps += 1
@@ -222,7 +223,8 @@ def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths
         check_pool(engine)
         if steps == abort_at:
             engine.abort(0)
-        assert steps < 2000, "no progress"
+        assert steps < 2000, f"the engine made no progress in 2000 steps (every request ends, preempted ones " \
+                             f"recomputed): {engine.num_running} running, {engine.num_waiting} waiting"
     assert engine.block_manager.num_free_blocks == num_blocks
     for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
         if seq.finish_reason != "abort":

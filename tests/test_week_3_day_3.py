@@ -16,6 +16,7 @@ import types
 import pytest
 
 from tests.harness import reference, solution, stack
+from tests.week3_fakes import run_until_done
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=3)
@@ -82,15 +83,9 @@ def run(engine, prompts, max_tokens=6, one_at_a_time=False):
     seqs = []
     for prompt in prompts:
         seqs.append(engine.add_request(prompt, params))
-        for _ in range(1000 if one_at_a_time else 0):
-            if not engine.has_work():
-                break
-            engine.step()
-    for _ in range(1000):  # a bound, so a scheduler that makes no progress fails instead of hanging
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work(), "the engine made no progress"
+        if one_at_a_time:
+            run_until_done(engine, rule="every request ends; a prompt found whole in the cache computes its last token")
+    run_until_done(engine, rule="every request ends; a prompt found whole in the cache computes its last token")
     return [seq.output_token_ids for seq in seqs]
 
 
@@ -215,8 +210,7 @@ def test_task_3_whole_prompt_cached_still_computes_its_last_token(engine_before_
     engine = engine_before_task_4()
     first = run(engine, [prompt], one_at_a_time=True)
     seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=6), request_id="again")
-    while engine.has_work():
-        engine.step()
+    run_until_done(engine, max_steps=50, rule="a prompt found whole in the cache still computes its last token")
     assert seq.output_token_ids == first[0]
     assert engine.block_manager.hit_tokens == 2 * BLOCK
 
@@ -238,8 +232,7 @@ def test_task_3_concurrent_requests_share_blocks(engine_before_task_4):
     engine.abort(0)
     assert [bm.ref_counts[b] for b in shared_blocks] == [3, 3, 3], "aborting one sharer frees nothing shared"
     assert all(b not in bm.free_blocks for b in shared_blocks)
-    while engine.has_work():
-        engine.step()
+    run_until_done(engine, rule="every request ends")
     assert [seq.output_token_ids for seq in others] == plain[1:]
     assert bm.num_free_blocks == bm.num_blocks
 

@@ -85,7 +85,8 @@ def run_steps(engine, arrivals, max_steps=400):
         engine.step()
         step += 1
         STEP_CLOCKS[id(engine)][0] = step
-    assert not engine.has_work(), "the engine did not finish"
+    assert not engine.has_work(), f"the engine made no progress in {max_steps} steps (every request ends, however " \
+                                  f"urgent the others): {engine.num_running} running, {engine.num_waiting} waiting"
     return seqs
 
 
@@ -130,6 +131,12 @@ def test_task_2_order_and_outranks():
     assert policy.order([c, a]) == [c, a], "stable among equals"
     assert policy.outranks(b, a) and not policy.outranks(a, b)
     assert not policy.outranks(a, c) and not policy.outranks(c, a), "equals never outrank each other"
+    policy.next_step()
+    later = seq("later", 4, 1, seed=2)
+    policy.add(later)
+    assert policy.order([later, c, a]) == [c, a, later], "equal priorities: the earlier arrival first, whatever the " \
+                                                          "order given (a later request never jumps the queue)"
+    assert policy.outranks(a, later) and not policy.outranks(later, a)
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():
@@ -267,7 +274,7 @@ def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
         policy.add(x)
         policy.next_step()
     partway.num_computed_tokens = 90  # 10 prompt tokens left: fewer than the short prompt's 20
-    got = [x.request_id for x in policy.order([long, twin, short, partway, urgent_long])]
+    got = [x.request_id for x in sorted([long, twin, short, partway, urgent_long], key=policy.rank)]  # Task 4's rank alone
     assert got == ["urgent long", "partway", "short", "twin", "long"], \
         "priority first; then the fewest tokens left to compute (not the prompt's length); then arrival"
 

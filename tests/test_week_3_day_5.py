@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tests.harness import reference, solution, stack
 from tests.sampling_oracles import penalized, raw_logprobs
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
+from tests.week3_fakes import run_until_done
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=5)
@@ -56,8 +57,7 @@ def in_process_tokens(model, prompt_text: str, max_tokens: int) -> list[int]:
     """The token ids the engine alone generates for this prompt (greedy), EOS excluded."""
     engine = make_engine(model)
     seq = engine.add_request(prompt_text, ref.sequence.SamplingParams(max_tokens=max_tokens))
-    while engine.has_work():
-        engine.step()
+    run_until_done(engine, rule="a request ends at EOS or max_tokens")
     return seq.output_token_ids
 
 

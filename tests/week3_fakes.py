@@ -8,6 +8,9 @@ sequence (`next_token_of`), so `expected_tokens` gives one-request-at-a-time gen
 scheduler at all. Runs in microseconds, so property tests can run many workloads.
 
 `mlx_lm_greedy` is the model-level oracle: mlx-lm's own model, one request at a time, greedy.
+`run_until_done` steps any engine to the end within a step limit: every week-3 test loop goes through it (or
+checks a limit of its own), so a bug that stops progress fails its test at once, naming the rule, instead of
+using up the test's time.
 """
 
 from types import SimpleNamespace
@@ -84,3 +87,17 @@ def mlx_lm_greedy(mlx_model, prompt: list[int], max_tokens: int, eos_ids) -> lis
         output.append(token)
         tokens = [token]
     return output
+
+
+def run_until_done(engine, max_steps: int = 500, rule: str = "every request ends") -> list:
+    """Step `engine` until it has no work; return every StepOutput. After `max_steps` steps with work left it
+    fails, naming `rule` (the promise a stopped engine breaks), instead of looping until the test times out."""
+    outputs = []
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        outputs += engine.step()
+    if engine.has_work():
+        raise AssertionError(f"the engine made no progress in {max_steps} steps ({rule}): "
+                             f"{engine.num_running} running, {engine.num_waiting} waiting")
+    return outputs

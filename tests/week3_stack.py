@@ -34,6 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tests.harness import reference
 from tests.serve_fakes import running_server, wait_until
+from tests.week3_fakes import run_until_done
 
 VOCAB = 64
 EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
@@ -198,8 +199,10 @@ def expected(request: Request) -> tuple[list[int], str]:
 class Run:
     """One workload on one engine: every StepOutput, by request, and the steps they came in."""
 
-    def __init__(self, engine, probe: ModelProbe, requests: list[Request], max_num_seqs: int):
+    def __init__(self, engine, probe: ModelProbe, requests: list[Request], max_num_seqs: int,
+                 step_limit: int = STEP_LIMIT, rule: str = "every request ends"):
         self.engine, self.probe, self.requests, self.max_num_seqs = engine, probe, requests, max_num_seqs
+        self.step_limit, self.rule = step_limit, rule  # a bug that stops progress fails naming `rule`
         self.streams: dict[str, list] = {r.request_id: [] for r in requests}  # (step, StepOutput)
         self.aborted: set[str] = set()
         self.step_index = 0
@@ -211,9 +214,9 @@ class Run:
         pending = self.pending
         while pending or self.engine.has_work() or any(r.abort is not None and r.abort >= self.step_index
                                                         for r in self.requests):
-            if self.step_index >= STEP_LIMIT:
-                raise AssertionError(f"no end after {STEP_LIMIT} steps: {self.engine.num_running} running, "
-                                     f"{self.engine.num_waiting} waiting (the engine stopped making progress)")
+            if self.step_index >= self.step_limit:
+                raise AssertionError(f"the engine made no progress in {self.step_limit} steps ({self.rule}): "
+                                     f"{self.engine.num_running} running, {self.engine.num_waiting} waiting")
             while pending and pending[0].arrive <= self.step_index:
                 request = pending.pop(0)
                 self.engine.add_request(request.prompt, request.params(), request_id=request.request_id,
@@ -293,11 +296,11 @@ def new_probe(package, **kwargs) -> ModelProbe:
     return ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(tiny_mlx_model()), **kwargs)
 
 
-def run(package, day, requests, probe=None, **options) -> Run:
+def run(package, day, requests, probe=None, step_limit=STEP_LIMIT, rule="every request ends", **options) -> Run:
     probe = probe or new_probe(package)
     merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **engine_options(day))
     merged.update(options)
-    result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"])
+    result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"], step_limit, rule)
     result.drive()
     return result
 
@@ -403,6 +406,51 @@ def workload_prefix_cache(package, day):
     assert got == pytest.approx(want, abs=1e-9), f"prefix cache hit rate {got:.3f}, the reference's {want:.3f}"
 
 
+def workload_prefix_chain(package, day):
+    """Day 3.3: equal token blocks after different prefixes, and a block repeated in one prompt, are different blocks:
+    a block's name stands for its whole prefix, so only a request that starts the same way shares it."""
+    a, b, x, y = (tokens(4, seed) for seed in (100, 101, 102, 103))
+    requests = [Request("after-a", a + x + y + [5], max_tokens=4),
+                Request("x-first", x + y + [5], max_tokens=4, arrive=3),  # x's tokens at positions 0-3, not 4-7
+                Request("after-b", b + x + y + [5], max_tokens=4, arrive=3),
+                Request("x-thrice", x + x + x + [7], max_tokens=4, arrive=6),
+                Request("x-thrice-again", x + x + x + [9], max_tokens=4, arrive=9)]
+    result = run(package, day, requests, token_budget=16, num_blocks=32)
+    result.check_outputs()
+    result.check_clean()
+    reference_run = run(ref, day, [Request(**vars(r)) for r in requests], token_budget=16, num_blocks=32)
+    got, want = result.engine.summary()["prefix_cache_hit_rate"], reference_run.engine.summary()["prefix_cache_hit_rate"]
+    assert got == pytest.approx(want, abs=1e-9), \
+        f"prefix cache hit rate {got:.3f}, the reference's {want:.3f}: only a request whose prompt starts with the " \
+        "same blocks shares them (a block's name hashes its parent's name and its tokens)"
+
+
+def workload_whole_block_prompts(package, day):
+    """Day 3.3: prompts that are a whole number of blocks, each arriving twice: the second is served from the cache
+    but for its last token, which is always computed (its logits give the first output token)."""
+    eight, twelve = tokens(8, 110), tokens(12, 111)
+    requests = [Request("eight", eight, max_tokens=4), Request("twelve", twelve, max_tokens=4),
+                Request("twelve-twin", twelve, max_tokens=3),  # computes the same blocks at the same time
+                Request("eight-again", eight, max_tokens=4, arrive=3),
+                Request("twelve-again", twelve, max_tokens=5, arrive=4),
+                Request("after", tokens(6, 112), max_tokens=3, arrive=5)]
+    # Then fresh prompts that need most of the pool: cached blocks are evicted, least recently used first.
+    requests += [Request(f"fresh{i}", tokens(13, 113 + i), max_tokens=3, arrive=8 + 4 * i) for i in range(2)]
+    requests.append(Request("after-last", requests[5].prompt, max_tokens=3, arrive=16))
+    requests.append(Request("fresh-long", tokens(40, 116), max_tokens=3, arrive=20))  # evicts nearly every block
+    options = dict(token_budget=16, num_blocks=16)
+    result = run(package, day, requests, step_limit=60,
+                 rule="a prompt found whole in the cache still computes its last token", **options)
+    result.check_outputs()
+    result.check_clean()
+    reference_run = run(ref, day, [Request(**vars(r)) for r in requests], **options)
+    got, want = result.engine.summary()["prefix_cache_hit_rate"], reference_run.engine.summary()["prefix_cache_hit_rate"]
+    assert got == pytest.approx(want, abs=1e-9), \
+        f"prefix cache hit rate {got:.3f}, the reference's {want:.3f}: a prompt of n whole blocks found in the " \
+        "cache is served n - 1 blocks from it (its last block holds the token still to compute), and new tokens " \
+        "take unnamed free blocks first, then the least recently used cached ones"
+
+
 def workload_priorities(package, day):
     """Day 3.4: priorities reorder service; an urgent request is served at once however busy the engine."""
     queued = [Request(f"q{p}", tokens(6, 60 + p), max_tokens=3, priority=p) for p in (0, 2, 1, 3)]
@@ -457,6 +505,57 @@ def workload_shortest_prefill_first(package, day):
                              "shorter never takes a running sequence's blocks (it would recompute from the start)"
 
 
+def workload_starvation(package, day):
+    """Day 3.4: an urgent request every other step for one sequence slot; aging bounds the low one's wait."""
+    stream = [Request(f"u{step}", tokens(4, 120 + step), max_tokens=3, arrive=step, priority=1)
+              for step in range(0, 24, 2)]
+    low = Request("low", tokens(4, 119), max_tokens=3, arrive=1)
+    result = run(package, day, stream + [low], max_num_seqs=1, aging_steps=4)
+    result.check_outputs()
+    result.check_clean()
+    finished = result.streams["low"][-1][0]
+    # Arriving at step 1, after 4 steps of waiting it outranks every fresh arrival (priority 1, but younger): its wait
+    # is bounded by (1 - 0) * aging_steps plus what first come, first served would take (the reference: step 9).
+    assert finished <= 16, f"priority 0 behind a steady stream of priority 1 (one slot, aging_steps=4, 12 urgent " \
+                           f"requests) finished at step {finished}: its priority must grow by one every 4 steps " \
+                           "counted from its own arrival, so it soon outranks every fresh arrival"
+
+
+def workload_urgent_room(package, day):
+    """Day 3.4: an urgent request whose first chunk needs the blocks of several less urgent sequences, while their
+    decodes need new blocks in the same step: room is made for both before the step is planned."""
+    # Four 7-token prompts (none meets EOS): 2 blocks each after step 0; at step 2 each decode starts a third block.
+    lows = [Request(f"low{i}", tokens(7, seed), max_tokens=12) for i, seed in enumerate((133, 135, 137, 138))]
+    urgent = Request("urgent", tokens(12, 139), max_tokens=3, arrive=2, priority=3)
+    result = run(package, day, lows + [urgent], max_num_seqs=5, num_blocks=11, token_budget=32)
+    result.check_outputs()
+    result.check_clean()
+    first = result.first_output_step("urgent")
+    assert first == 2, f"the urgent request arrived at step 2 and got its first output at step {first}: less urgent " \
+                       "sequences are preempted, as many as it takes, until its whole first chunk and every " \
+                       "remaining decode's new block fit in the free blocks"
+
+
+def workload_queue_order(package, day):
+    """Day 3.4: among equal priorities the plan keeps arrival order; a part-way prompt goes before a waiting one."""
+    queued = [Request(f"a{step}", tokens(5, 140 + step), max_tokens=3, arrive=step) for step in range(4)]
+    result = run(package, day, queued, max_num_seqs=1)
+    result.check_outputs()
+    result.check_clean()
+    served = sorted(queued, key=lambda r: result.first_output_step(r.request_id))
+    assert [r.request_id for r in served] == [r.request_id for r in queued], \
+        f"four requests of equal priority arriving one a step, one sequence slot: served in the order " \
+        f"{[r.request_id for r in served]}; a later request never passes an earlier one of the same priority"
+    pair = [Request("first", tokens(20, 150), max_tokens=3), Request("second", tokens(20, 151), max_tokens=3)]
+    result = run(package, day, pair, max_num_seqs=2)
+    result.check_outputs()
+    result.check_clean()
+    assert result.first_output_step("first") == 1, \
+        f"two 20-token prompts of equal priority arriving together, a budget of 16: the first one's last 4 tokens " \
+        f"come before the second's chunk in step 1 (a part-way prompt goes before a waiting one), but its first " \
+        f"output came at step {result.first_output_step('first')}"
+
+
 def text_of(tokens: list[int]) -> str:
     """What the server streams for these tokens: the test tokenizer's decode."""
     return Tokenizer().decode(tokens)
@@ -467,11 +566,7 @@ def warm_up(package, probe: ModelProbe) -> None:
     student's model left lazy must be evaluated here before the server's engine thread runs it."""
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=1, block_size=4, num_blocks=8)
     engine.add_request([1], ref.sequence.SamplingParams(max_tokens=1))
-    for _ in range(STEP_LIMIT):
-        if not engine.has_work():
-            return
-        engine.step()
-    raise AssertionError(f"a one-token request did not end in {STEP_LIMIT} steps")
+    run_until_done(engine, max_steps=STEP_LIMIT, rule="a one-token request ends")
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, leave_after: int | None = None):
@@ -546,7 +641,9 @@ def workload_serving(package, day):
 
 WORKLOADS = [  # (first day it runs on, workload)
     (1, workload_pressure), (1, workload_model_failure), (1, workload_adaptive_budget), (1, workload_seeded_sampling),
-    (3, workload_prefix_cache), (4, workload_priorities), (4, workload_shortest_prefill_first),
+    (3, workload_prefix_cache), (3, workload_prefix_chain), (3, workload_whole_block_prompts),
+    (4, workload_priorities), (4, workload_shortest_prefill_first), (4, workload_starvation), (4, workload_urgent_room),
+    (4, workload_queue_order),
     (5, workload_serving),
 ]
 
