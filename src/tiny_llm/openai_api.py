@@ -325,6 +325,11 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def text_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text` as /tokenize asks (with the tokenizer's special tokens, by default)."""
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
     """Token ids of each prompt of /v1/completions' `prompt`: a string, token ids, or a list of either."""
     prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .http_extras import install_http_extras
 from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, ChatCompletionRequest, CompletionRequest, Detokenize,
                          TokenizeChat, chat_prompt_ids, check_choices, check_token_ids, choice, collect_all,
-                         completion_prompt_ids, logprobs_field, max_tokens_for, merge, model_card, object_kind,
+                         completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card, object_kind,
                          parse_body, prompt_size, server_version, usage)
 from .prometheus_metrics import ServerMetrics
 from .sequence import SamplingParams
@@ -631,8 +631,8 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
             tokens = await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages,
                                            body.add_generation_prompt, body.add_special_tokens)
         else:
-            tokens = await server.tokenize(len(body.prompt), server.tokenizer.encode, body.prompt,
-                                           add_special_tokens=body.add_special_tokens)
+            tokens = await server.tokenize(len(body.prompt), text_ids, server.tokenizer, body.prompt,
+                                           body.add_special_tokens)
         token_strs = server.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": server.context, "tokens": tokens, "token_strs": token_strs}
 
