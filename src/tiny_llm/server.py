@@ -229,6 +229,7 @@ class EngineThread:
             try:
                 yield self.take(self.inbox.get_nowait())
             except queue.Empty:
+                self.flush()  # the turn's answers (Accepted, Rejected) go out now, not a whole step later
                 return
 
     def take(self, command: tuple):
