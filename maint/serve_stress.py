@@ -160,14 +160,19 @@ async def check_soak(url: str, pid: int, total: int, concurrency: int) -> bool:
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", choices=("body", "streams", "soak"), action="append")
+    parser.add_argument("--check", choices=("body", "streams", "soak"), action="append",
+                        help="one check (repeatable; default: all three)")
     parser.add_argument("--streams", type=int, default=200, help="concurrent streams (default 200)")
     parser.add_argument("--soak-requests", type=int, default=600, help="requests in the soak (default 600)")
-    parser.add_argument("--soak-concurrency", type=int, default=16)
+    parser.add_argument("--soak-concurrency", type=int, default=16, help="soak requests at once (default 16)")
     parser.add_argument("--server-args", default="", help="more arguments for scripts/serve.py")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     checks = args.check or ["body", "streams", "soak"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
