@@ -61,7 +61,7 @@ DAYS: list[Day] = [
         compare="engine"),
     Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler", "scheduler", "engine"),
         {1: 5, 2: 10, 3: 10, 4: 10, 5: 40}, compare="engine"),
-    Day(3, 5, "Serving it", "week3-05-serving.md", ("server",), {1: 5, 2: 5, 3: 5, 4: 10, 5: 40}),
+    Day(3, 5, "Serving it", "week3-05-serving.md", ("server", "text_stream"), {1: 5, 2: 5, 3: 5, 4: 10, 5: 40}),
     Day(4, 1, "Speculative decoding", "week4-01-speculative-decoding.md", ("speculative",), {1: 5, 2: 5, 3: 10, 4: 10, 5: 10, 6: 60},
         compare="engine"),
     Day(4, 2, "A quantized paged KV cache", "week4-02-quantized-kv-cache.md", ("quantized_kv",), {1: 10, 2: 10, 3: 10, 4: 40},

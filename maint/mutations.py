@@ -154,14 +154,15 @@ MUTATIONS = [
     Mutation("waiting-before-partway", "waiting sequences ranked before part-way prompts among equals", (4,), (
         ("scheduler", "        for seq in self.order.order(partway + list(self.waiting)):\n",
          "        for seq in self.order.order(list(self.waiting) + partway):\n"),)),
-    # Day 3.5: the server. The first and last live in provided code (the handler's token loop).
+    # Day 3.5: the server. The first and last live in provided code (`Completion.tokens`, the handler's token loop);
+    # the stop string and the detokenizer are in text_stream.py.
     Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (
-        ("server", '                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',
-         '                    generation.finish_reason = "stop"\n'),)),
+        ("server", '                    handle.finish_reason = "length" if output.finish_reason == "length" else "stop"\n',
+         '                    handle.finish_reason = "stop"\n'),)),
     Mutation("stop-string-kept", "the text is cut after the stop string instead of before it", (5,), (
-        ("server", "        return min(found), True\n", "        return len(text), True\n"),)),
+        ("text_stream", "        return min(found), True\n", "        return len(text), True\n"),)),
     Mutation("detokenizer-repeats", "the detokenizer's offsets never move: each piece repeats the text so far", (5,), (
-        ("server", "        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)\n", ""),)),
+        ("text_stream", "        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)\n", ""),)),
     Mutation("output-sent-twice", "the engine thread sends each step output twice", (5,), (
         ("server", "                self.send(handle, output)\n",
          "                self.send(handle, output)\n                self.send(handle, output)\n"),)),
@@ -170,8 +171,8 @@ MUTATIONS = [
                    "                self.engine.abort(argument)\n",
          '            elif command == "abort":\n                self.handles.pop(argument, None)\n'),)),
     Mutation("disconnect-not-aborted", "a client that leaves is not aborted: its request runs to max_tokens", (5,), (
-        ("server", "                          finished=engine_done and not text.stopped)\n",
-         "                          finished=not text.stopped)\n"),)),
+        ("server", "            self.server.close(handle, self.arrival, finished=engine_done and not text.stopped)\n",
+         "            self.server.close(handle, self.arrival, finished=not text.stopped)\n"),)),
     # Day 4.1: speculative decoding.
     Mutation("acceptance-off-by-one", "each guess compared with the target's token one row later", (1,), (
         ("speculative", "    for guess, target in zip(draft, target_tokens):\n",

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
     parser.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                         help="origins browsers may call the API from (CORS); '*' for any (default: none)")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 2**20, metavar="BYTES",
+                        help="a larger request body gets a 413 before it is parsed (default 8 MiB)")
+    parser.add_argument("--max-pending-requests", type=int, default=256, metavar="N",
+                        help="engine requests (choices) in flight; beyond them a 429 with Retry-After (default 256)")
+    parser.add_argument("--keepalive", type=float, default=5.0, metavar="SECONDS",
+                        help="a stream silent this long gets an SSE comment line (default 5)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                         help="info logs every request (the access log); warning only problems (default info)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -76,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "same repository path, environment and model on each); rank 0 on the first host")
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set by the launch itself
     return parser
+
+
+def server_options(args) -> dict:
+    """`create_app`'s keyword arguments from the command line."""
+    return {"max_model_len": args.max_model_len, "api_key": args.api_key, "cors_origins": tuple(args.allowed_origins),
+            "max_body_bytes": args.max_body_bytes, "max_pending_requests": args.max_pending_requests,
+            "keepalive": args.keepalive}
 
 
 def positive(parser, name: str, value) -> None:
@@ -98,7 +111,8 @@ def check_port(parser, host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks", "target_itl", "max_model_len"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks", "target_itl", "max_model_len",
+                 "max_body_bytes", "max_pending_requests", "keepalive"):
         positive(parser, name, getattr(args, name))
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
@@ -192,8 +206,7 @@ def serve_rank(parser, args) -> int:
     try:
         warm_up(engine, selection)
         app = selection.server.create_app(engine, tokenizer, args.served_model_name or args.model,
-                                          max_model_len=args.max_model_len, api_key=args.api_key,
-                                          cors_origins=tuple(args.allowed_origins))
+                                          **server_options(args))
         print(f"[tiny-llm] serving on {group.size()} ranks, HTTP on rank 0: http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
         uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
@@ -261,8 +274,7 @@ def serve(parser, args) -> int:
         engine_module.generate(model, tokenizer, [[0]], sequence.SamplingParams(max_tokens=1))
         engine = make_engine(args, selection, model, tokenizer, log)
         name = args.served_model_name or args.model
-        app = server.create_app(engine, tokenizer, name, max_model_len=args.max_model_len, api_key=args.api_key,
-                                cors_origins=tuple(args.allowed_origins))
+        app = server.create_app(engine, tokenizer, name, **server_options(args))
     except (ValueError, TypeError) as error:
         return user_error(parser.prog, str(error))
     selector.announce(selection)

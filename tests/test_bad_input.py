@@ -20,8 +20,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 
 from tests.harness import reference
 from tests.scheduler_fakes import FakeModel, FakeTokenizer, ModelFailure, expected_tokens
+from tests.serve_fakes import parse_prometheus, running_server, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ref = reference()
@@ -552,3 +555,292 @@ def test_commands_exit_2_with_one_line(tmp_path):
     assert_one_line_user_error(run_command("batch_main", ["--no-live", "--step-delay", "-1"]), "--step-delay")
     assert_one_line_user_error(run_command("main", ["--model", str(broken["truncated-weights"])]), "truncated")
     assert_one_line_user_error(run_command("main", ["--prompt", b"\xff".decode("utf-8", "surrogateescape")]), "UTF-8")
+
+
+# ---------------------------------------------------------------- the server's edges (day 3.5's provided code)
+
+SERVED = "edge-model"
+
+
+@pytest.fixture(scope="module")
+def week3(model32):
+    """(week-3 model, tokenizer) on the embedded weights, its lazy arrays evaluated on this thread."""
+    week3_model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
+    ref.engine.generate(week3_model, model32[1], [[1]], ref.sequence.SamplingParams(max_tokens=1))
+    return week3_model, model32[1]
+
+
+def edge_engine(week3, **config):
+    settings_ = {"token_budget": 64, "max_num_seqs": 16, "block_size": 8, **config}
+    return ref.engine.LLMEngine(week3[0], week3[1], ref.engine.EngineConfig(**settings_))
+
+
+class PublicEngine:
+    """An engine seen only through what a server may use: add_request, step, abort, has_work and stats().
+
+    Anything else (`sequences`, `block_manager`, `model`, ...) raises, so a server that reads the engine's
+    insides fails here rather than breaking quietly when they change."""
+
+    PUBLIC = ("add_request", "step", "abort", "has_work", "stats")
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        if name not in self.PUBLIC:
+            raise AttributeError(f"the server read engine.{name}: it may only use {', '.join(self.PUBLIC)}")
+        return getattr(self._engine, name)
+
+
+def greedy_text(week3, prompt: str, max_tokens: int, **sampling) -> tuple[list[int], str]:
+    """The engine's own greedy tokens and text for `prompt`: the oracle for the server's answers."""
+    engine = edge_engine(week3)
+    seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=max_tokens, **sampling))
+    while engine.has_work():
+        engine.step()
+    return seq.output_token_ids, week3[1].decode(seq.output_token_ids)
+
+
+def completion(url: str, **fields) -> httpx.Response:
+    body = {"model": SERVED, "prompt": "edge", "max_tokens": 3, "temperature": 0, **fields}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_engine_stats_say_what_the_server_needs(week3):
+    """`EngineStats`: the one report the server and /metrics read (queues, blocks, prefix cache, ids held and scheduled)."""
+    engine = edge_engine(week3, enable_prefix_caching=True, max_num_seqs=1)
+    fresh = engine.stats()
+    assert (fresh.num_running, fresh.num_waiting, fresh.num_blocks_used, fresh.held) == (0, 0, 0, frozenset())
+    assert fresh.kv_cache_usage == 0 and fresh.max_request_tokens == min(fresh.num_blocks_free * 8, CONTEXT)
+    engine.add_request([5] * 20, ref.sequence.SamplingParams(max_tokens=4), request_id="a")
+    engine.add_request([5] * 20, ref.sequence.SamplingParams(max_tokens=4), request_id="b")
+    waiting = engine.stats()
+    assert waiting.held == {"a", "b"} and waiting.scheduled == frozenset() and waiting.num_waiting == 2
+    engine.step()
+    running = engine.stats()
+    assert running.scheduled == {"a"} and running.num_running == 1 and running.num_blocks_used >= 3
+    assert running.prefix_cache_queries == 20 and running.prompt_tokens == 20
+    while engine.has_work():
+        engine.step()
+    done = engine.stats()
+    assert done.held == done.scheduled == frozenset() and done.num_blocks_used == 0
+    assert done.prefix_cache_hits >= 16 and done.generation_tokens == 8 and done.vocab_size == VOCAB
+
+
+def test_server_reads_only_engine_stats(week3):
+    """Streams, a disconnect, /metrics and a failure-free shutdown through an engine that hides its insides."""
+    engine = edge_engine(week3)
+    app = ref.server.create_app(PublicEngine(engine), week3[1], SERVED)
+    _, expected = greedy_text(week3, "edge", 3)
+    with running_server(app) as url:
+        assert completion(url).json()["choices"][0]["text"] == expected
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": SERVED, "prompt": "edge", "max_tokens": 400, "ignore_eos": True, "stream": True}) as s:
+            next(s.iter_lines())
+        assert wait_until(lambda: not engine.has_work())
+        assert httpx.get(f"{url}/metrics").status_code == 200
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_server_refuses_a_large_body_before_reading_it(week3):
+    """A body over `max_body_bytes` is a 413, declared (Content-Length) or chunked; one just under it is served."""
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, week3[1], SERVED, max_body_bytes=4096)
+    body = json.dumps({"model": SERVED, "prompt": "x " * 3000, "max_tokens": 1}).encode()  # valid, 6 KB
+    with running_server(app) as url:
+        declared = httpx.post(f"{url}/v1/completions", content=body, timeout=60,
+                              headers={"content-type": "application/json"})
+        chunked = httpx.post(f"{url}/v1/completions", timeout=60, headers={"content-type": "application/json"},
+                             content=(body[i:i + 1000] for i in range(0, len(body), 1000)))
+        for response in (declared, chunked):
+            assert response.status_code == 413, response.text
+            assert response.json()["error"]["code"] == "request_too_large"
+        small = json.dumps({"model": SERVED, "prompt": "x " * 1500, "max_tokens": 1}).encode()
+        assert len(small) < 4096
+        assert httpx.post(f"{url}/v1/completions", content=small, timeout=60).status_code == 200
+
+
+def slow_steps(engine, seconds: float = 0.02):
+    """Each step of `engine` takes at least `seconds`: long streams stay open while the test looks."""
+    step = engine.step
+    engine.step = lambda: (time.sleep(seconds), step())[1]
+
+
+def test_server_admission_limit_answers_429_with_retry_after(week3):
+    """Beyond `max_pending_requests` engine requests in flight: a 429 naming the limit, with Retry-After."""
+    engine = edge_engine(week3, max_num_seqs=1)
+    slow_steps(engine)
+    app = ref.server.create_app(engine, week3[1], SERVED, max_pending_requests=2)
+    long = {"model": SERVED, "prompt": "edge", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with running_server(app) as url, httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=long) as first, \
+                client.stream("POST", f"{url}/v1/completions", json=long) as second:
+            assert first.status_code == second.status_code == 200
+            refused = completion(url)
+            assert refused.status_code == 429 and refused.headers["retry-after"].isdigit()
+            assert "at most 2" in refused.json()["error"]["message"]
+            assert completion(url, n=1, prompt=["a", "b"]).status_code == 429
+        assert wait_until(lambda: not engine.has_work())
+        assert completion(url).status_code == 200
+
+
+def test_server_keeps_a_waiting_stream_alive(week3):
+    """A stream that waits (the engine's one slot is taken) gets SSE comments, which the openai client skips."""
+    from openai import OpenAI
+
+    engine = edge_engine(week3, max_num_seqs=1)
+    slow_steps(engine)
+    app = ref.server.create_app(engine, week3[1], SERVED, keepalive=0.05)
+    long = {"model": SERVED, "prompt": "edge", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with running_server(app) as url, httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=long) as first:
+            running = first.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(running).startswith("data: ")
+            with client.stream("POST", f"{url}/v1/completions", json={**long, "max_tokens": 2}) as waiting:
+                assert wait_until(lambda: engine.num_waiting == 1), "the second request must wait for the engine's one slot"
+                lines = waiting.iter_lines()
+                assert next(lines) == ": keep-alive", "a waiting stream must hear from the server"
+        assert wait_until(lambda: not engine.has_work())
+        _, expected = greedy_text(week3, "edge", 8)
+        openai = OpenAI(base_url=f"{url}/v1", api_key="none")
+        pieces = [chunk.choices[0].text for chunk in openai.completions.create(
+            model=SERVED, prompt="edge", max_tokens=8, temperature=0, stream=True) if chunk.choices]
+        assert "".join(pieces) == expected
+
+
+NULLABLE = {  # every optional field: an explicit null is its default (OpenAI's schema, vLLM)
+    "both": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
+             "priority", "service_tier", "metadata", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "min_p", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "n", "response_format", "store"],
+    "/v1/completions": ["logprobs", "echo", "best_of", "suffix"],
+    "/v1/chat/completions": ["max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                             "functions", "function_call", "parallel_tool_calls", "audio", "modalities", "prediction",
+                             "reasoning_effort", "web_search_options"],
+}
+
+
+def test_server_reads_null_as_the_default(week3):
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, week3[1], SERVED, max_model_len=64)  # a chat without max_tokens stays short
+    # Sampled at the default temperature with a seed: a field's null must give what leaving it out gives.
+    bodies = {"/v1/completions": {"model": SERVED, "prompt": "edge", "max_tokens": 3, "seed": 7},
+              "/v1/chat/completions": {"model": SERVED, "messages": [{"role": "user", "content": "edge",
+                                                                      "name": None}], "max_tokens": 3, "seed": 7}}
+    with running_server(app) as url:
+        for path, body in bodies.items():
+            left_out = httpx.post(f"{url}{path}", json=body, timeout=60).json()["choices"]
+            for name in NULLABLE["both"] + NULLABLE[path]:
+                response = httpx.post(f"{url}{path}", json={**body, name: None}, timeout=60)
+                assert response.status_code == 200, (path, name, response.text)
+                if name not in ("seed", "max_tokens"):  # null: unseeded, or (chat) up to the context
+                    assert response.json()["choices"] == left_out, (path, name)
+
+
+def test_server_usage_counts_each_prompt_once(week3):
+    """With n > 1, prompt_tokens and cached_tokens are the prompt's, not summed over its choices."""
+    engine = edge_engine(week3, enable_prefix_caching=True)
+    app = ref.server.create_app(engine, week3[1], SERVED)
+    prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
+    with running_server(app) as url:
+        once = completion(url, prompt=prompt).json()["usage"]
+        again = completion(url, prompt=prompt).json()["usage"]
+        three = completion(url, prompt=prompt, n=3).json()["usage"]
+        two_prompts = completion(url, prompt=[prompt, "edge"], n=2).json()["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert three["prompt_tokens"] == once["prompt_tokens"]
+    assert three["prompt_tokens_details"] == again["prompt_tokens_details"]
+    assert three["completion_tokens"] == 3 * once["completion_tokens"]
+    edge = len(week3[1].encode("edge", add_special_tokens=False))
+    assert two_prompts["prompt_tokens"] == once["prompt_tokens"] + edge
+    assert two_prompts["prompt_tokens_details"] == again["prompt_tokens_details"]
+
+
+def test_server_serves_min_tokens_and_stop_token_ids(week3):
+    """vLLM's `min_tokens` (no EOS or stop token before it) and `stop_token_ids` (they end the output, unsent)."""
+    tokenizer = week3[1]
+    eos = tokenizer.eos_token_ids[0] if isinstance(tokenizer.eos_token_ids, list) else next(iter(tokenizer.eos_token_ids))
+    tokens, _ = greedy_text(week3, "edge", 6)
+    stop_at = next(i for i, token in enumerate(tokens) if i >= 2 and token not in tokens[:i])
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, tokenizer, SERVED)
+    with running_server(app) as url:
+        forced_eos = completion(url, max_tokens=8, logit_bias={str(eos): 100}).json()
+        held_off = completion(url, max_tokens=8, logit_bias={str(eos): 100}, min_tokens=3).json()
+        stopped = completion(url, max_tokens=6, stop_token_ids=[tokens[stop_at]]).json()
+        stop_held_off = completion(url, max_tokens=6, stop_token_ids=[tokens[stop_at]], min_tokens=6).json()
+        too_many = completion(url, max_tokens=2, min_tokens=3)
+        outside = completion(url, stop_token_ids=[10**8])
+    assert forced_eos["usage"]["completion_tokens"] == 0
+    assert held_off["usage"]["completion_tokens"] == 3 and held_off["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0] == {"index": 0, "text": tokenizer.decode(tokens[:stop_at]), "finish_reason": "stop",
+                                     "logprobs": None}
+    assert stop_held_off["usage"]["completion_tokens"] == 6
+    assert stop_held_off["choices"][0]["finish_reason"] == "length"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "stop_token_ids"
+
+
+def test_server_refuses_what_it_would_otherwise_ignore(week3):
+    """`messages[].name` (the template has no place for it) and `stream_options` without `stream`: a 400 naming
+    them, as OpenAI answers the latter; never silently dropped."""
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, week3[1], SERVED)
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with running_server(app) as url:
+        named = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                           json={**chat, "messages": [{"role": "user", "content": "hi", "name": "ada"}]})
+        options = completion(url, stream_options={"include_usage": True})
+        streamed = completion(url, stream=True, stream_options={"include_usage": True})
+    assert named.status_code == 400 and named.json()["error"]["param"] == "messages"
+    assert "messages[0].name" in named.json()["error"]["message"]
+    assert options.status_code == 400 and options.json()["error"]["param"] == "stream_options"
+    assert streamed.status_code == 200 and '"usage"' in streamed.text
+
+
+def test_server_tokenize_detokenize_and_version(week3):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize and /version."""
+    tokenizer = week3[1]
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, tokenizer, SERVED, max_model_len=100)
+    messages = [{"role": "user", "content": "hi there"}]
+    with running_server(app) as url:
+        plain = httpx.post(f"{url}/tokenize", json={"model": SERVED, "prompt": "hi there"}).json()
+        strs = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()
+        chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+        back = httpx.post(f"{url}/detokenize", json={"model": SERVED, "tokens": plain["tokens"]}).json()
+        outside = httpx.post(f"{url}/detokenize", json={"tokens": [10**8]})
+        wrong_model = httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"})
+        version = httpx.get(f"{url}/version").json()
+    assert plain == {"count": len(tokenizer.encode("hi there")), "max_model_len": 100,
+                     "tokens": tokenizer.encode("hi there"), "token_strs": None}
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(tokenizer.encode("hi"))
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(templated, add_special_tokens=False)
+    assert back == {"prompt": "hi there"}
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    assert wrong_model.status_code == 404
+    assert isinstance(version["version"], str) and version["version"]
+
+
+def test_metrics_has_vllm_token_histograms(week3):
+    """vLLM's per-request token counts, max_tokens, n and time-per-output-token histograms, with its buckets."""
+    engine = edge_engine(week3)
+    app = ref.server.create_app(engine, week3[1], SERVED, max_model_len=600)
+    with running_server(app) as url:
+        completion(url, max_tokens=3, ignore_eos=True)
+        completion(url, max_tokens=5, ignore_eos=True, n=2)
+        families = parse_prometheus(httpx.get(f"{url}/metrics").text)
+
+    def sample(name: str) -> float:
+        family = families[f"tiny_llm:{name.rsplit('_', 1)[0]}"]
+        return next(value for sample, labels, value in family["samples"] if sample == f"tiny_llm:{name}")
+
+    prompt = len(week3[1].encode("edge", add_special_tokens=False))
+    assert sample("request_prompt_tokens_count") == 3 and sample("request_prompt_tokens_sum") == 3 * prompt
+    assert sample("request_generation_tokens_sum") == 3 + 5 + 5
+    assert sample("request_params_max_tokens_sum") == 3 + 5 + 5
+    assert sample("request_params_n_count") == 2 and sample("request_params_n_sum") == 3
+    assert sample("request_time_per_output_token_seconds_count") == 3
+    bounds = [labels["le"] for name, labels, _ in families["tiny_llm:request_prompt_tokens"]["samples"]
+              if name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]

@@ -53,8 +53,15 @@ def apply_min_p(row: mx.array, min_p: float, temperature: float) -> mx.array:
     return mx.where(row >= threshold, row, mx.array(-mx.inf, dtype=row.dtype))
 
 
+def ban_tokens(row: mx.array, tokens: tuple[int, ...]) -> mx.array:
+    """`row` with -inf for each of `tokens`: none of them can be picked."""
+    return row.at[mx.array(list(tokens), dtype=mx.int32)].minimum(mx.array(-mx.inf, dtype=row.dtype))
+
+
 def process_row(row: mx.array, params: SamplingParams, prompt: list[int], output: list[int]) -> mx.array:
-    """One sequence's logits row (V,) after its logit_bias, penalties and min_p, in that order."""
+    """One sequence's logits row (V,) after min_tokens' ban on stopping, its logit_bias, penalties and min_p."""
+    if len(output) < params.min_tokens and params.stop_token_ids:
+        row = ban_tokens(row, params.stop_token_ids)
     if params.logit_bias:
         row = apply_logit_bias(row, params.logit_bias)
     if params.repetition_penalty != 1:

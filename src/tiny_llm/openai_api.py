@@ -1,35 +1,31 @@
-"""The OpenAI-compatible API's plumbing for day 3.5's server (provided: not a task).
+"""The OpenAI-compatible API's protocol for day 3.5's server (provided: not a task).
 
 Everything here is the ecosystem's contract rather than the engine's: the request bodies as pydantic
-models with OpenAI's field ranges, errors in OpenAI's format, the prompt a request asks for, the
-response objects, `/metrics` through `prometheus_client` with vLLM's metric names, and the HTTP
-extras a deployment expects (an API key, CORS, a request-id header, an access log). `server.py` holds
-what the chapter teaches: the engine thread, streaming, stop strings, aborts.
+models with OpenAI's field ranges (and vLLM's extensions), errors in OpenAI's format, the prompt a
+request asks for, the response objects, and several choices merged into one response. Beside it:
+`prometheus_metrics.py` (/metrics), `http_extras.py` (body limit, API key, CORS, request id, access
+log), `text_stream.py` (tokens to text); `server.py` holds the engine thread and the request's life.
 
 The rule for a request field: served, or refused with a 400 that names it; never silently ignored.
+An explicit JSON `null` means the field's default, as in OpenAI's schema and vLLM. A new field: a
+typed field on the body (with its range), then either `sampling()` hands it to the engine or
+`refuse_unserved` refuses it (`NOT_SERVED`, or a check of its own there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
-import secrets
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-import prometheus_client
-from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from .sequence import (LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, PENALTY_RANGE,
                        SamplingParams)
 
 logger = logging.getLogger("tiny_llm.server")
-access_logger = logging.getLogger("tiny_llm.access")
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none (up to the context)
@@ -41,14 +37,16 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 class APIError(Exception):
     """A request that cannot be served: `status` and an OpenAI-style body {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def response(self) -> JSONResponse:
         error_type = "invalid_request_error" if self.status < 500 else "server_error"
         body = {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def validation_error(error: ValidationError) -> APIError:
@@ -83,14 +81,23 @@ LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
                  Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A body where an explicit JSON `null` is the same as leaving the field out: its default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_nulls(cls, data):
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(NullMeansDefault):
     """`stream_options`: whether the stream ends with a `usage` chunk."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullMeansDefault):
     """The fields both endpoints share: OpenAI's names, types and ranges (vLLM's for its extensions)."""
 
     # strict: "9" is not 9 and true is not 1; extra: an unknown field is a 400 naming it, not silence.
@@ -115,6 +122,8 @@ class SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension; 0: off
     logit_bias: LogitBias | None = None
     ignore_eos: bool = False  # vLLM's extension
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: no EOS or stop token before this many tokens
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension: they end the output
     # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
     response_format: Any = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt: one engine request each
@@ -126,6 +135,8 @@ class SamplingRequest(BaseModel):
             if getattr(self, name) not in NOT_SERVED[name]:
                 raise APIError(400, f"'{name}' is not supported by this server (only {NOT_SERVED[name][-1]!r})",
                                param=name, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
     def stop_strings(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -138,11 +149,15 @@ class SamplingRequest(BaseModel):
         """
         seed = None if self.seed is None else (self.seed + choice_index) % (MAX_SEED + 1)
         logit_bias = {int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens ({max_tokens})",
+                           param="min_tokens")
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, seed=seed, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias=logit_bias, ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs())
+                              logprobs=self.num_logprobs(), min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids or ()))
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the response reports (None: no log-probabilities); each endpoint
@@ -172,7 +187,7 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-class TextPart(BaseModel):
+class TextPart(NullMeansDefault):
     """One part of a message's content given as a list: only text parts are served."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -180,8 +195,9 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """A message: a role this server can template, and text (a string or text parts). No tool calls."""
+class ChatMessage(NullMeansDefault):
+    """A message: a role this server can template, and text (a string or text parts). No tool calls, and no
+    `name` (Qwen's chat template has no place for a participant's name: refused, not dropped)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
@@ -190,6 +206,14 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+def refuse_names(messages: list[ChatMessage]) -> None:
+    """A 400 naming the first message with a `name`: Qwen's chat template has no place for it."""
+    for index, message in enumerate(messages):
+        if message.name is not None:
+            raise APIError(400, f"'messages[{index}].name' is not supported by this server (the chat template "
+                           f"has no place for it)", param="messages", code="unsupported_parameter")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -210,23 +234,71 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
+    def refuse_unserved(self) -> None:
+        super().refuse_unserved()
+        refuse_names(self.messages)
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_body(kind: type[SamplingRequest], raw: bytes, model_name: str) -> SamplingRequest:
-    """The body as a `kind`, or an APIError: 400 for anything malformed, 404 for another model."""
+class TokenizeCompletion(NullMeansDefault):
+    """POST /tokenize with a prompt (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(NullMeansDefault):
+    """POST /tokenize with messages, through the chat template (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class Detokenize(NullMeansDefault):
+    """POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+TOKENIZE_BODY = TypeAdapter(TokenizeChat | TokenizeCompletion)
+
+
+def server_version() -> str:
+    """/version's answer: the course package's version, where it is installed."""
+    try:
+        return importlib.metadata.version("tiny-llm-course")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (the course is not installed as a package)"
+
+
+def parse_body(kind, raw: bytes, model_name: str):
+    """The body as a `kind` (a model, or a `TypeAdapter`), or an APIError: 400 for anything malformed, 404
+    for another model; a completion request's unserved fields refused."""
     try:
         # pydantic's own JSON parser: NaN, lone surrogates and absurd nesting are errors here, not 500s.
-        body = kind.model_validate_json(raw)
+        body = kind.validate_json(raw) if isinstance(kind, TypeAdapter) else kind.model_validate_json(raw)
     except ValidationError as error:
         raise validation_error(error) from None
     if body.model is not None and body.model != model_name:
         raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{model_name}'",
                        param="model", code="model_not_found")
-    body.refuse_unserved()
+    if isinstance(body, SamplingRequest):
+        body.refuse_unserved()
+    if isinstance(body, TokenizeChat):
+        refuse_names(body.messages)
     return body
 
 
@@ -245,11 +317,17 @@ def max_tokens_for(body: SamplingRequest, prompt_tokens: int, max_model_len: int
     return requested
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the chat template applied to `messages`, ready for the assistant's answer."""
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Token ids of the chat template applied to `messages`, by default ready for the assistant's answer."""
     plain = [{"role": message.role, "content": message.text()} for message in messages]
-    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def text_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text` as /tokenize asks (with the tokenizer's special tokens, by default)."""
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
@@ -270,11 +348,14 @@ def prompt_size(prompt) -> int:
     return sum(len(p) for p in prompts)
 
 
-def check_logit_bias(body: SamplingRequest, vocab_size: int) -> None:
-    """Every token `logit_bias` names must be in the vocabulary."""
+def check_token_ids(body: SamplingRequest, vocab_size: int) -> None:
+    """Every token `logit_bias` or `stop_token_ids` names must be in the vocabulary."""
     if body.logit_bias and max(int(token) for token in body.logit_bias) >= vocab_size:
         raise APIError(400, f"'logit_bias' names a token id outside the vocabulary (0 .. {vocab_size - 1})",
                        param="logit_bias")
+    if body.stop_token_ids and max(body.stop_token_ids) >= vocab_size:
+        raise APIError(400, f"'stop_token_ids' names a token id outside the vocabulary (0 .. {vocab_size - 1})",
+                       param="stop_token_ids")
 
 
 def check_choices(num_prompts: int, n: int) -> None:
@@ -361,8 +442,13 @@ async def _join(stream) -> str:
     return "".join([piece async for piece in stream])
 
 
-async def merge(streams: list, generations: list):
-    """The streams' pieces as `(index, piece, finish_reason, first, logprobs)` chunks, in the order they come.
+KEEP_ALIVE = None  # what `merge` yields when no choice had anything to say for `keepalive` seconds
+_ENDED = object()  # a choice's stream is over
+
+
+async def merge(streams: list, generations: list, keepalive: float):
+    """The streams' pieces as `(index, piece, finish_reason, first, logprobs)` chunks, in the order they come,
+    and `KEEP_ALIVE` after each `keepalive` seconds without one (the client learns the stream is alive).
 
     `generations[i].finish_reason` is set once stream i is done. A choice sends a first chunk (chat
     puts the role in it), a chunk per non-empty piece, and a last one with its finish reason. A failed
@@ -384,14 +470,18 @@ async def merge(streams: list, generations: list):
         except APIError as error:
             logger.warning("choice %d of a stream failed: %s", index, error.message)
         finally:
-            merged.put_nowait(None)
+            merged.put_nowait(_ENDED)
 
     tasks = [asyncio.ensure_future(pump(i, s, g)) for i, (s, g) in enumerate(zip(streams, generations))]
     try:
         running = len(tasks)
         while running:
-            chunk = await merged.get()
-            if chunk is None:
+            try:
+                chunk = await asyncio.wait_for(merged.get(), keepalive)
+            except TimeoutError:
+                yield KEEP_ALIVE
+                continue
+            if chunk is _ENDED:
                 running -= 1
             else:
                 yield chunk
@@ -399,137 +489,3 @@ async def merge(streams: list, generations: list):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-# ---------------------------------------------------------------- /metrics
-
-# vLLM's metric names (after the `tiny_llm:` prefix instead of `vllm:`) and vLLM's histogram buckets,
-# so a vLLM dashboard carries over with one substitution. Every sample has a `model_name` label.
-PREFIX = "tiny_llm:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-class EngineCollector:
-    """The engine's gauges and counters, read from the engine thread's last published snapshot at each scrape."""
-
-    def __init__(self, stats: callable, model_name: str):
-        self.stats, self.model_name = stats, model_name
-
-    def collect(self):
-        stats = self.stats()
-        families = [
-            (GaugeMetricFamily, "num_requests_running", "Requests holding KV blocks and generating.", "num_running"),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission.", "num_waiting"),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-             "kv_cache_usage"),
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             "prefix_cache_queries"),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-            (CounterMetricFamily, "num_preemptions", "Preemptions (a sequence's blocks taken back).", "num_preemptions"),
-            (CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled.", "prompt_tokens"),
-            (CounterMetricFamily, "generation_tokens", "Tokens generated.", "generation_tokens"),
-        ]
-        for family, name, help_text, key in families:
-            metric = family(PREFIX + name, help_text, labels=["model_name"])
-            metric.add_metric([self.model_name], stats[key])
-            yield metric
-
-
-class ServerMetrics:
-    """/metrics: the engine's snapshot (`EngineCollector`) and latencies measured where the client feels them."""
-
-    def __init__(self, model_name: str, stats: callable):
-        self.registry = prometheus_client.CollectorRegistry()
-        self.registry.register(EngineCollector(stats, model_name))
-        labels = {"labelnames": ["model_name"], "registry": self.registry}
-
-        def histogram(name: str, help_text: str, buckets):
-            return prometheus_client.Histogram(PREFIX + name, help_text, buckets=buckets, **labels).labels(model_name)
-
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Time from reaching the engine to its first step.",
-                               REQUEST_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "Time from the first step to the first token.",
-                                 REQUEST_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "Time from the first token to the last.",
-                                REQUEST_BUCKETS)
-        self.inference = histogram("request_inference_time_seconds", "Time from the first step to the last token.",
-                                   REQUEST_BUCKETS)
-        self.success = prometheus_client.Counter(PREFIX + "request_success", "Requests finished, by reason.",
-                                                 ["model_name", "finished_reason"], registry=self.registry)
-        self.model_name = model_name
-
-    def finished(self, reason: str) -> None:
-        self.success.labels(self.model_name, reason).inc()
-
-    def render(self) -> tuple[bytes, str]:
-        return prometheus_client.generate_latest(self.registry), prometheus_client.CONTENT_TYPE_LATEST
-
-
-# ---------------------------------------------------------------- HTTP extras
-
-
-def install_http_extras(app: FastAPI, api_key: str | None, cors_origins: list[str]) -> None:
-    """OpenAI's error format for every error, an API key, CORS, a request-id header and an access log."""
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return error.response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(error).__name__}").response()
-
-    app.add_middleware(RequestIdKeyAndLog, api_key=api_key)
-    if cors_origins:  # added last, so outermost: a browser's preflight never needs the key
-        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
-                           expose_headers=["x-request-id"])
-
-
-class RequestIdKeyAndLog:
-    """ASGI middleware: checks the API key on /v1, adds `x-request-id` (the client's, or a new one) to every
-    response, and writes one access-log line per request. Pure ASGI, so a stream's chunks pass straight through."""
-
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
-
-    def authorized(self, scope, headers: dict[bytes, bytes]) -> bool:
-        if self.api_key is None or not scope["path"].startswith("/v1"):
-            return True
-        sent = headers.get(b"authorization", b"").decode("latin-1")
-        return secrets.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        headers = dict(scope["headers"])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
-        status = 0
-
-        async def send_with_id(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
-            await send(message)
-
-        try:
-            if self.authorized(scope, headers):
-                await self.app(scope, receive, send_with_id)
-            else:
-                response = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                    code="invalid_api_key").response()
-                await response(scope, receive, send_with_id)
-        finally:
-            client = scope.get("client")
-            access_logger.info('%s "%s %s" %s %.1f ms id=%s', client[0] if client else "-", scope["method"],
-                               scope["path"], status or "-", 1000 * (time.perf_counter() - start), request_id)

@@ -60,6 +60,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     ignore_eos: bool = False  # EOS does not end the sequence: it runs to max_tokens
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
+    stop_token_ids: tuple[int, ...] = ()  # end the output as EOS does (vLLM's): finish "stop", not in the output
+    min_tokens: int = 0  # no EOS or stop token before this many outputs (vLLM's; the engine adds EOS to the list)
 
     def __post_init__(self):
         """Reject values no sampler can use, naming the field."""
@@ -84,6 +86,11 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_int("min_tokens", self.min_tokens, 0)
+        if not isinstance(self.stop_token_ids, tuple):
+            raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
+        for token in self.stop_token_ids:
+            check_int("a stop_token_ids token id", token, 0)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
@@ -95,7 +102,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """True when a penalty, min_p or logit_bias changes the logits before the token is picked."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.min_p or self.logit_bias)
+                    or self.min_p or self.logit_bias or (self.min_tokens and self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

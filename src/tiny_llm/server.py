@@ -7,19 +7,25 @@ A request's path, from socket to token and back:
                                      └── asyncio.Queue <── loop.call_soon_threadsafe ───┘
 
 - The event loop does the cheap, many things: parse and validate requests (`openai_api`), detokenize,
-  cut at stop strings, write server-sent events, notice disconnects. Tokenizing a long prompt, which
-  can take seconds, runs on a worker thread so the loop (and the short prompts) keep being served.
+  cut at stop strings (`text_stream`), write server-sent events, notice disconnects. Tokenizing a long
+  prompt, which can take seconds, runs on a worker thread so the loop (and the short prompts) keep
+  being served.
 - The engine thread does the one expensive thing, `engine.step()`, in a loop, and is the only caller
   of the engine (it is single-threaded by contract). Requests reach it through a thread-safe queue;
   tokens leave it through each request's `asyncio.Queue`, all of one step's in one
   `loop.call_soon_threadsafe` (an asyncio queue may only be touched from its own loop's thread).
+- Every engine request is one `RequestHandle`, from `Server.admit` to `Server.close`: its reply queue,
+  what the engine thread noted (answered, first scheduled) and what the handler learned (tokens,
+  finish reason). `Completion` is one HTTP request's choices on their way to one answer or stream.
 - A client that goes away is noticed by the handler, which asks the engine thread to `abort` the
   request: its KV blocks return to the pool before the next step.
 - A step that fails fails the requests the engine dropped; the thread logs it and keeps serving.
+- What the server reads of the engine is `engine.stats()` (an `EngineStats`), nothing else.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics (Prometheus, vLLM's names). The OpenAI plumbing
-(request models, errors, responses, metrics, API key, CORS, access log) is `openai_api.py`.
+GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics
+(Prometheus, vLLM's names). The protocol is `openai_api.py`, the metrics `prometheus_metrics.py`,
+the body limit, API key, CORS and access log `http_extras.py`.
 """
 
 from __future__ import annotations
@@ -39,16 +45,23 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
-                         check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids,
-                         install_http_extras, logprobs_field, max_tokens_for, merge, model_card, object_kind,
-                         parse_body, prompt_size, usage)
+from .http_extras import install_http_extras
+from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, ChatCompletionRequest, CompletionRequest, Detokenize,
+                         TokenizeChat, chat_prompt_ids, check_choices, check_token_ids, choice, collect_all,
+                         completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card, object_kind,
+                         parse_body, prompt_size, server_version, usage)
+from .prometheus_metrics import ServerMetrics
 from .sequence import SamplingParams
+from .text_stream import IncrementalDetokenizer, TextStream, find_stop  # noqa: F401 (day 3.5's tasks: server.X too)
 
 logger = logging.getLogger("tiny_llm.server")
 
 LONG_PROMPT_CHARS = 16_384  # longer prompts are tokenized on a worker thread (milliseconds and up)
 ARRIVAL_WAIT = 0.01  # seconds a step may wait for requests still arriving (a step on a CPU: 0.1 s and up)
+KEEPALIVE_SECONDS = 5.0  # a stream with nothing to send for this long gets an SSE comment (proxies close idle ones)
+MAX_BODY_BYTES = 8 * 2**20  # a larger request body is a 413: a 2 MB prompt is already far past any context
+MAX_PENDING_REQUESTS = 256  # engine requests (choices) in flight; beyond it a 429 with Retry-After
+RETRY_AFTER_SECONDS = 1
 
 
 # ---------------------------------------------------------------- wire formats
@@ -63,87 +76,19 @@ def sse_event(payload: dict | str) -> str:
     raise NotImplementedError("Week 3 Day 5 Task 1 (book/src/week3-05-serving.md): server-sent event")
 
 
-def find_stop(text: str, stops: list[str]) -> tuple[int, bool]:
-    """How much of `text` may be sent to the client now, and whether a stop string was found.
-
-    Returns `(end, stopped)`. If a stop string occurs in `text`, `end` is where the earliest one starts
-    and `stopped` is True: the client gets `text[:end]`, never the stop string itself. Otherwise `end`
-    holds back the longest tail of `text` that is the beginning of some stop string (the next tokens
-    may complete it), and `stopped` is False.
-    """
-    # TODO: the earliest occurrence of any stop; else hold back the longest tail that begins a stop
-    raise NotImplementedError("Week 3 Day 5 Task 2 (book/src/week3-05-serving.md): stop strings")
+SSE_KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment line: clients skip it, the connection stays busy
 
 
-class IncrementalDetokenizer:
-    """Text from tokens one token at a time, decoding a short window instead of the whole output.
-
-    Decoding all the tokens again after each one costs O(n) per token, O(n^2) per stream. Instead,
-    keep two offsets into `tokens`: `read_offset`, the end of what was already turned into text, and
-    `prefix_offset`, a little before it, so the window decoded has the context some tokenizers need
-    (a SentencePiece token's leading space depends on the token before it). The new text is the
-    window's decoding minus the decoding of its already-read part. A token that ends inside a
-    multi-byte character decodes to a trailing U+FFFD: nothing is returned until the next tokens
-    complete the character.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.prefix_offset = 0  # where the decoded window starts
-        self.read_offset = 0  # tokens before this have been returned as text
-
-    def add(self, token: int) -> str:
-        """The text `token` completes (often one word piece; empty while a character is incomplete)."""
-        # TODO: append; decode tokens[prefix_offset:read_offset] and tokens[prefix_offset:]; if the window
-        # TODO: grew and does not end in U+FFFD, move both offsets forward and return the new text
-        raise NotImplementedError("Week 3 Day 5 Task 3 (book/src/week3-05-serving.md): incremental detokenization")
-
-    def flush(self) -> str:
-        """At the end of the stream: whatever is still held back, as `tokenizer.decode` renders it (provided)."""
-        already = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset])
-        window = self.tokenizer.decode(self.tokens[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.tokens)
-        return window[len(already):]
-
-
-class TextStream:
-    """Turns one request's tokens into the text pieces its client receives: detokenized, cut at stop strings.
-
-    The pieces add up to what `tokenizer.decode` gives for all the tokens, cut before the first stop
-    string. Only the text not yet sent is searched for stop strings: `find_stop` never lets a piece
-    end with the beginning of a stop string, so a stop cannot straddle what was sent (provided).
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.eos_token_ids = set(tokenizer.eos_token_ids)
-        self.stops = stops
-        self.pending = ""  # text decoded but not sent: it may be the beginning of a stop string
-        self.stopped = False  # a stop string was found: the request is over
-
-    def add(self, token: int | None, finished: bool) -> str:
-        """The new piece of text after `token` (may be empty); at `finished`, everything still held back."""
-        if token is not None and token not in self.eos_token_ids:
-            self.pending += self.detokenizer.add(token)
-        if finished:
-            self.pending += self.detokenizer.flush()
-        end, self.stopped = find_stop(self.pending, self.stops)
-        if finished and not self.stopped:
-            end = len(self.pending)  # nothing more can complete a stop string
-        piece, self.pending = self.pending[:end], self.pending[end:]
-        return piece
-
-
-# ---------------------------------------------------------------- the engine thread
+# ---------------------------------------------------------------- one request
 
 
 @dataclass
 class RequestHandle:
-    """What the engine thread needs to serve one request, and where it sends what happens to it.
+    """One engine request (one choice of an HTTP request) from its submission to its end, and its reply queue.
 
     The engine thread puts events on `events` (through `loop`): first `Accepted()` or `Rejected(error)`,
-    then one `StepOutput` per token, the last one with `finished` True.
+    then one `StepOutput` per token, the last one with `finished` True. The handler keeps what it
+    learns here too, so a request's whole state is this one object.
     """
 
     request_id: str
@@ -153,7 +98,29 @@ class RequestHandle:
     events: asyncio.Queue
     priority: int = 0
     submitted: float = 0.0  # when the handler submitted it (the app's clock)
-    scheduled: float | None = None  # when it was first in a step (set by the engine thread), for /metrics
+    # Set by the engine thread.
+    answered: bool = False  # Accepted or Rejected was sent
+    scheduled: float | None = None  # when it was first in a step, for /metrics
+    # Set by the handler.
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (known when the engine finishes it)
+    logprobs: list | None = None  # the tokens' TokenLogprobs not yet sent; None: the request asked for none
+    text_offset: int = 0  # where the next token's text starts in the choice's text (completions' logprobs)
+    first_token: float | None = None
+    last_token: float | None = None
+    closed: bool = False  # its end was handled (`Server.close`): aborted if unfinished, counted in the metrics
+
+    def __post_init__(self):
+        if self.sampling.logprobs is not None:
+            self.logprobs = []
+
+    def take_logprobs(self) -> list | None:
+        """The log-probabilities gathered since the last call (None when the request asked for none)."""
+        if self.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
 
 @dataclass
@@ -178,36 +145,7 @@ class ServerStopping:
     """The server's note on a request's queue: shutting down, end the request now (finish reason "abort")."""
 
 
-def engine_stats(engine) -> dict[str, float]:
-    """The engine's gauges and counters for /metrics (the one place that reads them) (provided)."""
-    manager = engine.block_manager
-    return {
-        "num_running": engine.num_running,
-        "num_waiting": engine.num_waiting,
-        "kv_cache_usage": engine.kv_cache_usage,
-        "prefix_cache_queries": getattr(manager, "queried_tokens", 0),
-        "prefix_cache_hits": getattr(manager, "hit_tokens", 0),
-        "num_preemptions": engine.num_preemptions,
-        "prompt_tokens": engine.prompt_tokens_total,
-        "generation_tokens": engine.generation_tokens_total,
-    }
-
-
-def engine_holds(engine, request_id) -> bool:
-    """Whether the engine still has this request, waiting or running (provided)."""
-    return request_id in engine.sequences
-
-
-def engine_admitted(engine, request_id) -> bool:
-    """Whether the engine has admitted this request into a step at least once (provided)."""
-    seq = engine.sequences.get(request_id)
-    return seq is not None and seq.num_cached_tokens is not None  # set at the first admission
-
-
-def engine_context(engine) -> int:
-    """The most tokens one request can hold: the KV pool's size or the model's positions (provided)."""
-    manager = engine.block_manager
-    return min(manager.num_blocks * manager.block_size, engine.model.max_position)
+# ---------------------------------------------------------------- the engine thread
 
 
 class EngineThread:
@@ -215,8 +153,8 @@ class EngineThread:
 
     Handlers call `submit(handle)` and `abort(request_id)` from the event loop: both only put a command
     on `inbox`, a thread-safe queue. The thread turns commands into engine calls between steps, and
-    after each step also publishes `stats`, a snapshot of the engine's gauges for /metrics (read
-    from the event loop while the engine keeps changing).
+    after each step also publishes `stats`, the engine's `EngineStats` for /metrics (read from the
+    event loop while the engine keeps changing).
     """
 
     def __init__(self, engine, clock: Callable[[], float] = time.perf_counter):
@@ -227,12 +165,11 @@ class EngineThread:
         self.turn_began = clock()  # when this turn's commands were taken: its step follows at once
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[str, RequestHandle] = {}
-        self.stats: dict[str, float] = {}
+        self.stats = engine.stats()
         self.error: BaseException | None = None  # what killed the thread, if anything did
         self.running = False
         self.outbox: list[tuple[RequestHandle, object]] = []  # this turn's events, delivered together
-        self.unanswered: dict[str, RequestHandle] = {}  # submitted, neither Accepted nor Rejected yet
-        self.submit_lock = threading.Lock()  # submit's two steps, seen together by fail_dropped
+        self.taken: list[RequestHandle] = []  # the requests this turn took from the inbox
         self.preparing = 0  # requests a handler has begun (parsing, tokenizing) but not yet submitted
         self.prepared = threading.Condition()  # notified whenever `preparing` drops
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -248,9 +185,7 @@ class EngineThread:
         self._thread.join()
 
     def submit(self, handle: RequestHandle) -> None:
-        with self.submit_lock:
-            self.unanswered[handle.request_id] = handle
-            self.inbox.put(("add", handle))
+        self.inbox.put(("add", handle))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -278,12 +213,13 @@ class EngineThread:
         first token. From idle the first request pays at most ARRIVAL_WAIT for that; while the engine is
         busy nobody does, unless a handler is preparing a request at that very moment.
         """
+        self.taken = []
         if block:
-            yield self.inbox.get()
+            yield self.take(self.inbox.get())
             deadline = time.monotonic() + ARRIVAL_WAIT
             while (left := deadline - time.monotonic()) > 0:
                 try:
-                    yield self.inbox.get(timeout=left)
+                    yield self.take(self.inbox.get(timeout=left))
                 except queue.Empty:
                     break
         with self.prepared:
@@ -291,14 +227,21 @@ class EngineThread:
         self.turn_began = self.clock()
         while True:
             try:
-                yield self.inbox.get_nowait()
+                yield self.take(self.inbox.get_nowait())
             except queue.Empty:
+                self.flush()  # the turn's answers (Accepted, Rejected) go out now, not a whole step later
                 return
+
+    def take(self, command: tuple):
+        """A command taken from the inbox; an "add" is remembered until the turn answers it (provided)."""
+        if command[0] == "add":
+            self.taken.append(command[1])
+        return command
 
     def send(self, handle: RequestHandle, event) -> None:
         """Queue `event` for the handle; the turn's events reach the event loop together at its end."""
         if isinstance(event, (Accepted, Rejected)):
-            self.unanswered.pop(handle.request_id, None)
+            handle.answered = True
         else:
             self.mark_scheduled(handle)  # a token (or an end): it was in this turn's step, if not before
         self.outbox.append((handle, event))
@@ -321,10 +264,12 @@ class EngineThread:
                 pass
 
     def publish_stats(self) -> None:
-        """After a turn: the engine's gauges for /metrics, and when the requests it admitted were scheduled."""
-        self.stats = engine_stats(self.engine)
-        for request_id, handle in self.handles.items():
-            if handle.scheduled is None and engine_admitted(self.engine, request_id):
+        """After a turn: the engine's `EngineStats` for /metrics, and when the requests it scheduled were first in
+        a step (provided)."""
+        self.stats = self.engine.stats()
+        for request_id in self.stats.scheduled:
+            handle = self.handles.get(request_id)
+            if handle is not None:
                 self.mark_scheduled(handle)
 
     def run_once(self) -> bool:
@@ -361,6 +306,7 @@ class EngineThread:
             logger.exception("the engine thread died; every request fails until a restart")
             self.error = error
             self.fail(list(self.handles), error)
+            self.fail_unanswered(error)
             while not self.inbox.empty():  # requests still in the inbox would wait forever: refuse them too
                 command, argument = self.inbox.get()
                 if command == "add":
@@ -378,23 +324,23 @@ class EngineThread:
         running request is aborted and failed.
         """
         logger.exception("an engine turn failed; failing the requests it concerned and serving on")
-        lost = self.lost_submissions()
-        dropped = [request_id for request_id in self.handles if not engine_holds(self.engine, request_id)]
+        held = self.engine.stats().held
+        dropped = [request_id for request_id in self.handles if request_id not in held]
+        lost = self.fail_unanswered(error)
         if not dropped and not lost and self.engine.has_work():
             dropped = list(self.handles)
             for request_id in dropped:
                 self.engine.abort(request_id)
         self.fail(dropped, error)
-        for handle in lost:
-            self.send(handle, Rejected(error))
         self.publish_stats()
 
-    def lost_submissions(self) -> list[RequestHandle]:
-        """Requests taken from the inbox but never answered: their `add_request` raised something unexpected."""
-        with self.submit_lock:
-            waiting = {argument.request_id for command, argument in list(self.inbox.queue) if command == "add"}
-            return [handle for request_id, handle in self.unanswered.items()
-                    if request_id not in waiting and request_id not in self.handles]
+    def fail_unanswered(self, error: BaseException) -> list[RequestHandle]:
+        """Fail the requests this turn took from the inbox and never answered (their `add_request` raised
+        something unexpected, or the turn ended before it got to them); returns them (provided)."""
+        lost = [handle for handle in self.taken if not handle.answered]
+        for handle in lost:
+            self.send(handle, Rejected(error))
+        return lost
 
     def fail(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
@@ -407,28 +353,7 @@ def _deliver(events: list[tuple[asyncio.Queue, object]]) -> None:
         events_queue.put_nowait(event)
 
 
-# ---------------------------------------------------------------- the app
-
-
-@dataclass
-class Generation:
-    """What a handler learned about one request while it ran."""
-
-    request_id: str
-    prompt_tokens: int
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    cached_tokens: int = 0  # prompt tokens the prefix cache served (known when the engine finishes it)
-    logprobs: list | None = None  # the tokens' TokenLogprobs not yet sent; None: the request asked for none
-    text_offset: int = 0  # where the next token's text starts in the choice's text (completions' logprobs)
-    closed: bool = False  # its end was handled (`close_request`): aborted if unfinished, counted in the metrics
-
-    def take_logprobs(self) -> list | None:
-        """The log-probabilities gathered since the last call (None when the request asked for none)."""
-        if self.logprobs is None:
-            return None
-        taken, self.logprobs = self.logprobs, []
-        return taken
+# ---------------------------------------------------------------- a request's life
 
 
 async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) -> None:
@@ -439,263 +364,345 @@ async def wait_for_disconnect(request: Request, handles: list[RequestHandle]) ->
         handle.events.put_nowait(ClientLeft())
 
 
-def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = time.perf_counter,
-               max_model_len: int | None = None, api_key: str | None = None,
-               cors_origins: tuple[str, ...] = ()) -> FastAPI:
-    """An OpenAI-compatible FastAPI app serving `engine` (started and stopped with the app's lifespan).
+class Server:
+    """What every handler shares: the engine thread, the tokenizer, the metrics and the requests in flight.
 
-    `model_name` is the id clients send as "model" and that /v1/models lists. The engine thread is
-    `app.state.engine_thread`. `clock` times the latency histograms. `max_model_len` (optional, at
-    most what the engine can hold) bounds prompt plus output. `api_key`: requests to /v1 must send
-    it as `Authorization: Bearer KEY`. `cors_origins`: origins a browser may call from ("*": any).
+    A request's life, in order: `admit` (checks, then one `RequestHandle` per choice handed to the
+    engine thread), a `Completion` (waits until the engine took them, then streams or collects), and
+    `close` (once per handle, however it ended: aborted unless the engine finished it, counted).
     """
-    engine_thread = EngineThread(engine, clock)
-    metrics = ServerMetrics(model_name, lambda: engine_thread.stats)
-    context = engine_context(engine) if max_model_len is None else max_model_len
-    if not 1 <= context <= engine_context(engine):
-        raise ValueError(f"max_model_len={max_model_len} must be in 1 .. {engine_context(engine)}: "
-                         f"the tokens this engine's KV pool and model positions hold")
-    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def lifespan(app):
-        engine_thread.start()
-        yield
-        engine_thread.stop()
-        tokenize_pool.shutdown(wait=False)
+    def __init__(self, engine, tokenizer, model_name: str, clock: Callable[[], float], max_model_len: int | None,
+                 keepalive: float, max_pending: int):
+        self.engine_thread = EngineThread(engine, clock)
+        self.tokenizer, self.model_name, self.clock = tokenizer, model_name, clock
+        stats = self.engine_thread.stats
+        self.context = stats.max_request_tokens if max_model_len is None else max_model_len
+        if not 1 <= self.context <= stats.max_request_tokens:
+            raise ValueError(f"max_model_len={max_model_len} must be in 1 .. {stats.max_request_tokens}: "
+                             f"the tokens this engine's KV pool and model positions hold")
+        self.vocab_size = stats.vocab_size
+        self.metrics = ServerMetrics(model_name, lambda: self.engine_thread.stats, self.context)
+        self.keepalive, self.max_pending = keepalive, max_pending
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.active: dict[str, RequestHandle] = {}  # engine requests from `admit` to `close`, by id
+        self.draining = False
 
-    app = FastAPI(title="tiny-llm", lifespan=lifespan)
-    app.state.engine_thread = engine_thread
-    app.state.metrics = metrics
-    app.state.draining = False
-    active: dict[str, RequestHandle] = {}  # requests being served, by id
-
-    async def drain(timeout: float) -> None:
-        """Shutting down: refuse new requests, let running ones finish for `timeout` seconds, end the rest."""
-        app.state.draining = True
-        deadline = time.monotonic() + timeout
-        while active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for handle in list(active.values()):
-            handle.events.put_nowait(ServerStopping())
-
-    app.state.drain = drain
-    install_http_extras(app, api_key, list(cors_origins))
-
-    def decode_token(token: int) -> str:
-        """One token's text, as a response's log-probabilities name it."""
-        return tokenizer.decode([token])
-
-    async def tokenize(size: int, function, *args):
+    async def tokenize(self, size: int, function, *args):
         """Tokenize a prompt of `size` characters: a short one right here (it takes microseconds), a long one
         on the tokenizing thread, so it stalls neither the event loop nor the short prompts behind it."""
         if size <= LONG_PROMPT_CHARS:
             return function(*args)
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, function, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, function, *args)
 
-    def submit(body, prompts: list[list[int]], chat: bool) -> tuple[str, list[RequestHandle]]:
-        """Every prompt `n` times, one engine request per choice, all handed to the engine thread at once (so
-        they start in the same step); their answers (Accepted or Rejected) come on the handles' queues."""
-        check_choices(len(prompts), body.n)
-        check_logit_bias(body, engine.model.args.vocab_size)
-        if app.state.draining:
+    def check_open(self, num_choices: int) -> None:
+        """A 503 while shutting down or without an engine thread; a 429 with Retry-After when `num_choices` more
+        engine requests would pass `max_pending` (beyond it a client would wait with nothing to show)."""
+        if self.draining:
             raise APIError(503, "the server is shutting down")
-        if not engine_thread.running:
-            raise APIError(503, f"the engine is not running: {engine_thread.error!r}")
+        if not self.engine_thread.running:
+            raise APIError(503, f"the engine is not running: {self.engine_thread.error!r}")
+        if len(self.active) + num_choices > self.max_pending:
+            raise APIError(429, f"the server is busy ({len(self.active)} requests in flight, at most "
+                           f"{self.max_pending}): retry shortly", code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def admit(self, body, prompts: list[list[int]], chat: bool, arrival: float) -> Completion:
+        """Every prompt `n` times, one engine request per choice, all handed to the engine thread at once (so
+        they start in the same step); every check first, so a refused request leaves nothing behind."""
+        check_choices(len(prompts), body.n)
+        check_token_ids(body, self.vocab_size)
+        choices = [(prompt, body.sampling(max_tokens_for(body, len(prompt), self.context), i))
+                   for prompt in prompts for i in range(body.n)]
+        self.check_open(len(choices))
+        self.metrics.n.observe(body.n)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         handles = []
-        for index, (prompt, i) in enumerate((prompt, i) for prompt in prompts for i in range(body.n)):
-            sampling = body.sampling(max_tokens_for(body, len(prompt), context), i)
+        for index, (prompt, sampling) in enumerate(choices):
             handle = RequestHandle(f"{response_id}-{index}", prompt, sampling, loop, asyncio.Queue(), body.priority,
-                                   submitted=clock())
-            engine_thread.submit(handle)
+                                   submitted=self.clock())
+            self.active[handle.request_id] = handle
+            self.engine_thread.submit(handle)
             handles.append(handle)
-        return response_id, handles
+        return Completion(self, body, prompts, chat, arrival, response_id, handles)
 
-    async def accepted(handles: list[RequestHandle]) -> None:
+    def close(self, handle: RequestHandle, arrival: float, finished: bool = False, count: bool = True) -> None:
+        """A request's end, handled once however it came: abort it unless the engine `finished` it; `count` it
+        in the metrics (not a request the engine refused)."""
+        if handle.closed:
+            return
+        handle.closed = True
+        self.active.pop(handle.request_id, None)
+        if not finished:
+            self.engine_thread.abort(handle.request_id)
+        if not count:
+            return
+        self.metrics.request_ended(handle.finish_reason or "abort", self.clock() - arrival, len(handle.prompt),
+                                   handle.completion_tokens, handle.sampling.max_tokens)
+        if handle.scheduled is not None:  # never scheduled: it left (or failed) while it waited
+            self.metrics.phases(handle.submitted, handle.scheduled, handle.first_token, handle.last_token,
+                                handle.completion_tokens)
+
+    async def drain(self, timeout: float) -> None:
+        """Shutting down: refuse new requests, let running ones finish for `timeout` seconds, end the rest."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for handle in list(self.active.values()):
+            handle.events.put_nowait(ServerStopping())
+
+
+class Completion:
+    """One HTTP request's choices (a `RequestHandle` each) on their way to one JSON answer or one stream."""
+
+    def __init__(self, server: Server, body, prompts: list[list[int]], chat: bool, arrival: float,
+                 response_id: str, handles: list[RequestHandle]):
+        self.server, self.body, self.prompts, self.chat, self.arrival = server, body, prompts, chat, arrival
+        self.handles = handles
+        self.head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+
+    async def accepted(self) -> None:
         """Wait for the engine thread to take every choice; if it refuses one (or the wait ends), none runs on."""
         try:
-            for handle in handles:
+            for handle in self.handles:
                 first = await handle.events.get()
                 if isinstance(first, Rejected) and isinstance(first.error, (ValueError, TypeError)):
                     raise APIError(400, str(first.error), code="invalid_request")
                 if isinstance(first, Rejected):
                     raise APIError(500, f"the engine failed: {type(first.error).__name__}")
+                if not isinstance(first, Accepted):
+                    raise APIError(503, "the server is shutting down")
         except BaseException:
-            for handle in handles:
-                engine_thread.abort(handle.request_id)
+            for handle in self.handles:
+                self.server.close(handle, self.arrival, count=False)
             raise
 
-    def observe_phases(handle: RequestHandle, first_token: float | None, last_token: float | None) -> None:
-        """vLLM's phases of a request that ended: queued (until its first step), prefill (to its first token),
-        decode (to its last token), inference (prefill and decode)."""
-        if handle.scheduled is None:
-            return  # never scheduled: it left (or failed) while it waited
-        metrics.queue.observe(handle.scheduled - handle.submitted)
-        if first_token is not None:
-            metrics.prefill.observe(max(0.0, first_token - handle.scheduled))
-            metrics.decode.observe(last_token - first_token)
-            metrics.inference.observe(max(0.0, last_token - handle.scheduled))
+    def count_token(self, handle: RequestHandle, output) -> None:
+        """What one StepOutput tells the usage and the metrics: its token's time, log-probabilities, cached tokens."""
+        if output.finished:
+            handle.cached_tokens = output.num_cached_tokens or 0
+        if output.token is None:  # EOS or a stop token id ends a request with token None (unless it ignores EOS)
+            return
+        now = self.server.clock()
+        handle.completion_tokens += 1
+        if output.logprobs is not None:
+            handle.logprobs.append(output.logprobs)
+        if handle.last_token is None:
+            handle.first_token = now
+            self.server.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.server.metrics.itl.observe(now - handle.last_token)
+        handle.last_token = now
 
-    async def tokens(handle: RequestHandle, stops: list[str], generation: Generation, arrival: float):
-        """The request's text pieces, one per token; aborts the request if it ends before the engine says so."""
-        text = TextStream(tokenizer, stops)
-        first_token = last_token = None
-        engine_done = False  # the engine finished the request itself (EOS or max_tokens)
-        active[handle.request_id] = handle
+    async def tokens(self, handle: RequestHandle):
+        """One choice's text pieces, one per token; aborts the request if it ends before the engine says so."""
+        text = TextStream(self.server.tokenizer, self.body.stop_strings())
+        engine_done = False  # the engine finished the request itself (EOS, a stop token id or max_tokens)
         try:
             while True:
                 output = await handle.events.get()
                 if isinstance(output, ClientLeft):
                     return
                 if isinstance(output, ServerStopping):
-                    generation.finish_reason = "abort"
+                    handle.finish_reason = "abort"
                     yield text.add(None, finished=True)
                     return
                 if isinstance(output, Rejected):
                     raise APIError(500, f"the engine failed: {type(output.error).__name__}")
-                now = clock()
-                if output.token is not None:  # EOS ends a request with token None (unless it ignores EOS)
-                    generation.completion_tokens += 1
-                    if output.logprobs is not None:
-                        generation.logprobs.append(output.logprobs)
-                    if last_token is None:
-                        first_token = now
-                        metrics.ttft.observe(now - arrival)
-                    else:
-                        metrics.itl.observe(now - last_token)
-                    last_token = now
+                self.count_token(handle, output)
                 engine_done = output.finished
-                if output.finished:
-                    generation.cached_tokens = output.num_cached_tokens or 0
                 piece = text.add(output.token, output.finished)
                 if text.stopped:
-                    generation.finish_reason = "stop"
+                    handle.finish_reason = "stop"
                 elif output.finished:
-                    generation.finish_reason = "length" if output.finish_reason == "length" else "stop"
+                    handle.finish_reason = "length" if output.finish_reason == "length" else "stop"
                 yield piece
-                if generation.finish_reason is not None:
+                if handle.finish_reason is not None:
                     return
         finally:
             # The client left, the engine failed, a stop string or a shutdown ended it: free its blocks now.
-            close_request(handle, generation, arrival, first_token, last_token,
-                          finished=engine_done and not text.stopped)
+            self.server.close(handle, self.arrival, finished=engine_done and not text.stopped)
 
-    def close_request(handle: RequestHandle, generation: Generation, arrival: float, first_token: float | None = None,
-                      last_token: float | None = None, finished: bool = False) -> None:
-        """A request's end, handled once however it came: abort it unless the engine `finished` it; count it."""
-        if generation.closed:
-            return
-        generation.closed = True
-        active.pop(handle.request_id, None)
-        if not finished:
-            engine_thread.abort(handle.request_id)
-        metrics.finished(generation.finish_reason or "abort")
-        metrics.e2e.observe(clock() - arrival)
-        observe_phases(handle, first_token, last_token)
+    def usage(self) -> dict:
+        """The response's `usage`: each prompt counted once however many choices it has, its cached tokens too
+        (the most any of its choices found: one stopped by a stop string never learns its count)."""
+        n = self.body.n
+        per_prompt = [self.handles[i:i + n] for i in range(0, len(self.handles), n)]
+        cached = sum(max(handle.cached_tokens for handle in choices) for choices in per_prompt)
+        completion = sum(handle.completion_tokens for handle in self.handles)
+        return usage(sum(len(prompt) for prompt in self.prompts), completion, cached)
 
-    async def respond(request: Request, body, prompts: list[list[int]], chat: bool, arrival: float,
-                      response_id: str, handles: list[RequestHandle]):
+    def logprobs_of(self, handle: RequestHandle, entries: list | None) -> dict | None:
+        """A choice's `logprobs` for `entries`, in the response's shape; offsets go on from the last chunk's."""
+        shaped = logprobs_field(self.chat, entries, lambda token: self.server.tokenizer.decode([token]),
+                                handle.text_offset)
+        if shaped is not None and not self.chat:
+            handle.text_offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
+
+    async def answer(self, request: Request) -> Response:
         """Serve the submitted choices as one response or one stream."""
-        await accepted(handles)
-        watcher = asyncio.create_task(wait_for_disconnect(request, handles))
-        generations = [Generation(h.request_id, prompt_tokens=len(h.prompt),
-                                  logprobs=None if h.sampling.logprobs is None else []) for h in handles]
-        streams = [tokens(h, body.stop_strings(), g, arrival) for h, g in zip(handles, generations)]
-
-        def close_the_rest(_watcher: asyncio.Task) -> None:
-            for handle, generation in zip(handles, generations):
-                close_request(handle, generation, arrival)
-
+        await self.accepted()
+        watcher = asyncio.create_task(wait_for_disconnect(request, self.handles))
         # A stream's own `finally` closes its request, but only if the stream ever started: a response cancelled
         # before its body was read (the client left at once) never starts it. The watcher ends with the
         # response, however it ends (callbacks run even for a task cancelled before it ran): it closes the rest.
-        watcher.add_done_callback(close_the_rest)
-        head = {"id": response_id, "created": int(time.time()), "model": model_name}
-
-        def total_usage() -> dict:
-            completion = sum(g.completion_tokens for g in generations)
-            cached = sum(g.cached_tokens for g in generations)
-            return usage(sum(len(prompt) for prompt in prompts), completion, cached)
-
-        def logprobs_of(generation: Generation, entries: list | None) -> dict | None:
-            """A choice's `logprobs` for `entries`, in the response's shape; offsets go on from the last chunk's."""
-            shaped = logprobs_field(chat, entries, decode_token, generation.text_offset)
-            if shaped is not None and not chat:
-                generation.text_offset += sum(len(token) for token in shaped["tokens"])
-            return shaped
-
-        if not body.stream:
-            texts = await collect_all(streams, watcher)
-            if any(g.finish_reason is None for g in generations):
-                raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
-            choices = [choice(chat, i, text, g.finish_reason, streaming=False,
-                              logprobs=logprobs_of(g, g.take_logprobs()))
-                       for i, (text, g) in enumerate(zip(texts, generations))]
-            return JSONResponse({**head, "object": object_kind(chat, False), "choices": choices,
-                                 "usage": total_usage()})
-
-        kind = object_kind(chat, True)
-
-        async def events():
-            # Cancelled here (the client left) or not, each stream's finally aborts its unfinished request.
-            try:
-                async for index, piece, finish_reason, first, entries in merge(streams, generations):
-                    logprobs = logprobs_of(generations[index], entries)
-                    yield sse_event({**head, "object": kind,
-                                     "choices": [choice(chat, index, piece, finish_reason, True, first, logprobs)]})
-                if any(g.finish_reason is None for g in generations):
-                    return  # the client left or the engine failed: nothing more to say
-                if body.include_usage:
-                    yield sse_event({**head, "object": kind, "choices": [], "usage": total_usage()})
-                yield sse_event("[DONE]")
-            finally:
-                watcher.cancel()
-                for stream in streams:
-                    await stream.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
+        watcher.add_done_callback(lambda _: [self.server.close(handle, self.arrival) for handle in self.handles])
+        streams = [self.tokens(handle) for handle in self.handles]
+        if not self.body.stream:
+            return await self.whole(streams, watcher)
+        return StreamingResponse(self.events(streams, watcher), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def whole(self, streams: list, watcher: asyncio.Task) -> JSONResponse:
+        """Every choice's whole text in one JSON answer."""
+        texts = await collect_all(streams, watcher)
+        if any(handle.finish_reason is None for handle in self.handles):
+            raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
+        choices = [choice(self.chat, i, text, handle.finish_reason, streaming=False,
+                          logprobs=self.logprobs_of(handle, handle.take_logprobs()))
+                   for i, (text, handle) in enumerate(zip(texts, self.handles))]
+        return JSONResponse({**self.head, "object": object_kind(self.chat, False), "choices": choices,
+                             "usage": self.usage()})
+
+    async def events(self, streams: list, watcher: asyncio.Task):
+        """The stream's server-sent events: a chunk per piece, keep-alive comments while nothing comes, then
+        `usage` (if asked) and `[DONE]`."""
+        kind = object_kind(self.chat, True)
+        # Cancelled here (the client left) or not, each stream's finally aborts its unfinished request.
+        try:
+            async for chunk in merge(streams, self.handles, self.server.keepalive):
+                if chunk is KEEP_ALIVE:
+                    yield SSE_KEEP_ALIVE
+                    continue
+                index, piece, finish_reason, first, entries = chunk
+                logprobs = self.logprobs_of(self.handles[index], entries)
+                yield sse_event({**self.head, "object": kind,
+                                 "choices": [choice(self.chat, index, piece, finish_reason, True, first, logprobs)]})
+            if any(handle.finish_reason is None for handle in self.handles):
+                return  # the client left or the engine failed: nothing more to say
+            if self.body.include_usage:
+                yield sse_event({**self.head, "object": kind, "choices": [], "usage": self.usage()})
+            yield sse_event("[DONE]")
+        finally:
+            watcher.cancel()
+            for stream in streams:
+                await stream.aclose()
+
+
+# ---------------------------------------------------------------- the app
+
+
+def add_completion_routes(app: FastAPI, server: Server) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        arrival = clock()
-        with engine_thread.arriving():
-            body = parse_body(ChatCompletionRequest, await request.body(), model_name)
+        arrival = server.clock()
+        server.check_open(1)  # before reading the body: a busy server spends nothing on a refused request
+        with server.engine_thread.arriving():
+            body = parse_body(ChatCompletionRequest, await request.body(), server.model_name)
             size = sum(len(message.text()) for message in body.messages)
-            prompts = [await tokenize(size, chat_prompt_ids, tokenizer, body.messages)]
-            response_id, handles = submit(body, prompts, chat=True)
-        return await respond(request, body, prompts, True, arrival, response_id, handles)
+            prompts = [await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages)]
+            completion = server.admit(body, prompts, True, arrival)
+        return await completion.answer(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        arrival = clock()
-        with engine_thread.arriving():
-            body = parse_body(CompletionRequest, await request.body(), model_name)
-            prompts = await tokenize(prompt_size(body.prompt), completion_prompt_ids, tokenizer, body.prompt,
-                                     engine.model.args.vocab_size)
-            response_id, handles = submit(body, prompts, chat=False)
-        return await respond(request, body, prompts, False, arrival, response_id, handles)
+        arrival = server.clock()
+        server.check_open(1)
+        with server.engine_thread.arriving():
+            body = parse_body(CompletionRequest, await request.body(), server.model_name)
+            prompts = await server.tokenize(prompt_size(body.prompt), completion_prompt_ids, server.tokenizer,
+                                            body.prompt, server.vocab_size)
+            completion = server.admit(body, prompts, False, arrival)
+        return await completion.answer(request)
+
+
+def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
+    """vLLM's POST /tokenize (a prompt, or messages through the chat template) and POST /detokenize."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse_body(TOKENIZE_BODY, await request.body(), server.model_name)
+        if isinstance(body, TokenizeChat):
+            size = sum(len(message.text()) for message in body.messages)
+            tokens = await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages,
+                                           body.add_generation_prompt, body.add_special_tokens)
+        else:
+            tokens = await server.tokenize(len(body.prompt), text_ids, server.tokenizer, body.prompt,
+                                           body.add_special_tokens)
+        token_strs = server.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": server.context, "tokens": tokens, "token_strs": token_strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_body(Detokenize, await request.body(), server.model_name)
+        if body.tokens and max(body.tokens) >= server.vocab_size:
+            raise APIError(400, f"'tokens' holds a token id outside the vocabulary (0 .. {server.vocab_size - 1})",
+                           param="tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+
+def add_info_routes(app: FastAPI, server: Server) -> None:
+    """GET /v1/models, /v1/models/{id}, /version, /health and /metrics."""
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(model_name)]}
+        return {"object": "list", "data": [model_card(server.model_name)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def one_model(model_id: str):
-        if model_id != model_name:
+        if model_id != server.model_name:
             raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
-        return model_card(model_name)
+        return model_card(server.model_name)
+
+    @app.get("/version")
+    async def version():
+        return {"version": server_version()}
 
     @app.get("/health")
     async def health():
-        if not engine_thread.running:
-            return JSONResponse({"status": "error", "error": repr(engine_thread.error)}, status_code=503)
+        if not server.engine_thread.running:
+            return JSONResponse({"status": "error", "error": repr(server.engine_thread.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        content, content_type = metrics.render()
+        content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
 
+
+def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = time.perf_counter,
+               max_model_len: int | None = None, api_key: str | None = None, cors_origins: tuple[str, ...] = (),
+               max_body_bytes: int = MAX_BODY_BYTES, max_pending_requests: int = MAX_PENDING_REQUESTS,
+               keepalive: float = KEEPALIVE_SECONDS) -> FastAPI:
+    """An OpenAI-compatible FastAPI app serving `engine` (started and stopped with the app's lifespan).
+
+    `model_name` is the id clients send as "model" and that /v1/models lists. The engine thread is
+    `app.state.engine_thread`. `clock` times the latency histograms. `max_model_len` (optional, at
+    most what the engine can hold) bounds prompt plus output. `api_key`: requests to /v1 must send
+    it as `Authorization: Bearer KEY`. `cors_origins`: origins a browser may call from ("*": any).
+    `max_body_bytes`: a larger body is a 413. `max_pending_requests`: engine requests (choices) in
+    flight before new ones get a 429. `keepalive`: seconds of silence before a stream gets an SSE comment.
+    """
+    server = Server(engine, tokenizer, model_name, clock, max_model_len, keepalive, max_pending_requests)
+
+    async def lifespan(app):
+        server.engine_thread.start()
+        yield
+        server.engine_thread.stop()
+        server.tokenize_pool.shutdown(wait=False)
+
+    app = FastAPI(title="tiny-llm", lifespan=lifespan)
+    app.state.server = server
+    app.state.engine_thread = server.engine_thread
+    app.state.metrics = server.metrics
+    app.state.drain = server.drain
+    install_http_extras(app, api_key, list(cors_origins), max_body_bytes)
+    add_completion_routes(app, server)
+    add_tokenizer_routes(app, server)
+    add_info_routes(app, server)
     return app

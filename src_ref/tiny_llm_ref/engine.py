@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_for
@@ -37,6 +37,31 @@ def _positive_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine reports about itself, one snapshot at a time (`LLMEngine.stats()`): all a server or
+    `/metrics` reads of it, so the engine's insides can change without breaking them."""
+
+    num_running: int  # requests admitted (prefilling or decoding)
+    num_waiting: int  # requests queued (new or preempted)
+    num_blocks_used: int
+    num_blocks_free: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (0 without one)
+    prefix_cache_hits: int  # of those, tokens found there
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens prefilled so far
+    generation_tokens: int  # tokens generated so far
+    held: frozenset  # ids of the requests the engine holds (waiting or running)
+    scheduled: frozenset  # ids of those that have been in a step at least once
+    max_request_tokens: int  # the most tokens one request can hold: the KV pool's size or the model's positions
+    vocab_size: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks in use, 0..1."""
+        return self.num_blocks_used / (self.num_blocks_used + self.num_blocks_free)
 
 
 @dataclass(frozen=True)
@@ -141,6 +166,7 @@ class LLMEngine:
                                    config.make_order(), tokenizer.eos_token_ids, self.log)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
         self.sequences: dict[object, Sequence] = {}  # unfinished ones, by request id
+        self.scheduled: set = set()  # ids of unfinished requests that have been in a step (for `stats()`)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -188,6 +214,9 @@ class LLMEngine:
         if longest > min(capacity, self.model.max_position):
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({sampling.max_tokens}) can never fit: "
                              f"the KV pool holds {capacity} tokens and the model {self.model.max_position} positions")
+        if sampling.min_tokens and not sampling.ignore_eos:  # min_tokens keeps EOS away too (vLLM's rule)
+            eos = tuple(t for t in self.tokenizer.eos_token_ids if t not in sampling.stop_token_ids)
+            sampling = replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + eos)
         seq = Sequence(request_id, tokens, sampling, priority=priority, arrival_time=self.clock())
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -203,6 +232,7 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return
+        self.scheduled.discard(request_id)
         self.scheduler.finish(seq, "abort")
         self.metrics.finish(request_id)
 
@@ -240,11 +270,13 @@ class LLMEngine:
     def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
         """Count the step's tokens, time each new token, and let go of finished requests (provided)."""
         self.prompt_tokens_total += sum(chunk.num_prompt_tokens for chunk in plan.chunks)
+        self.scheduled.update(chunk.seq.request_id for chunk in plan.chunks)
         for output in outputs:
             if output.token is not None:
                 self.generation_tokens_total += 1
                 self.metrics.token(output.request_id)
             if output.finished:
+                self.scheduled.discard(output.request_id)
                 seq = self.sequences.pop(output.request_id, None)
                 if seq is not None:
                     output.num_cached_tokens = seq.num_cached_tokens or 0
@@ -293,6 +325,21 @@ class LLMEngine:
                        prompt_tokens_total=self.prompt_tokens_total,
                        generation_tokens_total=self.generation_tokens_total)
         return summary
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state for a server and its /metrics (provided)."""
+        manager = self.block_manager
+        caching = self.config.enable_prefix_caching
+        return EngineStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_blocks_used=manager.num_blocks - manager.num_free_blocks, num_blocks_free=manager.num_free_blocks,
+            prefix_cache_queries=manager.queried_tokens if caching else 0,
+            prefix_cache_hits=manager.hit_tokens if caching else 0,
+            num_preemptions=self.num_preemptions, prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total, held=frozenset(self.sequences),
+            scheduled=frozenset(self.scheduled),
+            max_request_tokens=min(manager.num_blocks * manager.block_size, self.model.max_position),
+            vocab_size=self.model.args.vocab_size)
 
     @property
     def num_preemptions(self) -> int:

@@ -371,8 +371,9 @@ class Scheduler:
         # END TASK
 
     def ends_at_eos(self, seq: Sequence, token: int) -> bool:
-        """Whether `token` is an EOS that ends `seq`: not for a request that asked to `ignore_eos` (provided)."""
-        return token in self.eos_token_ids and not seq.sampling.ignore_eos
+        """Whether `token` is an EOS that ends `seq` (not for a request that asked to `ignore_eos`), or one of
+        its `stop_token_ids` (provided)."""
+        return (token in self.eos_token_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids
 
     def roll_back(self, seq: Sequence, num_computed: int) -> None:
         """Keep only the first `num_computed` positions of `seq` in the cache (day 4.1's rejected guesses) (provided).
