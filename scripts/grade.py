@@ -213,12 +213,12 @@ def read_regular(path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
         raise ValueError("a symbolic link" if error.errno == errno.ELOOP else error.strerror) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise ValueError("a directory" if stat.S_ISDIR(info.st_mode) else "a hard link" if stat.S_ISREG(info.st_mode)
+                         else "not a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file")
-        if info.st_nlink > 1:
-            raise ValueError("a hard link")
         data = f.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
@@ -400,7 +400,7 @@ def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str
                     collect_output or "the test process did not report this test")
                 if review_text:
                     result = CaseResult(nodeid, "needs_review", review_text)
-                report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, result.output,
+                report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, printable(result.output),
                                               share if result.ok else 0, share))
     broken = bool(run.problems or run.collect_errors)
     for task in sorted(set(day.points) - set(by_task)):
@@ -533,7 +533,7 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
             "score": test.score,
             "max_score": test.max_score,
             "status": "passed" if test.passed else "failed",
-            "output": printable(f"{status_word(test)}\n{test.output}".strip()) if not test.passed else "passed",
+            "output": f"{status_word(test)}\n{test.output}".strip() if not test.passed else "passed",
             "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
             "visibility": "visible",
         })
@@ -735,7 +735,7 @@ def grade(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- a Gradescope autograder
 
-AUTOGRADER_PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "scripts", "tests", "src", "src_ref",
+AUTOGRADER_PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "maint", "scripts", "tests", "src", "src_ref",
                     "models/qwen2-tiny-random")
 SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu, Python 3.11 or later):
@@ -762,7 +762,9 @@ exec "${TINY_LLM_AUTOGRADER_PYTHON:-$course/.venv/bin/python}" -m scripts.grade 
 
 def make_autograder(dest: Path) -> None:
     """Gradescope's autograder: setup.sh and run_autograder at the top (zip DIR's contents and upload them), and
-    the course (tests, tooling, reference, untouched skeleton, embedded model) in course/."""
+    the course (tests, tooling, reference, embedded model) in course/, with the skeleton written afresh from the
+    reference: whatever is in this checkout's src/tiny_llm (a student's work) never goes in."""
+    from maint.make_skeleton import generate
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
@@ -772,6 +774,8 @@ def make_autograder(dest: Path) -> None:
             shutil.copytree(source, dest / "course" / name, ignore=ignore, symlinks=True)
         elif source.exists():
             shutil.copyfile(source, dest / "course" / name)
+    for name, text in generate(REPO_ROOT / REFERENCE_DIR).items():
+        (dest / "course" / SKELETON_DIR / name).write_text(text)
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
         (dest / name).write_text(text)
         (dest / name).chmod(0o755)

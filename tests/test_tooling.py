@@ -1022,6 +1022,70 @@ def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
     assert results["score"] == results["extra_data"]["max_score"] == 10, done.stdout
 
 
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+def test_the_gradescope_autograder_grades_a_submission_folder(tmp_path):
+    """`--make-autograder DIR` writes setup.sh, run_autograder and the course; run_autograder, with its places moved
+    by environment variables, grades a folder of modules (day 1.1 solved) into a valid results.json."""
+    import os
+
+    autograder = tmp_path / "autograder"
+    done = subprocess.run([sys.executable, "-m", "scripts.grade", "--make-autograder", str(autograder)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for script in ("setup.sh", "run_autograder"):
+        assert os.access(autograder / script, os.X_OK), script
+    course = autograder / "course"
+    assert (course / "scripts" / "grade.py").exists() and (course / "tests" / "test_week_1_day_1.py").exists()
+    from maint.make_skeleton import generate
+
+    skeleton = generate(REPO_ROOT / "src_ref" / "tiny_llm_ref")
+    assert {p.name: p.read_text() for p in (course / "src" / "tiny_llm").glob("*.py")} == skeleton, \
+        "the skeleton written from the reference, never a student's work"
+    submission = tmp_path / "submission"  # as a student uploads it: the modules at the top
+    submission.mkdir()
+    for module in ("basics", "attention"):
+        shutil.copyfile(REPO_ROOT / "src_ref" / "tiny_llm_ref" / f"{module}.py", submission / f"{module}.py")
+    results = tmp_path / "results" / "results.json"
+    env = {**os.environ, "TINY_LLM_AUTOGRADER_COURSE": str(course), "TINY_LLM_AUTOGRADER_SUBMISSION": str(submission),
+           "TINY_LLM_AUTOGRADER_RESULTS": str(results), "TINY_LLM_AUTOGRADER_PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(autograder / "run_autograder"), "--week", "1", "--day", "1"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(results.read_text())
+    assert gradescope_problems(report) == []
+    assert report["score"] == report["extra_data"]["max_score"] == 10, done.stdout
+
+
+def test_grade_refuses_without_the_sandbox_where_it_is_required(tmp_path):
+    """With --json (a grade that counts) and no bubblewrap: one line, exit 2, nothing graded; --no-require-sandbox
+    grades anyway, with the warning."""
+    import os
+
+    env = {**os.environ, "TINY_LLM_UNSANDBOXED": "forced off by the test"}
+    command = [sys.executable, "-m", "scripts.grade", "--src", str(REPO_ROOT / "src" / "tiny_llm"), "--week", "1",
+               "--day", "1", "--json", str(tmp_path / "results.json")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and not (tmp_path / "results.json").exists()
+    assert done.stderr.strip().count("\n") == 0 and "refused" in done.stderr, done.stderr
+    done = subprocess.run(command + ["--no-require-sandbox"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0 and "UNSANDBOXED" in done.stderr, done.stdout + done.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["extra_data"]["sandboxed"] is False
+
+
+def test_staging_reads_regular_files_only(tmp_path):
+    """Each kind of file the grader must not open on the submission's behalf is refused, with a note, and the module
+    counts as missing; an honest module next to it is staged."""
+    for attack, build in BUILT_ATTACKS.items():
+        submission = attack_submission(tmp_path / attack, attack)
+        root = submission
+        staged = grade.stage_submission(root, grade.submission_dir(root), tmp_path / attack / "staged", scan=True)
+        assert staged.refused and all("not read (" in note for note in staged.refused), (attack, staged.refused)
+        assert "basics" not in staged.modules or attack in ("hidden_test_link",), (attack, staged.modules)
+        assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link")
+        assert all(b"hidden-31" not in path.read_bytes() for path in staged.modules.values())
+
+
 def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
     """A day cut short by its budget (or failing) is not an honest run: recording its time would shrink the
     next budget until honest runs fail."""
