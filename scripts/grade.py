@@ -768,6 +768,7 @@ def make_autograder(dest: Path) -> None:
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    (dest / "course").mkdir(parents=True)
     for name in AUTOGRADER_PARTS:
         source = REPO_ROOT / name
         if source.is_dir():
