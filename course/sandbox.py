@@ -90,24 +90,19 @@ def why_unsandboxed() -> str:
         return "macOS has no bubblewrap"
     broken = os.environ.get(UNSANDBOXED_VARIABLE)
     if broken:
-        return f"bubblewrap is installed but fails: {broken.splitlines()[0]}"
+        return f"bubblewrap is installed but cannot start a sandbox here ({broken.splitlines()[0]}): user " \
+               "namespaces may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)"
     return "bubblewrap is not installed: `sudo apt-get install bubblewrap`"
 
 
 def unsandboxed_warning() -> str | None:
-    """None where the sandbox is used; otherwise what running without it means, and how to get it."""
+    """None where the sandbox is used; otherwise what running without it means, and why it cannot be used."""
     if bwrap_path():
         return None
-    broken = os.environ.get(UNSANDBOXED_VARIABLE)
-    what = ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
+    return ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
             "network; results are still decided outside its process, but a submission could read the "
-            "reference or change files. Fine for grading your own work; not for grading someone else's.")
-    if sys.platform == "darwin":
-        return what + " (macOS has no bubblewrap; grade on Linux for a sandboxed grade.)"
-    if broken:
-        return what + f" bubblewrap is installed but cannot start a sandbox here ({broken}): user namespaces " \
-                      "may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)."
-    return what + " Install bubblewrap for the sandbox: `sudo apt-get install bubblewrap` (Debian/Ubuntu)."
+            "reference or change files. Fine for grading your own work; not for grading someone else's "
+            f"({why_unsandboxed()}).")
 
 
 # ---------------------------------------------------------------- the sandbox root (prepared by the grader)
