@@ -646,6 +646,8 @@ def grade(args: argparse.Namespace) -> int:
     bar = None
     try:
         root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        if not root.is_dir():
+            raise SystemExit(f"--src {args.src}: not a directory")
         submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
         extra: dict = {}
         if student:
