@@ -11,7 +11,8 @@
 - a test during which the interpreter dies (segfault, abort, os._exit, out of memory) is scored as
   `crashed`, with the end of pytest's output, and the remaining tests run in a new process;
 - a watchdog on the stream: no event for `timeout` + a grace period, inside a test or between tests,
-  kills the process; a `deadline` (the day's or the whole run's time cap) does the same;
+  kills the process; a `deadline` (the whole run's) or a `cap` (the day's: seconds from its first test's
+  start, so that start-up on a loaded machine is not counted) does the same;
 - after every process, its whole process group is killed (while grading, the submission's code runs in
   sandboxes of its own, course/sandbox.py, which end with it);
 - `memory_mb` caps each test process's address space (RLIMIT_AS, set in the child before pytest starts);
@@ -60,7 +61,8 @@ class RunResult:
     collect_errors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (not one test)
     review: list[str] = field(default_factory=list)  # the event stream broke the protocol: untrustworthy
-    out_of_time: bool = False  # the deadline (a time budget) stopped the run
+    out_of_time: bool = False  # the deadline or the cap stopped the run
+    first_start: float | None = None  # time.monotonic() when the first test started (the cap counts from it)
     expected: list[str] = field(default_factory=list)  # the tests the run had to report (given, or first collected)
     processes: int = 0
     seconds: float = 0.0
@@ -253,7 +255,7 @@ class _Process:
 
 
 def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_timeout: float,
-                 deadline: float | None, memory_mb: int | None, work: Path, run: RunResult,
+                 deadline: float | None, cap: float | None, memory_mb: int | None, work: Path, run: RunResult,
                  protocol: _Protocol, index: int, on_result) -> _Process:
     """Run pytest once; record finished tests in `run`."""
     events_path, trace_path, log_path, skip_path = (work / f"events{index}.jsonl", work / f"trace{index}.txt",
@@ -270,12 +272,12 @@ def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_
     protocol.ended, protocol.current, protocol.queue = False, None, []
     try:
         return _watch(proc, run, protocol, _EventReader(events_path), trace_path, log_path, cwd,
-                      timeout, startup_timeout, deadline, on_result)
+                      timeout, startup_timeout, deadline, cap, on_result)
     finally:
         _kill_group(proc)  # and whatever it left in its group
 
 
-def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, startup_timeout, deadline,
+def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, startup_timeout, deadline, cap,
            on_result) -> _Process:
     state = _Process()
     launched = last_event = time.monotonic()
@@ -297,6 +299,7 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
             elif kind == "start":
                 protocol.start(event.get("nodeid"))
                 started_at = time.monotonic()
+                run.first_start = run.first_start or started_at
             elif kind == "finish":
                 protocol.finish(event)
                 if on_result is not None and event.get("nodeid") in run.results:
@@ -313,7 +316,8 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
             break
         now = time.monotonic()
         current = protocol.current
-        if deadline is not None and now > deadline:
+        if (deadline is not None and now > deadline) or \
+                (cap is not None and run.first_start is not None and now > run.first_start + cap):
             _kill_group(proc)
             run.out_of_time = True
             if current is not None:
@@ -364,11 +368,12 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
 
 def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
                   pytest_args: tuple[str, ...] = (), expected: list[str] | None = None,
-                  deadline: float | None = None, memory_mb: int | None = None, on_result=None) -> RunResult:
+                  deadline: float | None = None, cap: float | None = None, memory_mb: int | None = None, on_result=None) -> RunResult:
     """Run `test_file` (relative to `cwd`; or a list of files) with per-test time limits; see the module docstring.
 
     `expected`: the test ids the file must report, in order (None: whatever the first process collects).
-    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`.
+    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`; `cap`: seconds
+    after the first test's start at which it stops likewise.
     `on_result`: called with each CaseResult as it arrives (progress bars).
     """
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
@@ -378,7 +383,7 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
         for index in range(10_000):
             done_before = len(run.results)
-            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, memory_mb,
+            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, cap, memory_mb,
                                  Path(tmp), run, protocol, index, on_result)
             if protocol.expected is None or (state.collected is None and index == 0):
                 break

@@ -585,15 +585,16 @@ def integrity_report(submission: Submission) -> list[str]:
 
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
-    """A day's time cap: CAP_FACTOR x its recorded honest time plus one test's limit, the same at any load.
+    """A day's time cap, counted from its first test's start: CAP_FACTOR x its recorded honest time plus one
+    test's limit (the default limit if --timeout is shorter), the same at any load.
 
     A hang costs only its test (the per-test limit); the cap ends a submission that makes every test slow,
-    which then costs at most CAP_FACTOR x an honest day. No scaling to the machine's load: on two cores an
-    honest day stays under its cap up to about CAP_FACTOR + timeout / its time times slower than recorded.
+    which then costs at most CAP_FACTOR x an honest day plus one test's limit. No scaling to the machine's load:
+    an honest day stays under its cap up to about CAP_FACTOR + 60 s / its recorded time times slower.
     """
     if args.day_budget is not None or args.record_times or day.key not in times:
         return args.day_budget or DEFAULT_DAY_CAP
-    return CAP_FACTOR * times[day.key] + args.timeout
+    return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
 
 def recorded_times() -> dict[str, float]:
@@ -708,7 +709,7 @@ def grade(args: argparse.Namespace) -> int:
                 # The tests expected are those this trusted process collects: the submission's code runs only in
                 # the sandbox, and no test file decides which tests exist from what the submission returns.
                 run = run_test_file(day.test_file, trusted, env, timeout=args.timeout,
-                                    deadline=min(time.monotonic() + cap, run_deadline), memory_mb=memory_mb)
+                                    deadline=run_deadline, cap=cap, memory_mb=memory_mb)
                 cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
                 reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
                 graded.append(reports[index])

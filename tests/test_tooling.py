@@ -994,6 +994,10 @@ def test_a_days_cap_is_flat_three_times_its_honest_run_plus_one_tests_limit(monk
     times = {"week1-day1": 4.0}
     args = argparse.Namespace(day_budget=None, record_times=0, timeout=60.0)
     assert grade.day_cap(find_day(1, 1), args, times) == grade.CAP_FACTOR * 4.0 + 60.0
+    quick = argparse.Namespace(day_budget=None, record_times=0, timeout=3.0)
+    assert grade.day_cap(find_day(1, 1), quick, times) == grade.CAP_FACTOR * 4.0 + 60.0, "a short --timeout keeps 60 s"
+    slow = argparse.Namespace(day_budget=None, record_times=0, timeout=90.0)
+    assert grade.day_cap(find_day(1, 1), slow, times) == grade.CAP_FACTOR * 4.0 + 90.0
     assert grade.day_cap(find_day(1, 2), args, times) == grade.DEFAULT_DAY_CAP, "a day never recorded"
     assert grade.day_cap(find_day(1, 1), argparse.Namespace(day_budget=30.0, record_times=0, timeout=60.0), times) == 30.0
     recording = argparse.Namespace(day_budget=None, record_times=3, timeout=60.0)
