@@ -60,7 +60,10 @@ UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
-MAX_PROCESSES = 64
+MAX_PROCESSES = 64  # without a cgroup: what the watchdog allows (processes, read from /proc)
+# With a cgroup: its pids.max, which counts threads as well as processes (day 3.5's server, its client and MLX's
+# pools run many; at 64, an honest day 3.5 hung in a thread that could not start).
+MAX_TASKS = 512
 MAX_OPEN_FILES = 4096  # mlx_lm sets its own limit to (2048, 4096) at import, and may not raise the hard one
 SCRATCH_BYTES = 256 << 20
 INSIDE = "/grade"
@@ -256,7 +259,7 @@ class Worker:
         counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
         processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
         memory = (memory_mb << 20) if memory_mb else None
-        self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_PROCESSES, memory)
+        self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS, memory)
         self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
                                                dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():

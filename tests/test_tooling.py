@@ -822,12 +822,12 @@ def test_the_sandbox_confines_the_submission(tmp_path):
             return found
 
         def fork_bomb(hide):
-            """Forks 500 sleepers, counted in the scratch; `hide`: from a thread of a process whose main thread
+            """Forks 600 sleepers, counted in the scratch; `hide`: from a thread of a process whose main thread
             exited (state Z, which a walk of /proc that skips Z never looks below)."""
             import ctypes, threading, time
 
             def spawn():
-                for _ in range(500):
+                for _ in range(600):
                     try:
                         if os.fork() == 0:
                             time.sleep(30)
@@ -856,7 +856,7 @@ def test_the_sandbox_confines_the_submission(tmp_path):
         worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
         try:  # a cgroup refuses the forks past the limit; without one, a watchdog stops the worker
             forked = worker.endpoint.request("getattr", 0, "probe").fork_bomb(hide)
-            assert worker.group is not None and forked < sandbox.MAX_PROCESSES, forked
+            assert worker.group is not None and forked < sandbox.MAX_TASKS, forked
         except RemoteGone as gone:
             assert worker.group is None and "processes" in str(gone)
         finally:
