@@ -16,8 +16,8 @@ it) and flags the ways in, with the file and line of each:
 - assignments to attributes of imported names (patching MLX or another module the oracle uses);
 - strings naming /proc, the event stream, the reference package or results.json.
 
-Docstrings are not read. A finding is not proof of cheating: it means a person should look (the
-grader's `--allow-flagged` grades the module anyway).
+Docstrings are not read. A finding is not proof of cheating: it means a person should look. The scan
+decides nothing and never stops a grade: a file it cannot read yields one note.
 """
 
 import ast
@@ -212,8 +212,10 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def scan_source(source: str, shown_as: str) -> list[Finding]:
-    """Findings in one module's source (none for a file that does not parse: nothing in it can run).
+def scan_source(source: str | bytes, shown_as: str) -> list[Finding]:
+    """Findings in one module's source. A file that does not parse yields none (nothing in it can run); one the
+    scan cannot read at all (a nesting deep enough to exhaust the recursion limit, binary junk) yields one note
+    saying so: the scan never stops a grade.
 
     The module's name (the file name in `shown_as`) picks any imports its job allows (ALLOWED_BY_MODULE).
     """
@@ -221,10 +223,15 @@ def scan_source(source: str, shown_as: str) -> list[Finding]:
         tree = ast.parse(source, filename=shown_as)
     except SyntaxError:
         return []  # the module's tests fail at its import, with the syntax error
-    scanner = _Scanner(shown_as, ALLOWED_BY_MODULE.get(Path(shown_as).stem, set()))
-    scanner.visit(tree)
+    except Exception as error:  # noqa: BLE001 - RecursionError, MemoryError, ValueError (null bytes), ...
+        return [Finding(shown_as, 0, f"not scanned: {type(error).__name__} while parsing it")]
+    try:
+        scanner = _Scanner(shown_as, ALLOWED_BY_MODULE.get(Path(shown_as).stem, set()))
+        scanner.visit(tree)
+    except Exception as error:  # noqa: BLE001 - a tree too deep to walk
+        return [Finding(shown_as, 0, f"not scanned: {type(error).__name__} while reading it")]
     return sorted(set(scanner.findings), key=lambda f: (f.line, f.what))
 
 
 def scan_file(path: Path, shown_as: str) -> list[Finding]:
-    return scan_source(path.read_text(errors="replace"), shown_as)
+    return scan_source(path.read_bytes(), shown_as)

@@ -11,11 +11,10 @@
 - a test during which the interpreter dies (segfault, abort, os._exit, out of memory) is scored as
   `crashed`, with the end of pytest's output, and the remaining tests run in a new process;
 - a watchdog on the stream: no event for `timeout` + a grace period, inside a test or between tests,
-  kills the process; a `deadline` (the day's or the whole run's time budget) does the same (a callable
-  deadline is asked whether the time is up, so the grader can re-measure the budget before saying so);
-- after every process, its whole process group is killed, and so is every other descendant of this
-  process (on Linux this process becomes a "child subreaper", so even a double-forked, detached
-  process is re-parented here and found);
+  kills the process; a `deadline` (the whole run's) or a `cap` (the day's: seconds from its first test's
+  start, so that start-up on a loaded machine is not counted) does the same;
+- after every process, its whole process group is killed (while grading, the submission's code runs in
+  sandboxes of its own, course/sandbox.py, which end with it);
 - `memory_mb` caps each test process's address space (RLIMIT_AS, set in the child before pytest starts);
 - the stream is checked against the tests expected (`expected`, collected beforehand by `collect()` in
   a process that imports no student code): a result counts only for an expected test, reported in
@@ -26,11 +25,8 @@
 So a bad test costs only itself, and the run always finishes: at most one restart per test.
 """
 
-import ctypes
-import hmac
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -38,14 +34,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from course.pytest_events import HARD_GRACE, sign
+from course.pytest_events import HARD_GRACE
 
 POLL_SECONDS = 0.05
 EXIT_GRACE_SECONDS = 20.0  # after the last test, how long pytest may take to shut down
 LOG_TAIL = 4000
-PR_SET_CHILD_SUBREAPER = 36  # from <linux/prctl.h>
 
 
 @dataclass
@@ -67,7 +61,8 @@ class RunResult:
     collect_errors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (not one test)
     review: list[str] = field(default_factory=list)  # the event stream broke the protocol: untrustworthy
-    out_of_time: bool = False  # the deadline (a time budget) stopped the run
+    out_of_time: bool = False  # the deadline or the cap stopped the run
+    first_start: float | None = None  # time.monotonic() when the first test started (the cap counts from it)
     expected: list[str] = field(default_factory=list)  # the tests the run had to report (given, or first collected)
     processes: int = 0
     seconds: float = 0.0
@@ -75,7 +70,6 @@ class RunResult:
 
 # ---------------------------------------------------------------- starting pytest
 
-Deadline = float | Callable[[float], bool] | None
 TEST_TIME_LIMIT = 60.0  # seconds one test may run: the grader's default and `pdm run test`'s (pytest-timeout)
 
 def pytest_command(args: list[str]) -> list[str]:
@@ -83,7 +77,7 @@ def pytest_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider", *args]
 
 
-PLUGIN_VARIABLES = ("TINY_LLM_EVENTS", "TINY_LLM_TRACE", "TINY_LLM_TIMEOUT", "TINY_LLM_SKIP", "TINY_LLM_KEY")
+PLUGIN_VARIABLES = ("TINY_LLM_EVENTS", "TINY_LLM_TRACE", "TINY_LLM_TIMEOUT", "TINY_LLM_SKIP")
 
 
 def child_env(solution: str = "student", paths: tuple[str, ...] = ("src", "src_ref", ".")) -> dict:
@@ -126,103 +120,6 @@ def _limit_memory(memory_mb: int | None):
             pass  # a platform without the limit: the time limits still hold
 
     return apply
-
-
-# ---------------------------------------------------------------- leaving nothing behind
-
-_reaper = {"on": False}
-
-
-def become_subreaper() -> bool:
-    """Make orphaned descendants (double-forked, detached) re-parent to this process, so they can be found.
-
-    For a process that runs nothing else meanwhile (the grader, the checks): from then on, every process
-    that runs tests is followed by killing every descendant of this process.
-    """
-    _reaper["on"] = True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live descendant of `root`, read from /proc (empty where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _reap() -> None:
-    """Collect the exit status of re-parented descendants, so no zombie is left."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def kill_descendants() -> int:
-    """Stop, then kill, every descendant of this process, until none is left; returns how many."""
-    killed = 0
-    for _ in range(100):
-        pids = _descendants(os.getpid())
-        if not pids:
-            break
-        for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first, so none can fork a replacement
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        killed += len(pids)
-        time.sleep(0.02)
-        _reap()
-    return killed
-
-
-def pause_descendants() -> list[int]:
-    """Stop (SIGSTOP) every descendant of this process, for `resume`: while they are stopped, none uses a
-    processor, so what this process measures then is the machine without them."""
-    pids = _descendants(os.getpid())
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return pids
-
-
-def resume(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -269,11 +166,10 @@ def _read(path: Path) -> str:
 
 
 class _EventReader:
-    """The events of one process, in order; lines not signed with its key, or out of sequence, are `garbage`."""
+    """The events of one process, in order; lines that are not JSON objects are `garbage`."""
 
-    def __init__(self, path: Path, key: bytes):
-        self.path, self.key, self.offset, self.buffer = path, key, 0, b""
-        self.garbage, self.seq = 0, 0
+    def __init__(self, path: Path):
+        self.path, self.offset, self.buffer, self.garbage = path, 0, b"", 0
 
     def read(self) -> list[dict]:
         try:
@@ -287,16 +183,13 @@ class _EventReader:
         *lines, self.buffer = self.buffer.split(b"\n")
         events = []
         for line in lines:
-            signature, _, body = line.decode(errors="replace").partition(" ")
             try:
-                event = json.loads(body)
+                event = json.loads(line)
             except json.JSONDecodeError:
                 event = None
-            if not isinstance(event, dict) or not hmac.compare_digest(signature, sign(self.key, body)) \
-                    or event.get("seq") != self.seq:
+            if not isinstance(event, dict):
                 self.garbage += 1
                 continue
-            self.seq += 1
             events.append(event)
         return events
 
@@ -362,15 +255,14 @@ class _Process:
 
 
 def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_timeout: float,
-                 deadline: "Deadline", memory_mb: int | None, work: Path, run: RunResult,
+                 deadline: float | None, cap: float | None, memory_mb: int | None, work: Path, run: RunResult,
                  protocol: _Protocol, index: int, on_result) -> _Process:
     """Run pytest once; record finished tests in `run`."""
     events_path, trace_path, log_path, skip_path = (work / f"events{index}.jsonl", work / f"trace{index}.txt",
                                                     work / f"log{index}.txt", work / f"skip{index}.json")
     skip_path.write_text(json.dumps(list(run.results)))  # tests that already have a result are not run again
-    key = secrets.token_hex(16)
     env = {**env, "TINY_LLM_EVENTS": str(events_path), "TINY_LLM_TRACE": str(trace_path),
-           "TINY_LLM_TIMEOUT": str(timeout), "TINY_LLM_SKIP": str(skip_path), "TINY_LLM_KEY": key}
+           "TINY_LLM_TIMEOUT": str(timeout), "TINY_LLM_SKIP": str(skip_path)}
     command = pytest_command(["-q", "--color=no", *args])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -379,21 +271,13 @@ def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_
     run.processes += 1
     protocol.ended, protocol.current, protocol.queue = False, None, []
     try:
-        return _watch(proc, run, protocol, _EventReader(events_path, key.encode()), trace_path, log_path, cwd,
-                      timeout, startup_timeout, deadline, on_result)
+        return _watch(proc, run, protocol, _EventReader(events_path), trace_path, log_path, cwd,
+                      timeout, startup_timeout, deadline, cap, on_result)
     finally:
-        if proc.poll() is None:
-            _kill_group(proc)
-        else:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
-            except (ProcessLookupError, PermissionError):
-                pass
-        if _reaper["on"]:
-            kill_descendants()  # and whatever left the group (setsid, double fork)
+        _kill_group(proc)  # and whatever it left in its group
 
 
-def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, startup_timeout, deadline,
+def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, startup_timeout, deadline, cap,
            on_result) -> _Process:
     state = _Process()
     launched = last_event = time.monotonic()
@@ -415,6 +299,7 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
             elif kind == "start":
                 protocol.start(event.get("nodeid"))
                 started_at = time.monotonic()
+                run.first_start = run.first_start or started_at
             elif kind == "finish":
                 protocol.finish(event)
                 if on_result is not None and event.get("nodeid") in run.results:
@@ -426,13 +311,13 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
             else:
                 protocol.wrong(f"the test process sent an unknown event {kind!r}")
         if reader.garbage:
-            protocol.wrong("the event stream holds lines the reporting plugin did not write (unsigned, or out of "
-                           "sequence): something else wrote to it")
+            protocol.wrong("the event stream holds lines the reporting plugin did not write")
         if exited:
             break
         now = time.monotonic()
         current = protocol.current
-        if deadline is not None and (deadline(now) if callable(deadline) else now > deadline):
+        if (deadline is not None and now > deadline) or \
+                (cap is not None and run.first_start is not None and now > run.first_start + cap):
             _kill_group(proc)
             run.out_of_time = True
             if current is not None:
@@ -483,12 +368,12 @@ def _watch(proc, run, protocol, reader, trace_path, log_path, cwd, timeout, star
 
 def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
                   pytest_args: tuple[str, ...] = (), expected: list[str] | None = None,
-                  deadline: "Deadline" = None, memory_mb: int | None = None, on_result=None) -> RunResult:
+                  deadline: float | None = None, cap: float | None = None, memory_mb: int | None = None, on_result=None) -> RunResult:
     """Run `test_file` (relative to `cwd`; or a list of files) with per-test time limits; see the module docstring.
 
     `expected`: the test ids the file must report, in order (None: whatever the first process collects).
-    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`; or a callable
-    that says, given `time.monotonic()`, whether that time has come.
+    `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`; `cap`: seconds
+    after the first test's start at which it stops likewise.
     `on_result`: called with each CaseResult as it arrives (progress bars).
     """
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
@@ -498,7 +383,7 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
         for index in range(10_000):
             done_before = len(run.results)
-            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, memory_mb,
+            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, cap, memory_mb,
                                  Path(tmp), run, protocol, index, on_result)
             if protocol.expected is None or (state.collected is None and index == 0):
                 break
@@ -537,10 +422,9 @@ def collect(test_files: list[str], cwd: Path, env: dict,
     """
     with tempfile.TemporaryDirectory(prefix="tiny-llm-collect-") as tmp:
         events, log = Path(tmp) / "events.jsonl", Path(tmp) / "log.txt"
-        key = secrets.token_hex(16)
         with open(log, "wb") as out:
             proc = subprocess.Popen(pytest_command(["-q", "--collect-only", *test_files]), cwd=cwd,
-                                    env={**env, "TINY_LLM_EVENTS": str(events), "TINY_LLM_KEY": key}, stdout=out,
+                                    env={**env, "TINY_LLM_EVENTS": str(events)}, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -550,7 +434,7 @@ def collect(test_files: list[str], cwd: Path, env: dict,
             _kill_group(proc)
         by_file: dict[str, list[str]] = {name: [] for name in test_files}
         errors: dict[str, str] = {}
-        events_read = _EventReader(events, key.encode()).read()
+        events_read = _EventReader(events).read()
         for event in events_read:
             if event.get("event") == "collected":
                 for nodeid in event.get("items", []):

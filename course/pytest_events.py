@@ -11,11 +11,9 @@ Environment (read once, then removed from `os.environ` so the code under test do
     TINY_LLM_SKIP     (optional) a JSON list of test ids not to run again (they have a result already)
     TINY_LLM_TIMEOUT  that time limit in seconds: at the limit a TimeLimitExceeded is raised in the test
                       (SIGALRM); if that cannot stop it, the stack is dumped and the watcher kills the process
-    TINY_LLM_KEY      a secret for this process: each line is signed with it (HMAC-SHA256), so a line
-                      written to the file by anything else (found through /proc/self/fd, say) is rejected
 
-Each line is `<signature> <event as JSON>`; every event carries `seq`, counting from 0, so a copied
-line is a repeat the watcher sees.
+No line is signed: while grading, the submission's code runs in a sandbox that cannot reach this process
+or its files (course/sandbox.py), so only this plugin writes the stream.
 
 Events: {"event": "collected", "items": [...]}, {"event": "collect_error", "nodeid", "output"},
 {"event": "start", "nodeid"}, {"event": "finish", "nodeid", "outcome", "output", "duration"},
@@ -23,8 +21,6 @@ Events: {"event": "collected", "items": [...]}, {"event": "collect_error", "node
 """
 
 import faulthandler
-import hashlib
-import hmac
 import json
 import os
 import signal
@@ -34,7 +30,7 @@ MAX_OUTPUT = 6000
 
 HARD_GRACE = 3.0  # after the soft limit, seconds until the stack is dumped and the watcher kills pytest
 
-_state = {"fd": None, "trace": None, "timeout": 0.0, "reports": {}, "fired": False, "key": b"", "seq": 0}
+_state = {"fd": None, "trace": None, "timeout": 0.0, "reports": {}, "fired": False}
 
 
 class TimeLimitExceeded(BaseException):
@@ -50,15 +46,9 @@ def _soft_limits() -> bool:
     return _state["timeout"] > 0 and hasattr(signal, "setitimer")
 
 
-def sign(key: bytes, body: str) -> str:
-    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-
-
 def _emit(event: dict) -> None:
     if _state["fd"] is not None:
-        body = json.dumps({**event, "seq": _state["seq"]})
-        _state["seq"] += 1
-        os.write(_state["fd"], f"{sign(_state['key'], body)} {body}\n".encode())
+        os.write(_state["fd"], (json.dumps(event) + "\n").encode())
 
 
 def _clip(text: str) -> str:
@@ -75,7 +65,6 @@ def pytest_configure(config):
     if trace:
         _state["trace"] = open(trace, "w")
     _state["timeout"] = float(os.environ.pop("TINY_LLM_TIMEOUT", "0") or 0)
-    _state["key"] = os.environ.pop("TINY_LLM_KEY", "").encode()
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -15,9 +15,12 @@ which starts the worker on first use (`start_worker`):
           python -m course.sandbox <pipe fds> <week> <day>
 
 as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
-files except its private /tmp, and limits on CPU time, address space, file size and open files, and on
-processes (RLIMIT_NPROC, or where the kernel exempts root from it, a watchdog of the trusted side). Its
-output goes to a file of the trusted side, cut off at the file-size limit.
+files except its private /tmp, and limits on CPU time, address space, file size and open files. Its
+processes and memory are bounded by a cgroup where the machine lets one be made (course/cgroup.py: the
+kernel counts every process, and the whole group is frozen and killed when the worker stops); elsewhere
+by RLIMIT_NPROC (which the kernel does not apply to root) and a watchdog that counts the worker's
+descendants, and by the PID namespace, which dies with its init. Its output goes to a file of the
+trusted side, cut off at the file-size limit.
 
 Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
 sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
@@ -45,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from course import remote
+from course import cgroup, remote
 
 BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
@@ -54,9 +57,13 @@ LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the w
 RANK_PIPES_VARIABLE = "TINY_LLM_RANK_PIPES"  # "read_fd,write_fd": a rank program's pipes to its worker
 LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the grader removes it)
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
-WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
+CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
+WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
-MAX_PROCESSES = 64
+MAX_PROCESSES = 64  # without a cgroup: what the watchdog allows (processes, read from /proc)
+# With a cgroup: its pids.max, which counts threads as well as processes (day 3.5's server, its client and MLX's
+# pools run many; at 64, an honest day 3.5 hung in a thread that could not start).
+MAX_TASKS = 512
 MAX_OPEN_FILES = 4096  # mlx_lm sets its own limit to (2048, 4096) at import, and may not raise the hard one
 SCRATCH_BYTES = 256 << 20
 INSIDE = "/grade"
@@ -80,20 +87,25 @@ def bwrap_path() -> str | None:
 _working: set[str] = set()
 
 
+def why_unsandboxed() -> str:
+    """One line: why bubblewrap cannot start a sandbox here."""
+    if sys.platform == "darwin":
+        return "macOS has no bubblewrap"
+    broken = os.environ.get(UNSANDBOXED_VARIABLE)
+    if broken:
+        return f"bubblewrap is installed but cannot start a sandbox here ({broken.splitlines()[0]}): user " \
+               "namespaces may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)"
+    return "bubblewrap is not installed: `sudo apt-get install bubblewrap`"
+
+
 def unsandboxed_warning() -> str | None:
-    """None where the sandbox is used; otherwise what running without it means, and how to get it."""
+    """None where the sandbox is used; otherwise what running without it means, and why it cannot be used."""
     if bwrap_path():
         return None
-    broken = os.environ.get(UNSANDBOXED_VARIABLE)
-    what = ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
+    return ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
             "network; results are still decided outside its process, but a submission could read the "
-            "reference or change files. Fine for grading your own work; not for grading someone else's.")
-    if sys.platform == "darwin":
-        return what + " (macOS has no bubblewrap; grade on Linux for a sandboxed grade.)"
-    if broken:
-        return what + f" bubblewrap is installed but cannot start a sandbox here ({broken}): user namespaces " \
-                      "may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)."
-    return what + " Install bubblewrap for the sandbox: `sudo apt-get install bubblewrap` (Debian/Ubuntu)."
+            "reference or change files. Fine for grading your own work; not for grading someone else's "
+            f"({why_unsandboxed()}).")
 
 
 # ---------------------------------------------------------------- the sandbox root (prepared by the grader)
@@ -172,7 +184,26 @@ def _processes_of_this_user() -> int:
     return count
 
 
-def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None):
+def _descendants(root: int) -> list[int]:
+    """Every descendant of `root`, read from /proc. A process in state Z is followed too: a thread-group leader
+    that exited while its other threads run shows as Z, and its children are still its own."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None, group: cgroup.Group | None):
     def apply() -> None:  # in the child, between fork and exec: inherited by bwrap and the worker
         import resource
 
@@ -190,6 +221,8 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | N
             except (ValueError, OSError):
                 pass
         os.setsid()
+        if group is not None:
+            group.join()
 
     return apply
 
@@ -225,6 +258,8 @@ class Worker:
         # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
         counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
         processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
+        memory = (memory_mb << 20) if memory_mb else None
+        self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS, memory)
         self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
                                                dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():
@@ -235,7 +270,7 @@ class Worker:
                    "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
         self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
                                         stderr=subprocess.STDOUT, pass_fds=[int(fd) for fd in inside],
-                                        preexec_fn=_limits(cpu_seconds, memory_mb, processes))
+                                        preexec_fn=_limits(cpu_seconds, memory_mb, processes, self.group))
         for fd in inside:
             os.close(int(fd))
         # This side's ends: (read, write) per worker.
@@ -246,12 +281,11 @@ class Worker:
             self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
             self.endpoint.explain_loss = self._why_it_ended
         self.too_many: int | None = None
-        threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
+        if self.group is None:
+            threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
 
     def _count_processes(self) -> None:
-        """Stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root, as in CI)."""
-        from course.isolated_pytest import _descendants
-
+        """Without a cgroup: stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root)."""
         while self.process.poll() is None:
             count = len(_descendants(self.process.pid))
             if count > MAX_PROCESSES:
@@ -271,6 +305,9 @@ class Worker:
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
         if self.too_many:
             how = f"stopped: it ran {self.too_many} processes, more than {MAX_PROCESSES}"
+        limit = self.group.hit_limit() if self.group is not None else None
+        if limit:
+            how += f"; it reached the sandbox's limit on {limit}"
         return (f": the submission's process ended ({how}: a crash, an abort, an exit of the interpreter, or a "
                 f"limit on memory, CPU time or output). The end of its output:\n{self.output_tail(1500)}")
 
@@ -298,6 +335,8 @@ class Worker:
             except (ProcessLookupError, PermissionError):
                 pass
             self.process.wait()
+        if self.group is not None:
+            self.group.remove()  # whatever it left behind, however detached
         if not keep_log:
             self.remove_log()
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from course.course_map import DAYS
-from course.isolated_pytest import RunResult, become_subreaper, child_env, run_test_file
+from course.isolated_pytest import RunResult, child_env, run_test_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_student_tests(test_files: list[str]) -> RunResult:
     """The day tests against the student package, in one pytest process (restarted only after a crash)."""
-    become_subreaper()
     return run_test_file(test_files, REPO_ROOT, child_env("student"), timeout=120.0)
 
 

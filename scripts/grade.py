@@ -17,10 +17,13 @@ student's code either: `solution(week, day)` there reaches the day's package in 
 OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
 files, a private scratch directory, limits), through a pipe that carries data, never code
 (course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
-limits, a day budget of 1.5x the honest run's recorded time (course/grading_times.json) scaled to this
-machine's speed and load (what a day leaves goes to the next days of its week), a memory limit, and every descendant process killed when the day ends bound the run. results.json is rewritten
-(atomically) after each day, so an interrupted run leaves a valid report. Without bubblewrap (macOS)
-it says plainly that it runs unsandboxed.
+limits, a flat cap per day (3x the honest run's recorded time, course/grading_times.json, plus one
+test's limit), limits on memory and processes (a cgroup where the machine offers one), and every
+sandbox killed when its day ends bound the run. results.json is rewritten (atomically) after each day,
+so an interrupted run leaves a valid report. Submitted files are read as regular files only (no links,
+devices or FIFOs, at most MAX_FILE_BYTES); text the submission produced is escaped before it is shown.
+Without bubblewrap (macOS) the grade is refused with --json (--no-require-sandbox allows it, with a
+warning), and said plainly otherwise.
 
 Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
 split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
@@ -33,6 +36,7 @@ course or environment problem, not the student's). With 2 the report is still wr
 
 import argparse
 import ast
+import errno
 import itertools
 import json
 import os
@@ -40,22 +44,21 @@ import re
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import unicodedata
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
 from math import floor
 from pathlib import Path
 
-from course import sandbox
+from course import cgroup, sandbox
 from course.course_map import DAYS, Day
-from course.integrity import Finding, scan_file
-from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, become_subreaper, child_env,
-                                    default_memory_mb, kill_descendants, pause_descendants, resume, run_test_file)
+from course.integrity import Finding, scan_source
+from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -70,13 +73,9 @@ STATUS_WORDS = {
     "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
 }
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
-YARDSTICK_KEY = "yardstick"  # wall seconds of a fixed computation in that run: the machine's speed and load then
-YARDSTICK_RUNS = 5
-MAX_SLOWDOWN = 20.0
-# A day's budget: this many times its honest run. The recorded run is the slowest of three rounds (about
-# a tenth over a typical one), so 1.35x it is about 1.5x a typical honest run: what a sleeper may cost.
-BUDGET_FACTOR = 1.35
-DEFAULT_DAY_BUDGET = 600.0  # a day without a recorded time
+CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
+DEFAULT_DAY_CAP = 600.0  # a day without a recorded time
+MAX_FILE_BYTES = 1 << 20  # a submitted file larger than this is refused (the largest course module is 38 kB)
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
 
@@ -132,6 +131,7 @@ class Submission:
     modules: dict[str, Path] = field(default_factory=dict)  # module name -> staged file
     ignored: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # one line per file not read (a link, a device, too large)
     findings: dict[str, list[Finding]] = field(default_factory=dict)  # module -> findings
     review: list[str] = field(default_factory=list)  # files not graded that still deserve a look
 
@@ -152,10 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help="time budget of one day's tests (default: 1.5x the honest run's time recorded in "
-                             "course/grading_times.json, scaled to this machine's speed and load now, plus what "
-                             "earlier days of the week left; 600 for a day not recorded); tests left when it runs "
-                             "out score 0")
+                        help=f"time cap of one day's tests (default: {CAP_FACTOR:g}x the honest run's time recorded "
+                             f"in course/grading_times.json plus --timeout; {DEFAULT_DAY_CAP:g} for a day not "
+                             "recorded); tests left when it runs out score 0")
     parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
                         help="time budget of the whole run (default 3600); days left when it runs out score 0")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
@@ -166,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "the honest run's, for the budgets (maintainers: run with --src src_ref/tiny_llm_ref on "
                              "an idle machine)"),
     parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
+    parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
+                        help="refuse to grade a student's code where bubblewrap cannot start a sandbox (default: "
+                             "on with --json; --no-require-sandbox for a dev loop on a Mac)")
+    parser.add_argument("--make-autograder", metavar="DIR",
+                        help="write a Gradescope autograder (setup.sh, run_autograder and the course) to DIR")
     return parser
 
 
@@ -185,49 +189,82 @@ def select_days(week: int | None, days: list[int] | None) -> list[Day]:
 # ---------------------------------------------------------------- the submission and the grading directories
 
 def submission_dir(src: Path) -> Path:
-    """Where the modules are in a submission: DIR/src/tiny_llm, DIR/tiny_llm, or DIR itself."""
-    for candidate in (src / "src" / "tiny_llm", src / "tiny_llm", src):
-        if candidate.is_dir() and any(candidate.glob("*.py")):
+    """Where the modules are in a submission: DIR/src/tiny_llm, DIR/tiny_llm, or DIR itself (never through a
+    link: a submission with no modules of its own is graded as the untouched skeleton)."""
+    for candidate in (src / "src" / "tiny_llm", src / "tiny_llm"):
+        links = [p for p in (candidate, candidate.parent) if src in p.parents and p.is_symlink()]
+        if candidate.is_dir() and not links and any(candidate.glob("*.py")):
             return candidate
-    raise SystemExit(f"--src {src}: no Python modules found there (nor in {src}/tiny_llm or {src}/src/tiny_llm)")
+    return src
 
 
 RUNS_ON_ITS_OWN = {"sitecustomize.py", "usercustomize.py", "conftest.py"}  # Python or pytest would run these
 
 
+def read_regular(path: Path) -> bytes:
+    """A submitted file's bytes, if it is a plain file of its own; else ValueError saying what it is.
+
+    Opened without following a link (O_NOFOLLOW) and checked on the open descriptor: a symbolic link (to the
+    reference, to a hidden test), a hard link, a device, a FIFO (opened without blocking), a directory, or a
+    file over MAX_FILE_BYTES is never read. The grader runs with more rights than the sandbox: nothing it
+    opens on the submission's behalf may lead outside the submission.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as error:
+        raise ValueError("a symbolic link" if error.errno == errno.ELOOP else error.strerror) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        raise ValueError("a directory" if stat.S_ISDIR(info.st_mode) else "a hard link" if stat.S_ISREG(info.st_mode)
+                         else "not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+    return data
+
+
 def stage_submission(root: Path, modules_dir: Path, staged: Path, scan: bool) -> Submission:
     """Copy the course's module files out of the submission (once), list the rest, scan what was copied.
 
-    Files that are not graded are scanned too: they never run, but a flagged one is worth a look.
+    Only regular files are read (`read_regular`); a course module that is refused counts as missing. Files
+    that are not graded are scanned too: they never run, but a flagged one is worth a look.
     """
     staged.mkdir(parents=True)
     submission = Submission(staged)
     wanted = course_modules()
     trusted = {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
-    for path in sorted(root.rglob("*")):
-        if {"__pycache__", ".git"} & set(path.parts) or path.is_dir():
-            continue
-        shown = path.relative_to(root).as_posix()
-        if path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted and path.is_file():
-            target = staged / path.name
-            shutil.copyfile(path, target)
-            submission.modules[path.stem] = target
-            continue
-        if path.parent == modules_dir and path.name in trusted and path.is_file() \
-                and path.read_bytes() == trusted_file(path.name).read_bytes():
-            continue  # provided code, unchanged
-        submission.ignored.append(shown)
-        if not scan or path.is_symlink() or not path.is_file():
-            continue
-        if path.name in RUNS_ON_ITS_OWN or path.suffix == ".pth":
-            submission.review.append(f"{shown}: a file Python or pytest runs on its own (not graded, not run)")
-        elif path.suffix == ".py":
-            submission.review += [f"{finding} (not graded, not run)" for finding in scan_file(path, shown)]
+    for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
+        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", ".git"))
+        for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))
+                                    or (Path(folder) == modules_dir and d.endswith(".py"))]):
+            path = Path(folder) / name
+            shown = printable(path.relative_to(root).as_posix())
+            module = path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted
+            try:
+                data = read_regular(path) if module or scan or path.name in trusted else b""
+            except ValueError as why:
+                submission.refused.append(f"{shown}: not read ({why})" + (": graded as missing" if module else ""))
+                continue
+            if module:
+                (staged / path.name).write_bytes(data)
+                submission.modules[path.stem] = staged / path.name
+                continue
+            if path.parent == modules_dir and path.name in trusted and data == trusted_file(path.name).read_bytes():
+                continue  # provided code, unchanged
+            submission.ignored.append(shown)
+            if not scan:
+                continue
+            if path.name in RUNS_ON_ITS_OWN or path.suffix == ".pth":
+                submission.review.append(f"{shown}: a file Python or pytest runs on its own (not graded, not run)")
+            elif path.suffix == ".py":
+                submission.review += [f"{finding} (not graded, not run)" for finding in scan_source(data, shown)]
     submission.missing = sorted(wanted - set(submission.modules))
     if scan:
         for module, path in submission.modules.items():
-            findings = scan_file(path, (modules_dir / path.name).relative_to(root).as_posix()
-                                 if modules_dir != root else f"src/tiny_llm/{path.name}")
+            findings = scan_source(path.read_bytes(), (modules_dir / path.name).relative_to(root).as_posix()
+                                   if modules_dir != root else f"src/tiny_llm/{path.name}")
             if findings:
                 submission.findings[module] = findings
     return submission
@@ -363,7 +400,7 @@ def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str
                     collect_output or "the test process did not report this test")
                 if review_text:
                     result = CaseResult(nodeid, "needs_review", review_text)
-                report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, result.output,
+                report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, printable(result.output),
                                               share if result.ok else 0, share))
     broken = bool(run.problems or run.collect_errors)
     for task in sorted(set(day.points) - set(by_task)):
@@ -392,6 +429,14 @@ def placeholder(day: Day, expected: list[str], why: str, review: list[str] | Non
 
 
 # ---------------------------------------------------------------- output
+
+def printable(text: str) -> str:
+    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e): what
+    the submission produced (failure messages, its output, file names) cannot recolour the terminal, move the
+    cursor back over the table, or reorder what is shown."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode()
+                   for c in text)
+
 
 def first_lines(text: str, count: int = 3) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
@@ -475,7 +520,7 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
     if problems:
         lines += ["", "GRADER PROBLEMS (not the student's code; these tests are at zero):"]
         lines += [f"  - {p.splitlines()[0]}" for p in problems]
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
@@ -539,72 +584,17 @@ def integrity_report(submission: Submission) -> list[str]:
     return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
 
 
-class DayBudgets:
-    """Each day's time budget: 1.5x its honest run's recorded time, scaled by how slow this machine is now,
-    plus what the earlier days of its week left unused in this run.
+def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
+    """A day's time cap, counted from its first test's start: CAP_FACTOR x its recorded honest time plus one
+    test's limit (the default limit if --timeout is shorter), the same at any load.
 
-    The scale is the yardstick's wall time just before the day starts against its time when the honest
-    times were recorded: wall time, so it follows the machine's load as well as its processor, and taken
-    while none of the submission's processes is alive, so the submission cannot stretch it. What a day
-    leaves carries over to the next days of its week: an honest day slowed by a burst of load borrows
-    from the quicker ones, and a submission that sleeps spends every day's share, so a week (and the
-    whole run) never takes more than 1.5x its honest time at the load it was graded under.
+    A hang costs only its test (the per-test limit); the cap ends a submission that makes every test slow,
+    which then costs at most CAP_FACTOR x an honest day plus one test's limit. No scaling to the machine's load:
+    an honest day stays under its cap up to about CAP_FACTOR + 60 s / its recorded time times slower.
     """
-
-    def __init__(self, args: argparse.Namespace):
-        self.by_hand = args.day_budget  # --day-budget: a fixed budget per day, nothing carried
-        self.recording = args.record_times  # the old times must not bound the run that records new ones
-        self.times = recorded_times()
-        self.left: dict[int, float] = {}  # week -> seconds its graded days left unused
-
-    def follows_load(self, day: Day) -> bool:
-        """Whether the day's budget is scaled (not set by hand, not recording, a time recorded)."""
-        return self.by_hand is None and not self.recording and day.key in self.times
-
-    def for_day(self, day: Day, slowdown: float) -> float:
-        if not self.follows_load(day):
-            return self.by_hand or DEFAULT_DAY_BUDGET
-        return BUDGET_FACTOR * self.times[day.key] * slowdown + self.left.get(day.week, 0.0)
-
-    def spent(self, day: Day, budget: float, seconds: float) -> None:
-        """A day used `seconds` of its `budget`: the rest goes to the next days of its week."""
-        if self.follows_load(day):
-            self.left[day.week] = max(0.0, budget - seconds)
-
-
-class DayClock:
-    """Whether a day's time is up (the deadline `run_test_file` asks): its budget at the day's mean slowdown.
-
-    The slowdown is timed before the day starts; when the budget runs out, the day's processes are
-    frozen (SIGSTOP), the yardstick is timed again, and the budget is taken at the mean of the slowdowns
-    timed so far: an honest day goes on if the load rose since it started (at least a second more, so
-    the re-timings stay few), and a submission cannot slow the yardstick, frozen while it runs.
-    """
-
-    def __init__(self, budgets: DayBudgets, day: Day, first_slowdown: float, run_deadline: float):
-        self.budgets, self.day, self.run_deadline = budgets, day, run_deadline
-        self.slowdowns = [first_slowdown]
-        self.started = time.monotonic()
-        self.budget = budgets.for_day(day, first_slowdown)
-
-    def end(self) -> float:
-        return min(self.started + self.budget, self.run_deadline)
-
-    def __call__(self, now: float) -> bool:
-        if now < self.end():
-            return False
-        if now >= self.run_deadline or not self.budgets.follows_load(self.day):
-            return True
-        frozen = pause_descendants()
-        try:
-            self.slowdowns.append(slowdown(yardstick()))
-        finally:
-            resume(frozen)
-        budget = self.budgets.for_day(self.day, sum(self.slowdowns) / len(self.slowdowns))
-        if self.started + budget < time.monotonic() + 1.0:
-            return True
-        self.budget = budget
-        return False
+    if args.day_budget is not None or args.record_times or day.key not in times:
+        return args.day_budget or DEFAULT_DAY_CAP
+    return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
 
 def recorded_times() -> dict[str, float]:
@@ -614,11 +604,9 @@ def recorded_times() -> dict[str, float]:
         return {}
 
 
-def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
-    """Keep each day's time (and the yardstick's, the machine's speed and load then) for the budgets of later
-    runs: the slowest of the day's runs (`reports` may hold several rounds), so that a budget starts from an
-    honest run's spread and not from its luckiest moment; and only of a day that passed every test in every
-    round, since a failing or cut-short run is no honest run's time."""
+def record_times(reports: list["DayReport"]) -> None:
+    """Keep each day's time for the caps of later runs: the slowest of the day's runs (`reports` may hold several
+    rounds), and only of a day that passed every test in every round (a cut-short run is no honest run)."""
     times = recorded_times()
     by_day: dict[str, list[DayReport]] = {}
     for report in reports:
@@ -629,7 +617,6 @@ def record_times(reports: list["DayReport"], yardstick_seconds: float) -> None:
             times[key] = round(max(run.seconds for run in runs), 2)
         else:
             print(f"[grade] week {runs[0].day.week} day {runs[0].day.day}: not every test passed; time not recorded")
-    times[YARDSTICK_KEY] = round(yardstick_seconds, 4)
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
@@ -638,62 +625,14 @@ def passed_everything(report: "DayReport") -> bool:
         and not report.review
 
 
-YARDSTICK_WORK = """
-import statistics, sys, time
-sys.stdin.buffer.read(1)  # the go signal: every copy starts its work at the same moment
-def once():
-    began, total = time.perf_counter(), 0
-    for i in range(1_000_000):
-        total += i % 7
-    return time.perf_counter() - began
-print(statistics.median(once() for _ in range(RUNS)))
-"""
-
-
-def yardstick_copies() -> int:
-    """How many copies of the yardstick run at once: as many processors as a day's tests keep busy.
-
-    A day runs two processes that work at the same time (the trusted test process and the sandboxed
-    worker; MLX and a test's server add threads): day 3.5's honest grade uses about 1.2 processors'
-    worth of CPU time. One copy alone does not see a load that leaves one processor free (another
-    busy process on two cores), which slows such a day by about half: two copies, each wanting a
-    processor, do.
-    """
-    return max(1, min(2, os.cpu_count() or 1))
-
-
-def yardstick() -> float:
-    """Wall seconds of a fixed piece of Python work run in `yardstick_copies()` processes at once (the mean of
-    each copy's median of five): how fast this machine runs a day's processes now.
-
-    Wall time, not CPU time: on a loaded machine the honest run's tests wait for a processor as this work
-    does (at load 10 on 2 cores, about 5x longer), and a budget that ignored that would fail honest runs.
-    The median, so that a burst of a tenth of a second (another process starting) does not count as load.
-    The copies start together (each waits for one byte on its stdin), after their interpreters have started.
-    """
-    work = YARDSTICK_WORK.replace("RUNS", str(YARDSTICK_RUNS))
-    copies = [subprocess.Popen([sys.executable, "-I", "-c", work], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True) for _ in range(yardstick_copies())]
-    for copy in copies:
-        copy.stdin.write("g")
-        copy.stdin.close()
-    seconds = [float(copy.stdout.read()) for copy in copies]
-    for copy in copies:
-        copy.wait()
-    return sum(seconds) / len(seconds)
-
-
-def slowdown(seconds: float) -> float:
-    """How much slower this machine runs now than the one that recorded the times did then (1/8x to 20x)."""
-    recorded = recorded_times().get(YARDSTICK_KEY)
-    if not recorded:
-        return 1.0
-    return min(MAX_SLOWDOWN, max(1 / 8, seconds / recorded))
-
-
 def grade(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    become_subreaper()  # detached processes the tests leave behind are re-parented here, and killed
+    student = args.solution == "student"
+    if student and (args.json if args.require_sandbox is None else args.require_sandbox) and not sandbox.bwrap_path():
+        print(f"grade: refused: the sandbox cannot start here ({sandbox.why_unsandboxed()}); "
+              "--no-require-sandbox grades without it", file=sys.stderr)
+        return GRADER_FAILED
+    groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
     run_deadline = started + args.budget
     days = select_days(args.week, args.day)
     days = [d for d in days if (REPO_ROOT / d.test_file).exists()]
@@ -707,8 +646,9 @@ def grade(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
     bar = None
     try:
-        student = args.solution == "student"
         root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        if not root.is_dir():
+            raise SystemExit(f"--src {args.src}: not a directory")
         submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
         extra: dict = {}
         if student:
@@ -720,6 +660,7 @@ def grade(args: argparse.Namespace) -> int:
                 listed = submission.ignored[:20] + ([f"and {len(submission.ignored) - 20} more"]
                                                     if len(submission.ignored) > 20 else [])
                 workspace_notes.append("not graded (only the course's module files are): " + ", ".join(listed))
+            workspace_notes += submission.refused
             if args.src and submission.missing:
                 workspace_notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
                                        "the untouched skeleton's are graded")
@@ -730,9 +671,8 @@ def grade(args: argparse.Namespace) -> int:
         # One trusted directory for every test process: tests, tooling and reference, never student code.
         trusted = make_grading_dir(tmp / "trusted")
         package = make_package(tmp / "package", submission) if student else None
-        trusted_env = child_env(args.solution, ("src_ref", "."))
-        budgets = DayBudgets(args)
-        yardsticks: list[float] = []  # one before each day, while none of the submission's processes is alive
+        trusted_env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
+        times = recorded_times()
         rounds = args.record_times or 1
         bar = progress_bar(len(days) * rounds)
 
@@ -756,7 +696,6 @@ def grade(args: argparse.Namespace) -> int:
             if time.monotonic() >= run_deadline:
                 reports[index] = placeholder(day, [], "not run: the run's time budget ran out before this day")
             else:
-                yardsticks.append(yardstick())
                 env = trusted_env
                 if package is not None:
                     root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}-{repeat}", package,
@@ -764,23 +703,19 @@ def grade(args: argparse.Namespace) -> int:
                     logs = tmp / f"logs-{day.key}-{repeat}"  # a test process killed at a limit cannot clean up
                     logs.mkdir()
                     env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs)}
-                # The day's clock starts where `run.seconds`, the time --record-times keeps, starts: a budget
-                # and the time it is scaled from measure the same thing.
-                clock = DayClock(budgets, day, slowdown(yardsticks[-1]), run_deadline)
+                cap = day_cap(day, args, times)
                 if package is not None:
-                    env[sandbox.LIMITS_VARIABLE] = f"{clock.budget:.0f},{memory_mb or 0}"
+                    env[sandbox.LIMITS_VARIABLE] = f"{cap:.0f},{memory_mb or 0}"
                 # The tests expected are those this trusted process collects: the submission's code runs only in
                 # the sandbox, and no test file decides which tests exist from what the submission returns.
-                run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=clock,
-                                    memory_mb=memory_mb)
-                kill_descendants()
-                budgets.spent(day, clock.budget, run.seconds)
+                run = run_test_file(day.test_file, trusted, env, timeout=args.timeout,
+                                    deadline=run_deadline, cap=cap, memory_mb=memory_mb)
+                cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
                 reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
                 graded.append(reports[index])
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({clock.budget:.0f} s: "
-                                                f"{BUDGET_FACTOR:g}x an honest run at this machine's speed and load, "
-                                                f"with what earlier days of the week left; --budget "
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({cap:.0f} s: "
+                                                f"{CAP_FACTOR:g}x an honest run plus one test's limit; --budget "
                                                 f"{args.budget:g} s for the whole run)")
             if bar is not None:
                 bar.update(1)
@@ -788,10 +723,10 @@ def grade(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-        kill_descendants()
+        cgroup.remove_all(groups)
         remove_tree(tmp)
-    if args.record_times and yardsticks:
-        record_times(graded, sum(yardsticks) / len(yardsticks))
+    if args.record_times:
+        record_times(graded)
     summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
     print(summary)
     seconds = time.monotonic() - started
@@ -799,6 +734,57 @@ def grade(args: argparse.Namespace) -> int:
     if json_path is not None:
         print(f"wrote {json_path}")
     return GRADER_FAILED if any(r.problems for r in reports) else 0
+
+
+# ---------------------------------------------------------------- a Gradescope autograder
+
+AUTOGRADER_PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "maint", "scripts", "tests", "src", "src_ref",
+                    "models/qwen2-tiny-random")
+SETUP_SH = """#!/usr/bin/env bash
+# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu, Python 3.11 or later):
+# bubblewrap for the sandbox, then the course's packages from its lock file.
+set -euo pipefail
+apt-get update -qq
+apt-get install -y -qq bubblewrap
+cd /autograder/source/course
+python3 -m pip install --quiet 'pdm[locked]'
+PDM_CHECK_UPDATE=false pdm install --frozen-lockfile --prod
+"""
+RUN_AUTOGRADER = """#!/usr/bin/env bash
+# Gradescope runs this for each submission: it grades /autograder/submission (a student's modules, in
+# src/tiny_llm/, tiny_llm/ or the top folder) and writes /autograder/results/results.json. The variables
+# below move each place, to run it elsewhere (the course's own test does).
+course="${TINY_LLM_AUTOGRADER_COURSE:-/autograder/source/course}"
+cd "$course" || exit 2
+export PYTHONPATH=src:src_ref:.
+exec "${TINY_LLM_AUTOGRADER_PYTHON:-$course/.venv/bin/python}" -m scripts.grade \\
+    --src "${TINY_LLM_AUTOGRADER_SUBMISSION:-/autograder/submission}" \\
+    --json "${TINY_LLM_AUTOGRADER_RESULTS:-/autograder/results/results.json}" "$@"
+"""
+
+
+def make_autograder(dest: Path) -> None:
+    """Gradescope's autograder: setup.sh and run_autograder at the top (zip DIR's contents and upload them), and
+    the course (tests, tooling, reference, embedded model) in course/, with the skeleton written afresh from the
+    reference: whatever is in this checkout's src/tiny_llm (a student's work) never goes in."""
+    from maint.make_skeleton import generate
+    if dest.exists() and any(dest.iterdir()):
+        raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    (dest / "course").mkdir(parents=True)
+    for name in AUTOGRADER_PARTS:
+        source = REPO_ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / "course" / name, ignore=ignore, symlinks=True)
+        elif source.exists():
+            shutil.copyfile(source, dest / "course" / name)
+    for name, text in generate(REPO_ROOT / REFERENCE_DIR).items():
+        (dest / "course" / SKELETON_DIR / name).write_text(text)
+    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+        (dest / name).write_text(text)
+        (dest / name).chmod(0o755)
+    print(f"wrote a Gradescope autograder to {dest}: upload a zip of its contents "
+          f"(cd {dest} && zip -r ../autograder.zip .)")
 
 
 def _stop(signum, frame):
@@ -809,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
     signal.signal(signal.SIGTERM, _stop)
     try:
+        if args.make_autograder:
+            make_autograder(Path(args.make_autograder).resolve())
+            return 0
         return grade(args)
     except KeyboardInterrupt:
         print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)

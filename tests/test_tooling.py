@@ -462,7 +462,7 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
         assert score == pytest.approx(expected, abs=1e-3), (key, done.stdout)
     assert zero <= set(by_task) and ("day 1.4", "task 1") in by_task
     hung = [t for t in results["tests"] if t["tags"][1:] == ["day 1.4", "task 2"]]
-    # Each hang is stopped at the time limit; the day's budget (BUDGET_FACTOR x an honest run) may end the rest.
+    # Each hang is stopped at the time limit; the day's cap (3x an honest run plus one test's limit) may end the rest.
     assert "timed out" in hung[0]["output"]
     assert all("timed out" in t["output"] or "time budget ran out" in t["output"] for t in hung)
 
@@ -599,6 +599,10 @@ ATTACK_FILES = {
     "fake_mx_array": "src/tiny_llm/basics.py", "oracle_setattr": None, "oracle_items": None, "oracle_methods": None,
     "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
     "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
+    # issue 31: the bounds around the sandbox
+    "scan_crash": "src/tiny_llm/nested.py", "ansi_table": None, "carriage_return": None,
+    "zombie_parent": "src/tiny_llm/basics.py", "fork_bomb": "src/tiny_llm/basics.py",
+    "outlives_day": "src/tiny_llm/basics.py",
 }
 # attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
 ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
@@ -606,15 +610,101 @@ ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2)
                "fake_private_state": (2, 2), "deep_result": (2, 2), "raising_dunders": (2, 2),
                "lying_exception": (2, 2)}
 ATTACK_ARGS = {"memory": ["--memory-mb", "2560"]}  # "sleep" and "hang" keep the default 60 s per test
+MARKERS = ("sleep 4242", "sleep 4243", "sleep 4244")  # the command lines of the processes attacks leave
+
+
+def _reference_links(submission: Path) -> None:
+    """Day 1.1's modules as symbolic links to the reference's files (the grader reads as root)."""
+    for module in ("basics", "attention"):
+        target = submission / "src" / "tiny_llm" / f"{module}.py"
+        target.unlink()
+        target.symlink_to(REPO_ROOT / "src_ref" / "tiny_llm_ref" / f"{module}.py")
+
+
+def _hidden_test_link(submission: Path) -> None:
+    """A module linked to a hidden test file of the grader's: its text must not come back in the report."""
+    hidden = submission.parent / "hidden_tests.py"
+    hidden.write_text('SECRET = "hidden-31"\nraise AssertionError(SECRET)\n')
+    target = submission / "src" / "tiny_llm" / "attention.py"
+    target.unlink()
+    target.symlink_to(hidden)
+
+
+def _hard_link(submission: Path) -> None:
+    """The reference's module, hard-linked (a second name of one file: it could be anything of the grader's)."""
+    target = submission / "src" / "tiny_llm" / "basics.py"
+    target.unlink()
+    shutil.copyfile(REPO_ROOT / "src_ref" / "tiny_llm_ref" / "basics.py", submission / "copy.txt")
+    import os
+
+    os.link(submission / "copy.txt", target)
+
+
+def _fifo(submission: Path) -> None:
+    """A FIFO where a module should be: reading it would block the grader for ever."""
+    import os
+
+    target = submission / "src" / "tiny_llm" / "basics.py"
+    target.unlink()
+    os.mkfifo(target)
+
+
+def _directory(submission: Path) -> None:
+    """A directory (a package holding the reference's code) where a module should be."""
+    target = submission / "src" / "tiny_llm" / "basics.py"
+    target.unlink()
+    target.mkdir()
+    shutil.copyfile(REPO_ROOT / "src_ref" / "tiny_llm_ref" / "basics.py", target / "__init__.py")
+
+
+def _huge(submission: Path) -> None:
+    """The reference's module behind 2 GiB of nothing (a sparse file): the grader must not read it all."""
+    target = submission / "src" / "tiny_llm" / "basics.py"
+    target.write_bytes(b"")
+    with open(target, "r+b") as f:
+        f.truncate(2 << 30)
+        f.seek(0, 2)
+        f.write(b"\n" + (REPO_ROOT / "src_ref" / "tiny_llm_ref" / "basics.py").read_bytes())
+
+
+def _linked_package(submission: Path) -> None:
+    """The whole package folder a link to the reference's."""
+    shutil.rmtree(submission / "src" / "tiny_llm")
+    (submission / "src" / "tiny_llm").symlink_to(REPO_ROOT / "src_ref" / "tiny_llm_ref", target_is_directory=True)
+
+
+# Attacks git cannot hold as they must be (a link into this machine's repository, a FIFO, a sparse file): built
+# over the skeleton at run time. Each scores as the skeleton, with a note naming the file.
+BUILT_ATTACKS = {"reference_links": _reference_links, "hidden_test_link": _hidden_test_link, "hard_link": _hard_link,
+                 "fifo": _fifo, "directory": _directory, "huge": _huge, "linked_package": _linked_package}
 
 
 def attack_submission(tmp_path: Path, attack: str) -> Path:
-    """The untouched skeleton with the attack's files laid over it."""
+    """The untouched skeleton with the attack's files laid over it (or its builder run on it)."""
     submission = tmp_path / "submission"
     shutil.copytree(REPO_ROOT / "src" / "tiny_llm", submission / "src" / "tiny_llm",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ATTACKS / attack, submission, dirs_exist_ok=True)
+    if attack in BUILT_ATTACKS:
+        BUILT_ATTACKS[attack](submission)
+    else:
+        shutil.copytree(ATTACKS / attack, submission, dirs_exist_ok=True)
     return submission
+
+
+def leftover_processes() -> list[str]:
+    """The processes attacks start that are still alive (read from /proc)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if command in MARKERS:
+            found.append(f"{entry}: {command}")
+    return found
 
 
 def grade_submission(tmp_path: Path, submission: Path, *args: str, day: tuple[int, int] = (1, 1)
@@ -676,26 +766,34 @@ def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_a
         if named is None:
             assert findings == [], (attack, findings)
         else:
-            assert any(f.path == named and f.line > 0 for f in findings), (attack, findings)
+            assert any(f.path == named for f in findings), (attack, findings)
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
-@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)))
+@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)) + sorted(BUILT_ATTACKS))
 def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack, honest_seconds):
     before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
                                               *ATTACK_ARGS.get(attack, []))
     assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
     assert results["extra_data"]["sandboxed"] is True
-    # 1.5x the honest run (the budget follows this machine's load, measured before the day), plus 5 s for the
-    # load's swings between the two runs on a shared machine.
-    assert seconds <= 1.5 * honest_seconds + 5, (seconds, honest_seconds)
     assert repository_state() == before, "the attack changed the repository"
-    named = ATTACK_FILES[attack]
+    assert leftover_processes() == [], "the attack left processes behind"
+    named = ATTACK_FILES.get(attack)
     if named is not None:  # the integrity report names it, for the instructor
         assert named in done.stdout and "Integrity report" in done.stdout
     if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
+    # What the submission wrote reaches the terminal and the report escaped: no table drawn over, no line rewritten.
+    assert "\x1b" not in done.stdout and "\x1b" not in results["output"]
+    assert all("\x1b" not in t["output"] and "\r" not in t["output"] for t in results["tests"])
+    if attack == "ansi_table":
+        assert "\\x1b[2J" in done.stdout, "the escape is shown as text"
+    if attack == "carriage_return":
+        assert "\\r   1    1    1" in done.stdout, "the carriage return is shown as text"
+    if attack in BUILT_ATTACKS:
+        assert "not read (" in done.stdout, done.stdout
+        assert "hidden-31" not in done.stdout + json.dumps(results), "a hidden file's text came back"
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
@@ -751,13 +849,30 @@ def test_the_sandbox_confines_the_submission(tmp_path):
                 found["reference"] = f.read()
             return found
 
-        def fork_bomb():
-            import time
-            for _ in range(500):
-                if os.fork() == 0:
-                    time.sleep(30)
-                    os._exit(0)
-            time.sleep(30)
+        def fork_bomb(hide):
+            """Forks 600 sleepers, counted in the scratch; `hide`: from a thread of a process whose main thread
+            exited (state Z, which a walk of /proc that skips Z never looks below)."""
+            import ctypes, threading, time
+
+            def spawn():
+                for _ in range(600):
+                    try:
+                        if os.fork() == 0:
+                            time.sleep(30)
+                            os._exit(0)
+                    except OSError:  # refused: the limit on processes
+                        continue
+                    with open("/tmp/forked", "a") as f:
+                        f.write("x")
+
+            if not hide:
+                spawn()
+            elif os.fork() == 0:
+                threading.Thread(target=spawn).start()
+                ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86-64): the main thread alone ends
+            time.sleep(8)
+            with open("/tmp/forked") as f:
+                return len(f.read())
     '''))
     root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course", 1, 1)
     worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
@@ -765,12 +880,15 @@ def test_the_sandbox_confines_the_submission(tmp_path):
         seen = worker.endpoint.request("getattr", 0, "probe").look(str(REPO_ROOT))
     finally:
         worker.stop()
-    worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
-    try:
-        with pytest.raises(RemoteGone, match="processes"):  # stopped by the limit on processes
-            worker.endpoint.request("getattr", 0, "probe").fork_bomb()
-    finally:
-        worker.stop()
+    for hide in (False, True):
+        worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
+        try:  # a cgroup refuses the forks past the limit; without one, a watchdog stops the worker
+            forked = worker.endpoint.request("getattr", 0, "probe").fork_bomb(hide)
+            assert worker.group is not None and forked < sandbox.MAX_TASKS, forked
+        except RemoteGone as gone:
+            assert worker.group is None and "processes" in str(gone)
+        finally:
+            worker.stop()
     assert (seen["uid"], seen["gid"]) == (65534, 65534)
     assert len(seen["pids"]) <= 3, seen["pids"]  # its own PID namespace: bwrap's init and the worker
     assert seen["repo"] is False and seen["grade"] is False and seen["scratch"] is True
@@ -1043,66 +1161,30 @@ def test_points_add_up_exactly_for_every_day():
     assert results["score"] == results["extra_data"]["max_score"] == total
 
 
-def test_day_budgets_follow_the_load_and_carry_over_within_a_week(monkeypatch):
-    """BUDGET_FACTOR x the recorded time, scaled by the slowdown; what a day leaves goes to its week's next days,
-    never to another week's, so a week that sleeps throughout costs at most that factor of its honest time."""
+def test_a_days_cap_is_flat_three_times_its_honest_run_plus_one_tests_limit(monkeypatch):
+    """No scaling to the load: CAP_FACTOR x the recorded time plus --timeout; --day-budget replaces it; a day never
+    recorded, or a run that records new times, gets the default."""
     import argparse
 
     from course.course_map import find_day
 
-    monkeypatch.setattr(grade, "recorded_times", lambda: {"week1-day1": 4.0, "week1-day2": 6.0, "week2-day1": 8.0,
-                                                          "yardstick": 0.02})
-    assert grade.slowdown(0.1) == 5.0 and grade.slowdown(10.0) == grade.MAX_SLOWDOWN
-    budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
-    first = budgets.for_day(find_day(1, 1), slowdown=5.0)
-    factor = grade.BUDGET_FACTOR
-    assert first == factor * 4.0 * 5.0
-    budgets.spent(find_day(1, 1), first, seconds=first - 7.0)  # an honest day, 7 s under its budget
-    assert budgets.for_day(find_day(1, 2), slowdown=1.0) == pytest.approx(factor * 6.0 + 7.0)
-    assert budgets.for_day(find_day(2, 1), slowdown=1.0) == factor * 8.0, "another week borrows nothing"
-    second = budgets.for_day(find_day(1, 2), slowdown=1.0)
-    budgets.spent(find_day(1, 2), second, seconds=second)  # a sleeper spends it all, the carried 10 s too
-    assert budgets.left[1] == 0.0
-    assert budgets.for_day(find_day(1, 3), slowdown=1.0) == grade.DEFAULT_DAY_BUDGET, "a day never recorded"
-    by_hand = grade.DayBudgets(argparse.Namespace(day_budget=30.0, record_times=False))
-    by_hand.spent(find_day(1, 1), 30.0, seconds=1.0)
-    assert by_hand.for_day(find_day(1, 2), slowdown=9.0) == 30.0, "--day-budget is the budget, nothing carried"
-    recording = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=True))
-    assert recording.for_day(find_day(1, 1), slowdown=1.0) == grade.DEFAULT_DAY_BUDGET
-
-
-def test_a_day_whose_load_rose_goes_on_and_the_yardstick_is_timed_with_the_day_frozen(monkeypatch):
-    """When the budget runs out, the day's processes are frozen while the yardstick is timed again; the budget is
-    taken at the mean slowdown, and the day goes on only if that gives it at least a second more."""
-    import argparse
-    import time
-
-    from course.course_map import find_day
-
-    monkeypatch.setattr(grade, "recorded_times", lambda: {"week1-day1": 4.0, "yardstick": 0.02})
-    monkeypatch.setattr(grade, "BUDGET_FACTOR", 1.5)  # round figures below: 1.5 x 4 s = 6 s at slowdown 1
-    frozen = []
-    monkeypatch.setattr(grade, "pause_descendants", lambda: frozen.append("paused") or [])
-    monkeypatch.setattr(grade, "resume", lambda pids: frozen.append("resumed"))
-    timed = iter([0.06, 0.04])  # slowdowns 3, then 2
-    monkeypatch.setattr(grade, "yardstick", lambda: (frozen.append("timed"), next(timed))[1])
-    budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=False))
-    clock = grade.DayClock(budgets, find_day(1, 1), first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
-    assert clock.budget == 6.0 and not clock(clock.started + 5.0) and frozen == []
-    clock.started -= 6.5  # the budget has run out: 6.5 s of the day gone
-    assert not clock(time.monotonic()), "the load rose: slowdown (1 + 3) / 2, 12 s"
-    assert frozen == ["paused", "timed", "resumed"] and clock.budget == 12.0
-    clock.started -= 6.0  # 12.5 s gone
-    assert clock(time.monotonic()), "(1 + 3 + 2) / 3 gives no more time: the day stops"
-    by_hand = grade.DayBudgets(argparse.Namespace(day_budget=5.0, record_times=False))
-    fixed = grade.DayClock(by_hand, find_day(1, 1), first_slowdown=9.0, run_deadline=time.monotonic() + 3600)
-    assert fixed(fixed.started + 5.1) and frozen.count("timed") == 2, "--day-budget is never re-timed"
+    times = {"week1-day1": 4.0}
+    args = argparse.Namespace(day_budget=None, record_times=0, timeout=60.0)
+    assert grade.day_cap(find_day(1, 1), args, times) == grade.CAP_FACTOR * 4.0 + 60.0
+    quick = argparse.Namespace(day_budget=None, record_times=0, timeout=3.0)
+    assert grade.day_cap(find_day(1, 1), quick, times) == grade.CAP_FACTOR * 4.0 + 60.0, "a short --timeout keeps 60 s"
+    slow = argparse.Namespace(day_budget=None, record_times=0, timeout=90.0)
+    assert grade.day_cap(find_day(1, 1), slow, times) == grade.CAP_FACTOR * 4.0 + 90.0
+    assert grade.day_cap(find_day(1, 2), args, times) == grade.DEFAULT_DAY_CAP, "a day never recorded"
+    assert grade.day_cap(find_day(1, 1), argparse.Namespace(day_budget=30.0, record_times=0, timeout=60.0), times) == 30.0
+    recording = argparse.Namespace(day_budget=None, record_times=3, timeout=60.0)
+    assert grade.day_cap(find_day(1, 1), recording, times) == grade.DEFAULT_DAY_CAP
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
-    """Ten busy processes beside the grader (load 10 on two cores): the budget, scaled by the yardstick the
-    grader times before the day, still fits the reference submitted as a student's work. The busy processes
+    """Ten busy processes beside the grader (load 10 on two cores): the flat cap (3x the honest run plus one test's
+    limit) still fits the reference submitted as a student's work. The busy processes
     inherit this process's niceness: under `nice` on a shared machine they load the grader as load 10 would,
     and weigh little on other people's work."""
     spin = "while True:\n    pass\n"
@@ -1121,6 +1203,70 @@ def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
     assert results["score"] == results["extra_data"]["max_score"] == 10, done.stdout
 
 
+@pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+def test_the_gradescope_autograder_grades_a_submission_folder(tmp_path):
+    """`--make-autograder DIR` writes setup.sh, run_autograder and the course; run_autograder, with its places moved
+    by environment variables, grades a folder of modules (day 1.1 solved) into a valid results.json."""
+    import os
+
+    autograder = tmp_path / "autograder"
+    done = subprocess.run([sys.executable, "-m", "scripts.grade", "--make-autograder", str(autograder)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for script in ("setup.sh", "run_autograder"):
+        assert os.access(autograder / script, os.X_OK), script
+    course = autograder / "course"
+    assert (course / "scripts" / "grade.py").exists() and (course / "tests" / "test_week_1_day_1.py").exists()
+    from maint.make_skeleton import generate
+
+    skeleton = generate(REPO_ROOT / "src_ref" / "tiny_llm_ref")
+    assert {p.name: p.read_text() for p in (course / "src" / "tiny_llm").glob("*.py")} == skeleton, \
+        "the skeleton written from the reference, never a student's work"
+    submission = tmp_path / "submission"  # as a student uploads it: the modules at the top
+    submission.mkdir()
+    for module in ("basics", "attention"):
+        shutil.copyfile(REPO_ROOT / "src_ref" / "tiny_llm_ref" / f"{module}.py", submission / f"{module}.py")
+    results = tmp_path / "results" / "results.json"
+    env = {**os.environ, "TINY_LLM_AUTOGRADER_COURSE": str(course), "TINY_LLM_AUTOGRADER_SUBMISSION": str(submission),
+           "TINY_LLM_AUTOGRADER_RESULTS": str(results), "TINY_LLM_AUTOGRADER_PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(autograder / "run_autograder"), "--week", "1", "--day", "1"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(results.read_text())
+    assert gradescope_problems(report) == []
+    assert report["score"] == report["extra_data"]["max_score"] == 10, done.stdout
+
+
+def test_grade_refuses_without_the_sandbox_where_it_is_required(tmp_path):
+    """With --json (a grade that counts) and no bubblewrap: one line, exit 2, nothing graded; --no-require-sandbox
+    grades anyway, with the warning."""
+    import os
+
+    env = {**os.environ, "TINY_LLM_UNSANDBOXED": "forced off by the test"}
+    command = [sys.executable, "-m", "scripts.grade", "--src", str(REPO_ROOT / "src" / "tiny_llm"), "--week", "1",
+               "--day", "1", "--json", str(tmp_path / "results.json")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2 and not (tmp_path / "results.json").exists()
+    assert done.stderr.strip().count("\n") == 0 and "refused" in done.stderr, done.stderr
+    done = subprocess.run(command + ["--no-require-sandbox"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0 and "UNSANDBOXED" in done.stderr, done.stdout + done.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["extra_data"]["sandboxed"] is False
+
+
+def test_staging_reads_regular_files_only(tmp_path):
+    """Each kind of file the grader must not open on the submission's behalf is refused, with a note, and the module
+    counts as missing; an honest module next to it is staged."""
+    for attack, build in BUILT_ATTACKS.items():
+        submission = attack_submission(tmp_path / attack, attack)
+        root = submission
+        staged = grade.stage_submission(root, grade.submission_dir(root), tmp_path / attack / "staged", scan=True)
+        assert staged.refused and all("not read (" in note for note in staged.refused), (attack, staged.refused)
+        assert "basics" not in staged.modules or attack in ("hidden_test_link",), (attack, staged.modules)
+        assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link")
+        assert all(b"hidden-31" not in path.read_bytes() for path in staged.modules.values())
+
+
 def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
     """A day cut short by its budget (or failing) is not an honest run: recording its time would shrink the
     next budget until honest runs fail."""
@@ -1133,63 +1279,13 @@ def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypat
         case = grade.CaseScore(find_day(1, day), 1, "test_task_1_x", "t::test_task_1_x", outcome, "", 0, 1)
         return grade.DayReport(find_day(1, day), tests=[case], seconds=seconds)
 
-    grade.record_times([report(1, "passed", 3.0), report(2, "timed out", 2.0)], yardstick_seconds=0.02)
+    grade.record_times([report(1, "passed", 3.0), report(2, "timed out", 2.0)])
     times = json.loads((tmp_path / "times.json").read_text())
     assert times["week1-day1"] == 3.0, "a day that passed everything records its time"
     assert times["week1-day2"] == 7.0, "a day cut short keeps its earlier time"
     rounds = [report(1, "passed", 20.0), report(2, "passed", 4.0), report(1, "passed", 26.0),
               report(2, "timed out", 9.0), report(1, "passed", 23.0), report(2, "passed", 5.0)]
-    grade.record_times(rounds, yardstick_seconds=0.02)  # --record-times 3: each day graded three times
+    grade.record_times(rounds)  # --record-times 3: each day graded three times
     times = json.loads((tmp_path / "times.json").read_text())
     assert times["week1-day1"] == 26.0, "several rounds: the slowest is recorded"
     assert times["week1-day2"] == 7.0, "a day cut short in one round of several records nothing"
-
-
-def test_an_honest_day_as_slow_as_its_slowest_recorded_round_keeps_its_budget(monkeypatch):
-    """Day 3.5 lost half a point at its budget's edge: its time was one honest run's (26.3 s) and a later honest
-    run took 1.47x that (38.8 s) with the yardstick saying the machine was as fast as before. Recorded as the
-    slowest of several rounds, the budget starts from the day's spread: a run as slow as any recorded round,
-    and up to BUDGET_FACTOR x it, goes on. (Recorded from the quickest round alone, the same run would have been
-    stopped.)"""
-    import argparse
-    import time
-
-    from course.course_map import find_day
-
-    day = find_day(1, 1)
-    rounds = [20.0, 26.0, 23.0]  # one day graded three times on one machine: its normal spread
-    for recorded, survives in ((max(rounds), True), (min(rounds), False)):
-        monkeypatch.setattr(grade, "recorded_times", lambda: {day.key: recorded, "yardstick": 0.02})
-        monkeypatch.setattr(grade, "yardstick", lambda: 0.02)  # the machine as fast as when the times were recorded
-        monkeypatch.setattr(grade, "pause_descendants", lambda: [])
-        budgets = grade.DayBudgets(argparse.Namespace(day_budget=None, record_times=0))
-        clock = grade.DayClock(budgets, day, first_slowdown=1.0, run_deadline=time.monotonic() + 3600)
-        clock.started -= 1.3 * max(rounds)  # an honest run 30% slower than the slowest round
-        assert clock(time.monotonic()) is not survives, (recorded, clock.budget)
-
-
-def test_the_yardstick_runs_as_many_copies_at_once_as_a_day_keeps_processors_busy(monkeypatch, tmp_path):
-    """A day's two processes (the test process and the sandboxed worker) work at the same time, so a load that
-    leaves one processor free slows the day and not a yardstick run alone (measured on two cores: one copy
-    0.99x, two copies 2.01x, day 3.5 1.88x its recorded time). The copies must truly run together: each waits
-    here until every copy has started its work (a barrier, with a step limit), or reports that it ran alone."""
-    import os
-
-    arrived = tmp_path / "arrived"
-    arrived.mkdir()
-    barrier = f"""
-import os, sys, time
-sys.stdin.buffer.read(1)
-open(os.path.join({str(arrived)!r}, str(os.getpid())), "w").close()
-for _ in range(3000):  # at most ~30 s
-    if len(os.listdir({str(arrived)!r})) >= {grade.yardstick_copies()}:
-        print(0.5)
-        break
-    time.sleep(0.01)
-else:
-    print(-1.0)
-"""
-    monkeypatch.setattr(grade, "YARDSTICK_WORK", barrier)
-    assert grade.yardstick_copies() == min(2, os.cpu_count() or 1)
-    assert grade.yardstick() == 0.5, "a copy ran alone: the yardstick measured one processor's load"
-    assert len(list(arrived.iterdir())) == grade.yardstick_copies()
