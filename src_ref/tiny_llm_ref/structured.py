@@ -155,6 +155,11 @@ class Automaton:
         self.expand(state)
         return int(self.table[state, byte])
 
+    def successors(self, state: int) -> list[int]:
+        """The state after each of the 256 bytes (DEAD where a byte is not allowed)."""
+        self.expand(state)
+        return self.table[state].tolist()
+
     def walk(self, state: int, data: bytes) -> int:
         """The state after reading `data` from `state` (DEAD once a byte is not allowed)."""
         for b in data:
@@ -583,12 +588,12 @@ def constraint_state(seq) -> int:
 
 def apply_constraints(logits: mx.array, seqs: list) -> mx.array:
     """`logits` (one row per sequence) with -inf on each constrained row's forbidden tokens; `logits` when none is."""
-    # BEGIN TASK Week 4 Day 5 Task 3: mask the constrained rows
-    # TODO: the rows whose sampling has a constraint; none: return logits unchanged; else stack their masks
-    # TODO: (index.mask(constraint_state(seq))) and write mx.where(mask, row, -inf) into a copy, those rows only
     rows = [row for row, seq in enumerate(seqs) if seq.sampling.constraint is not None]
-    if not rows:
+    if not rows:  # provided: a step without constraints (every step before this day) costs nothing
         return logits
+    # BEGIN TASK Week 4 Day 5 Task 3: mask the constrained rows
+    # TODO: stack the rows' masks (index.mask(constraint_state(seq))), check their width against the logits,
+    # TODO: and write mx.where(mask, row, -inf) into a copy of `logits`, those rows only
     allowed = mx.stack([seqs[row].sampling.constraint.index.mask(constraint_state(seqs[row])) for row in rows])
     if allowed.shape[-1] != logits.shape[-1]:
         raise ValueError(f"a constraint built for {allowed.shape[-1]} tokens, the model has {logits.shape[-1]}")
