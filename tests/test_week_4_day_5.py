@@ -155,9 +155,9 @@ def valid_type(kind, schema, value, root) -> bool:
 
 
 def writings(value) -> list[bytes]:
-    """json.dumps' ways of writing `value`: spaced, compact, indented, raw UTF-8."""
+    """json.dumps' ways of writing `value` that the automaton serves: spaced, compact, mixed, raw UTF-8."""
     return [json.dumps(value, **options).encode() for options in
-            ({}, {"separators": (",", ":")}, {"indent": 2}, {"ensure_ascii": False, "separators": (", ", ":")})]
+            ({}, {"separators": (",", ":")}, {"ensure_ascii": False, "separators": (", ", ":")})]
 
 
 def checked_text(data: bytes, schema) -> None:
@@ -237,10 +237,12 @@ def test_task_1_refuses_what_breaks_the_schema(data):
     ({"type": "string"}, b'"\xed\xa0\x80"', False),  # a UTF-8-encoded surrogate
     ({"type": "number"}, b"-0.5e+3", True),
     ({"type": "number"}, b"01", False),
+    ({"type": "array", "items": {"type": "null"}}, b"[null,  null]", False),  # two spaces: padding is refused
+    ({"type": "array", "items": {"type": "null"}}, b"[null,\n null]", False),
     ({"type": "integer"}, b"1.0", False),
     ({"enum": ["é", 2]}, b'"\\u00e9"', True),
     ({"enum": ["é", 2]}, '"é"'.encode(), True),
-], ids=range(14))
+], ids=range(16))
 def test_task_1_chosen_cases(schema, text, accepted):
     assert sol.structured.compile_schema(schema).matches(text) == accepted
 
@@ -501,3 +503,71 @@ def test_task_3_constrained_batch_with_neighbours(model32):
 def test_task_4_your_stack_so_far(model32):
     """Your week-3 engine with your day 4.5: preemption and prefix caching, constrained and free requests."""
     check_constrained_engine(stack(week=4, day=5), model32, enable_prefix_caching=True)
+
+
+# ---------------------------------------------------------------- Task 3, served: response_format over HTTP
+
+
+@pytest.fixture(scope="module")
+def served(model32):
+    """(app factory, tokenizer): the day's server on a fresh engine over the embedded model."""
+    mlx_model, tokenizer = model32
+    model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    # MLX streams are thread-local: materialize the model's lazy arrays here, before the engine thread runs it.
+    sol.engine.generate(model, tokenizer, [[1]], sol.sequence.SamplingParams(max_tokens=1))
+
+    def app():
+        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(token_budget=64, block_size=8))
+        return sol.server.create_app(engine, tokenizer, "tiny")
+    return app, tokenizer
+
+
+def test_task_3_server_parses_with_the_openai_client(served):
+    """`beta.chat.completions.parse` with a pydantic model: the answer parses into it, whatever the model says."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    from tests.serve_fakes import running_server
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: Literal["cat", "dög"]
+        happy: bool
+
+    app, _ = served
+    with running_server(app()) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        answer = client.beta.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "A pet?"}],
+                                                    response_format=Pet, max_tokens=200, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", "a bounded schema ends within 200 tokens"
+    assert isinstance(choice.message.parsed, Pet)
+    assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_task_3_server_json_object_and_refusals(served):
+    import httpx
+
+    from tests.serve_fakes import running_server
+
+    app, _ = served
+    oracle = ref.structured.json_object_automaton()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 40,
+            "temperature": 0}
+    with running_server(app()) as url, httpx.Client(timeout=120) as client:
+        answer = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+        assert answer.status_code == 200, answer.text
+        content = answer.json()["choices"][0]["message"]["content"]
+        if answer.json()["choices"][0]["finish_reason"] == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:  # cut by max_tokens: still on the way to an object
+            assert oracle.walk(oracle.start, content.encode()) != 0, f"{content!r} left JSON"
+        for response_format, named in [
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}},
+                 "pattern"),
+                ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+                ({"type": "yaml"}, "response_format")]:
+            refused = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": response_format})
+            assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text

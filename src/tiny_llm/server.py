@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, ServerMetrics, chat_prompt_ids,
                          check_choices, check_logit_bias, choice, collect_all, completion_prompt_ids,
                          install_http_extras, logprobs_field, max_tokens_for, merge, model_card, object_kind,
-                         parse_body, prompt_size, usage)
+                         output_constraint, parse_body, prompt_size, usage)
 from .sequence import SamplingParams
 
 logger = logging.getLogger("tiny_llm.server")
@@ -504,8 +504,9 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         handles = []
+        constraint = output_constraint(body, tokenizer, engine.model.args.vocab_size)  # day 4.5: response_format
         for index, (prompt, i) in enumerate((prompt, i) for prompt in prompts for i in range(body.n)):
-            sampling = body.sampling(max_tokens_for(body, len(prompt), context), i)
+            sampling = body.sampling(max_tokens_for(body, len(prompt), context), i, constraint)
             handle = RequestHandle(f"{response_id}-{index}", prompt, sampling, loop, asyncio.Queue(), body.priority,
                                    submitted=clock())
             engine_thread.submit(handle)

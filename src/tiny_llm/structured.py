@@ -22,12 +22,15 @@ import json
 import mlx.core as mx
 import numpy as np
 
-MAX_WHITESPACE = 16  # bytes of whitespace allowed between two JSON tokens (json.dumps' indent=2 fits 7 levels)
+# Whitespace between two JSON tokens: at most one space, as json.dumps writes (", " and ": ") or not at all
+# (compact). A looser rule is still valid JSON, but a model that likes padding then spends its tokens (and
+# the index its masks: each count of spaces is a state of its own) on whitespace.
+MAX_WHITESPACE = 1
 JSON_OBJECT_DEPTH = 3  # nesting allowed by {"type": "json_object"} (a bound keeps it a finite automaton)
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment"}  # ignored
 SUPPORTED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
              "enum", "const", "minLength", "maxLength", "anyOf", "$ref", "$defs", "definitions"} | ANNOTATIONS
-WHITESPACE = b" \t\n\r"
+WHITESPACE = b" "
 DEAD = 0  # the automaton state no bytes lead out of: the empty set of NFA states
 
 
@@ -185,7 +188,7 @@ class Automaton:
 
 
 def whitespace(nfa: Nfa, src: int) -> int:
-    """Up to MAX_WHITESPACE bytes of JSON whitespace (a bound, so a model cannot pad forever)."""
+    """Up to MAX_WHITESPACE spaces (a bound, so a model cannot pad forever)."""
     return nfa.repeat(src, lambda s: nfa.byte_set(s, WHITESPACE), 0, MAX_WHITESPACE)
 
 
