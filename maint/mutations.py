@@ -213,6 +213,24 @@ MUTATIONS = [
         ("distributed_engine", "            self.forward(plan)\n            steps += 1\n",
          "            self.runner.sample(self.forward(plan), [chunk.seq for chunk in plan.chunks if chunk.samples])\n"
          "            steps += 1\n"),), week=4),
+    Mutation("mask-one-state-behind", "the mask of the state before the newest token (the state lags one token)",
+             (5,), (
+        ("structured", "    for token in seq.output_token_ids[consumed:]:\n        state = constraint.next_state(state, token)\n"
+                       "    seq.constraint_progress = (len(seq.output_token_ids), state)\n",
+         "    for token in seq.output_token_ids[consumed:-1]:\n        state = constraint.next_state(state, token)\n"
+         "    seq.constraint_progress = (max(len(seq.output_token_ids) - 1, 0), state)\n"),), week=4),
+    Mutation("eos-allowed-early", "EOS allowed in every state, not only accepting ones", (5,), (
+        ("structured", "        if automaton.accepts(state):\n            allowed[vocab.eos_token_ids] = True\n",
+         "        allowed[vocab.eos_token_ids] = True\n"),), week=4),
+    Mutation("utf8-split-refused", "tokens that are not whole UTF-8 characters never allowed (walked as text)", (5,), (
+        ("structured", "        allowed[vocab.ids] = states != DEAD\n",
+         "        whole = [vocab.token_bytes[i].decode('utf-8', 'replace').encode() == vocab.token_bytes[i] for i in vocab.ids]\n"
+         "        allowed[vocab.ids] = (states != DEAD) & np.array(whole)\n"),), week=4),
+    Mutation("state-from-kv-progress", "the state advanced by the tokens the KV cache lacks (num_computed_tokens): "
+             "a preemption replays the output into it", (5,), (
+        ("structured", "    for token in seq.output_token_ids[consumed:]:\n",
+         "    for token in seq.output_token_ids[max(seq.num_computed_tokens - len(seq.prompt_token_ids), 0):]:\n"),),
+             week=4),
 ]
 
 
