@@ -168,17 +168,21 @@ def checked_text(data: bytes, schema) -> None:
 
 
 def byte_walk(automaton, rng: random.Random, limit: int = 400) -> bytes | None:
-    """Random allowed bytes from the start until the walk stops in an accepting state (None: it ran out)."""
+    """Random allowed bytes from the start until the walk stops in an accepting state (None: it ran out).
+
+    Walked on the table `explore` gives (one call, not one per byte, while grading), then checked with `matches`.
+    """
+    table, accepting = automaton.explore()
     state, data = automaton.start, bytearray()
     for _ in range(limit):
-        successors = automaton.successors(state)
-        if automaton.accepts(state) and (rng.random() < 0.3 or not any(successors)):
+        allowed = np.nonzero(table[state])[0].tolist()
+        if accepting[state] and (rng.random() < 0.3 or not allowed):
+            assert automaton.matches(bytes(data)), f"the table accepts {bytes(data)!r}, matches() does not"
             return bytes(data)
-        allowed = [b for b, nxt in enumerate(successors) if nxt]
         assert allowed, f"the walk reached a state with no way on and no acceptance after {bytes(data)!r}"
         byte = rng.choice(allowed)
         data.append(byte)
-        state = successors[byte]
+        state = int(table[state, byte])
     return None
 
 

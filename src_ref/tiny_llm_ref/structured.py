@@ -163,6 +163,23 @@ class Automaton:
         self.expand(state)
         return self.table[state].tolist()
 
+    def explore(self, limit: int = 20_000) -> tuple[np.ndarray, np.ndarray]:
+        """Expand every state reachable from the start: (successor table, accepting flags), one row per state.
+
+        For a caller that walks the automaton many times (a test, a lab): one answer instead of a call per byte.
+        """
+        todo, seen = [self.start], {DEAD, self.start}
+        while todo:
+            state = todo.pop()
+            self.expand(state)
+            for nxt in set(self.table[state].tolist()) - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+            if len(seen) > limit:
+                raise ValueError(f"more than {limit} automaton states")
+        accepting = np.array([self.accepts(state) for state in range(len(self.sets))])
+        return self.table[:len(self.sets)].copy(), accepting
+
     def walk(self, state: int, data: bytes) -> int:
         """The state after reading `data` from `state` (DEAD once a byte is not allowed)."""
         for b in data:
