@@ -509,10 +509,9 @@ class Vocabulary:
 @functools.lru_cache(maxsize=4)
 def tokenizer_vocabulary(tokenizer, size: int) -> Vocabulary:
     """The `Vocabulary` of a byte-level BPE tokenizer (Qwen2's, SmolLM2's), `size` wide (the model's logits)."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
     decoder = gpt2_byte_decoder()
-    added = hf.added_tokens_decoder  # id -> AddedToken: written as they are, or special
-    vocab = hf.get_vocab()
+    added = tokenizer.added_tokens_decoder  # id -> AddedToken: written as they are, or special
+    vocab = tokenizer.get_vocab()
     token_bytes: list[bytes | None] = [None] * (max(vocab.values()) + 1)
     for text, token in vocab.items():
         if token in added:
