@@ -426,9 +426,10 @@ def test_task_3_state_follows_the_output(vocab):
     text = b'{"colour": "gr'
     expected = constraint.automaton.walk(constraint.start, text)
     assert sol.structured.constraint_state(seq) == expected
-    more = vocab[0].encode('ün", "animal": ', add_special_tokens=False)
-    for token in more:
-        seq.output_token_ids.append(token)
+    output = list(seq.output_token_ids)
+    for token in vocab[0].encode('ün", "animal": ', add_special_tokens=False):
+        output.append(token)
+        seq.output_token_ids = list(output)  # the whole list each time: while grading, `seq` is in the sandbox
         text += vocab[3][token]
         assert sol.structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text)
     # Preempted: its blocks freed and nothing computed; its output kept, so its state too.
@@ -589,6 +590,10 @@ def test_task_3_server_json_object_and_refusals(served):
                 ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}},
                  "pattern"),
                 ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "maxLength": 10**9}}},
+                 "maxLength"),
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": [1]}}},
+                 "malformed"),
                 ({"type": "yaml"}, "response_format")]:
             refused = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": response_format})
             assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text

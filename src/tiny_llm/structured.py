@@ -31,6 +31,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 SUPPORTED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
              "enum", "const", "minLength", "maxLength", "anyOf", "$ref", "$defs", "definitions"} | ANNOTATIONS
 WHITESPACE = b" "
+MAX_COUNT = 256  # the largest minLength/maxLength/minItems/maxItems served: each count is a copy in the NFA
 DEAD = 0  # the automaton state no bytes lead out of: the empty set of NFA states
 
 
@@ -287,6 +288,14 @@ def literals(nfa: Nfa, src: int, values) -> int:
     """Any one of `values` written as JSON."""
     options = [data for value in values for data in encodings(value)]
     return nfa.choice(src, [functools.partial(nfa.literal, data=data) for data in options])
+
+
+def count(schema: dict, name: str, default: int | None) -> int | None:
+    """`schema[name]` (a length or item bound), checked: an integer in 0 .. MAX_COUNT, else ValueError naming it."""
+    value = schema.get(name, default)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT):
+        raise ValueError(f"'{name}' must be an integer in 0 .. {MAX_COUNT}, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------- Task 1: the schema compiler

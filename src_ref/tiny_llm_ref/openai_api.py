@@ -315,8 +315,11 @@ def output_constraint(body: SamplingRequest, tokenizer, vocab_size: int) -> Cons
                        param="ignore_eos")
     try:
         return cached_constraint(schema if schema == "json_object" else json.dumps(schema), tokenizer, vocab_size)
-    except ValueError as error:
+    except ValueError as error:  # an unsupported keyword, a recursive $ref, a bound out of range
         raise APIError(400, f"'response_format': {error}", param="response_format", code="unsupported_schema") from None
+    except (TypeError, AttributeError, KeyError) as error:  # a keyword's value of the wrong JSON type
+        raise APIError(400, f"'response_format': a malformed schema ({type(error).__name__}: {error})",
+                       param="response_format", code="invalid_schema") from None
 
 
 def check_choices(num_prompts: int, n: int) -> None:

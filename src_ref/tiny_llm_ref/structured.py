@@ -31,6 +31,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 SUPPORTED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
              "enum", "const", "minLength", "maxLength", "anyOf", "$ref", "$defs", "definitions"} | ANNOTATIONS
 WHITESPACE = b" "
+MAX_COUNT = 256  # the largest minLength/maxLength/minItems/maxItems served: each count is a copy in the NFA
 DEAD = 0  # the automaton state no bytes lead out of: the empty set of NFA states
 
 
@@ -289,6 +290,14 @@ def literals(nfa: Nfa, src: int, values) -> int:
     return nfa.choice(src, [functools.partial(nfa.literal, data=data) for data in options])
 
 
+def count(schema: dict, name: str, default: int | None) -> int | None:
+    """`schema[name]` (a length or item bound), checked: an integer in 0 .. MAX_COUNT, else ValueError naming it."""
+    value = schema.get(name, default)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT):
+        raise ValueError(f"'{name}' must be an integer in 0 .. {MAX_COUNT}, got {value!r}")
+    return value
+
+
 # ---------------------------------------------------------------- Task 1: the schema compiler
 
 
@@ -334,7 +343,7 @@ class SchemaCompiler:
         if kind == "array":
             return self.array(schema, src)
         if kind == "string":
-            return string(self.nfa, src, schema.get("minLength", 0), schema.get("maxLength"))
+            return string(self.nfa, src, count(schema, "minLength", 0), count(schema, "maxLength", None))
         if kind == "integer":
             return integer(self.nfa, src)
         if kind == "number":
@@ -405,7 +414,7 @@ class SchemaCompiler:
         # TODO: the first item follows "[", each next one a comma; close once minItems are written
         nfa = self.nfa
         items = schema.get("items", {})
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        low, high = count(schema, "minItems", 0), count(schema, "maxItems", None)
         opened = whitespace(nfa, nfa.literal(src, b"["))
         end = nfa.state()
         if low == 0:
