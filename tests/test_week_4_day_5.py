@@ -258,6 +258,10 @@ def test_task_1_chosen_cases(schema, text, accepted):
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "multipleOf"),
     ({"type": "object", "additionalProperties": True}, "additionalProperties"),
     ({"$defs": {"N": {"type": "array", "items": {"$ref": "#/$defs/N"}}}, "$ref": "#/$defs/N"}, "recursive"),
+    ({"enum": []}, "enum"),  # nothing allowed: refused, not served as a request that can never end
+    ({"anyOf": []}, "anyOf"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"type": "string", "maxLength": 10**6}, "maxLength"),
 ])
 def test_task_1_unsupported_keyword_is_named(schema, keyword):
     with pytest.raises(ValueError, match=keyword):

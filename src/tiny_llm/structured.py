@@ -290,6 +290,22 @@ def literals(nfa: Nfa, src: int, values) -> int:
     return nfa.choice(src, [functools.partial(nfa.literal, data=data) for data in options])
 
 
+def options(schema: dict, name: str) -> list:
+    """`schema[name]` (enum, anyOf), checked: a non-empty list (an empty one allows nothing), else ValueError naming it."""
+    value = schema[name]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{name}' must be a non-empty list, got {value!r}")
+    return value
+
+
+def bounds(schema: dict, low_name: str, high_name: str) -> tuple[int, int | None]:
+    """(low, high) of a length or item count: each checked by `count`, low <= high (else nothing is allowed)."""
+    low, high = count(schema, low_name, 0), count(schema, high_name, None)
+    if high is not None and low > high:
+        raise ValueError(f"'{low_name}' ({low}) is more than '{high_name}' ({high}): nothing would be allowed")
+    return low, high
+
+
 def count(schema: dict, name: str, default: int | None) -> int | None:
     """`schema[name]` (a length or item bound), checked: an integer in 0 .. MAX_COUNT, else ValueError naming it."""
     value = schema.get(name, default)

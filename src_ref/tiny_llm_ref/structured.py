@@ -290,6 +290,22 @@ def literals(nfa: Nfa, src: int, values) -> int:
     return nfa.choice(src, [functools.partial(nfa.literal, data=data) for data in options])
 
 
+def options(schema: dict, name: str) -> list:
+    """`schema[name]` (enum, anyOf), checked: a non-empty list (an empty one allows nothing), else ValueError naming it."""
+    value = schema[name]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{name}' must be a non-empty list, got {value!r}")
+    return value
+
+
+def bounds(schema: dict, low_name: str, high_name: str) -> tuple[int, int | None]:
+    """(low, high) of a length or item count: each checked by `count`, low <= high (else nothing is allowed)."""
+    low, high = count(schema, low_name, 0), count(schema, high_name, None)
+    if high is not None and low > high:
+        raise ValueError(f"'{low_name}' ({low}) is more than '{high_name}' ({high}): nothing would be allowed")
+    return low, high
+
+
 def count(schema: dict, name: str, default: int | None) -> int | None:
     """`schema[name]` (a length or item bound), checked: an integer in 0 .. MAX_COUNT, else ValueError naming it."""
     value = schema.get(name, default)
@@ -330,20 +346,21 @@ class SchemaCompiler:
         if "$ref" in schema:
             return self.reference(schema["$ref"], src)
         if "enum" in schema:
-            return literals(self.nfa, src, schema["enum"])
+            return literals(self.nfa, src, options(schema, "enum"))
         if "const" in schema:
             return literals(self.nfa, src, [schema["const"]])
         if "anyOf" in schema:
-            return self.nfa.choice(src, [functools.partial(self.value, option) for option in schema["anyOf"]])
+            return self.nfa.choice(src, [functools.partial(self.value, option) for option in options(schema, "anyOf")])
         kind = schema.get("type")
         if isinstance(kind, list):
+            options(schema, "type")
             return self.nfa.choice(src, [functools.partial(self.value, {**schema, "type": t}) for t in kind])
         if kind == "object":
             return self.object(schema, src)
         if kind == "array":
             return self.array(schema, src)
         if kind == "string":
-            return string(self.nfa, src, count(schema, "minLength", 0), count(schema, "maxLength", None))
+            return string(self.nfa, src, *bounds(schema, "minLength", "maxLength"))
         if kind == "integer":
             return integer(self.nfa, src)
         if kind == "number":
@@ -414,7 +431,7 @@ class SchemaCompiler:
         # TODO: the first item follows "[", each next one a comma; close once minItems are written
         nfa = self.nfa
         items = schema.get("items", {})
-        low, high = count(schema, "minItems", 0), count(schema, "maxItems", None)
+        low, high = bounds(schema, "minItems", "maxItems")
         opened = whitespace(nfa, nfa.literal(src, b"["))
         end = nfa.state()
         if low == 0:
