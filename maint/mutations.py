@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
 GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
-WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4)]  # the honest submission's days
+WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4), (4, 5)]  # the honest submission's days
 
 
 @dataclass(frozen=True)
