@@ -156,9 +156,10 @@ def valid_type(kind, schema, value, root) -> bool:
 
 
 def writings(value) -> list[bytes]:
-    """json.dumps' ways of writing `value` that the automaton serves: spaced, compact, mixed, raw UTF-8."""
-    return [json.dumps(value, **options).encode() for options in
-            ({}, {"separators": (",", ":")}, {"ensure_ascii": False, "separators": (", ", ":")})]
+    """json.dumps' ways of writing `value` that the automaton serves: spaced, compact, mixed (raw UTF-8: enum and
+    const values are written one way only, so that a model copying one cannot wander into escapes)."""
+    return [json.dumps(value, ensure_ascii=False, **options).encode() for options in
+            ({}, {"separators": (",", ":")}, {"separators": (", ", ":")})]
 
 
 def checked_text(data: bytes, schema) -> None:
@@ -245,9 +246,10 @@ def test_task_1_refuses_what_breaks_the_schema(data):
     ({"type": "array", "items": {"type": "null"}}, b"[null,  null]", False),  # two spaces: padding is refused
     ({"type": "array", "items": {"type": "null"}}, b"[null,\n null]", False),
     ({"type": "integer"}, b"1.0", False),
-    ({"enum": ["é", 2]}, b'"\\u00e9"', True),
+    ({"enum": ["é", 2]}, b'"\\u00e9"', False),  # enum values in raw UTF-8 only
+    ({"type": "string"}, b'"\\u00e9"', True),
     ({"enum": ["é", 2]}, '"é"'.encode(), True),
-], ids=range(16))
+], ids=range(17))
 def test_task_1_chosen_cases(schema, text, accepted):
     assert sol.structured.compile_schema(schema).matches(text) == accepted
 
@@ -309,7 +311,7 @@ def eos_of(vocab) -> int:
 def test_task_2_every_tokenization_of_an_instance_is_allowed(vocab, data):
     schema = data.draw(schemas())
     constraint = constraint_for(schema, vocab)
-    text = json.dumps(instance(data.draw, schema, schema), ensure_ascii=data.draw(st.booleans())).encode()
+    text = json.dumps(instance(data.draw, schema, schema), ensure_ascii=False).encode()
     for tokens in tokenizations(text, vocab, random.Random(data.draw(st.integers(0, 99)))):
         state = constraint.start
         for token in tokens:
@@ -367,6 +369,18 @@ def utf8(data: bytes) -> bool:
         return False
 
 
+def test_task_2_every_tokenization_of_an_answer(vocab):
+    """A chosen answer whose characters need tokens that cut them (𓀀 is three tokens), token by token."""
+    constraint = constraint_for(SCHEMA, vocab)
+    text = json.dumps({"colour": "grün", "animal": "𓀀", "count": 12, "ok": True}, ensure_ascii=False).encode()
+    for tokens in tokenizations(text, vocab, random.Random(7)):
+        state = constraint.start
+        for token in tokens:
+            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            state = constraint.next_state(state, token)
+        assert constraint.is_complete(state), f"{text!r} should complete SCHEMA"
+
+
 def test_task_2_utf8_split_across_tokens(vocab):
     """A character cut across two tokens: its first bytes alone are allowed inside a string, never outside one."""
     _, _, by_bytes, _ = vocab
@@ -393,7 +407,7 @@ def test_task_2_masks_are_built_once_per_state(vocab):
 
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "animal", "ok"], "properties": {
-    "colour": {"enum": ["red", "grün", "blue"]}, "animal": {"enum": ["🦙", "cat"]},
+    "colour": {"enum": ["red", "grün", "blue"]}, "animal": {"const": "𓀀"},
     "count": {"type": "integer"}, "ok": {"type": "boolean"}}}
 
 
@@ -420,6 +434,14 @@ def test_task_3_apply_constraints_masks_only_constrained_rows(vocab):
         allowed = np.array(oracle.index.mask(oracle.automaton.walk(oracle.start, prefix)))
         assert np.array_equal(out[row][allowed], raw[row][allowed]), f"row {row}: an allowed token's logit changed"
         assert np.all(out[row][~allowed] == -np.inf), f"row {row}: a refused token keeps a finite logit"
+    # A step later (one more token; the sequence as a preemption left it, nothing computed): the mask follows.
+    token = vocab[0].encode("ün", add_special_tokens=False)[0]
+    seqs[0].output_token_ids = list(seqs[0].output_token_ids) + [token]
+    seqs[0].num_computed_tokens = 0
+    out = np.array(sol.structured.apply_constraints(logits, seqs))
+    allowed = np.array(oracle.index.mask(oracle.automaton.walk(oracle.start, text + vocab[3][token])))
+    assert np.all(out[0][~allowed] == -np.inf) and np.array_equal(out[0][allowed], raw[0][allowed]), \
+        "the mask after one more token"
     none = sol.structured.apply_constraints(logits[1:2], seqs[1:2])
     assert np.array_equal(np.array(none), raw[1:2])
 

@@ -278,10 +278,11 @@ def number(nfa: Nfa, src: int) -> int:
 
 
 def encodings(value) -> list[bytes]:
-    """The ways json.dumps writes a scalar: \\u escapes or raw UTF-8."""
+    """How an enum or const scalar is written: json.dumps with raw UTF-8 (one form: the model cannot wander
+    into \\u escapes of a value it must copy; a free string still takes escapes)."""
     if isinstance(value, (dict, list)):
         raise ValueError("enum and const values must be strings, numbers, booleans or null")
-    return sorted({json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()})
+    return [json.dumps(value, ensure_ascii=False).encode()]
 
 
 def literals(nfa: Nfa, src: int, values) -> int:
