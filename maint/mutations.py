@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
 GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
-WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4)]  # the honest submission's days
+WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4), (4, 5)]  # the honest submission's days
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,24 @@ MUTATIONS = [
         ("distributed_engine", "            self.forward(plan)\n            steps += 1\n",
          "            self.runner.sample(self.forward(plan), [chunk.seq for chunk in plan.chunks if chunk.samples])\n"
          "            steps += 1\n"),), week=4),
+    Mutation("mask-one-state-behind", "the mask of the state before the newest token (the state lags one token)",
+             (5,), (
+        ("structured", "    for token in seq.output_token_ids[consumed:]:\n        state = constraint.next_state(state, token)\n"
+                       "    seq.constraint_progress = (len(seq.output_token_ids), state)\n",
+         "    for token in seq.output_token_ids[consumed:-1]:\n        state = constraint.next_state(state, token)\n"
+         "    seq.constraint_progress = (max(len(seq.output_token_ids) - 1, 0), state)\n"),), week=4),
+    Mutation("eos-allowed-early", "EOS allowed in every state, not only accepting ones", (5,), (
+        ("structured", "        if automaton.accepts(state):\n            allowed[vocab.eos_token_ids] = True\n",
+         "        allowed[vocab.eos_token_ids] = True\n"),), week=4),
+    Mutation("utf8-split-refused", "tokens that are not whole UTF-8 characters never allowed (walked as text)", (5,), (
+        ("structured", "        allowed[vocab.ids] = states != DEAD\n",
+         "        whole = [vocab.token_bytes[i].decode('utf-8', 'replace').encode() == vocab.token_bytes[i] for i in vocab.ids]\n"
+         "        allowed[vocab.ids] = (states != DEAD) & np.array(whole)\n"),), week=4),
+    Mutation("state-from-kv-progress", "the state advanced by the tokens the KV cache lacks (num_computed_tokens): "
+             "a preemption replays the output into it", (5,), (
+        ("structured", "    for token in seq.output_token_ids[consumed:]:\n",
+         "    for token in seq.output_token_ids[max(seq.num_computed_tokens - len(seq.prompt_token_ids), 0):]:\n"),),
+             week=4),
 ]
 
 

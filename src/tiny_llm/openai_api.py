@@ -15,7 +15,9 @@ typed field on the body (with its range), then either `sampling()` hands it to t
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from .sequence import (LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, PENALTY_RANGE,
                        SamplingParams)
+from .structured import Constraint, make_constraint
 
 logger = logging.getLogger("tiny_llm.server")
 
@@ -64,7 +67,7 @@ def validation_error(error: ValidationError) -> APIError:
 # used": a request that sets one to anything else gets a 400 naming it.
 NOT_SERVED: dict[str, Any] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False),
@@ -124,8 +127,9 @@ class SamplingRequest(NullMeansDefault):
     ignore_eos: bool = False  # vLLM's extension
     min_tokens: int = Field(0, ge=0)  # vLLM's extension: no EOS or stop token before this many tokens
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension: they end the output
-    # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
+    # Typed loosely: `output_constraint` reads it and names what is wrong (day 4.5).
     response_format: Any = None
+    # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt: one engine request each
     store: Any = None
 
@@ -141,7 +145,7 @@ class SamplingRequest(NullMeansDefault):
     def stop_strings(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, max_tokens: int, choice_index: int = 0) -> SamplingParams:
+    def sampling(self, max_tokens: int, choice_index: int = 0, constraint: Constraint | None = None) -> SamplingParams:
         """The engine's `SamplingParams`: every value already in the engine's ranges (checked above).
 
         With a seed and `n > 1`, choice i samples with seed + i (wrapping within the range), so the
@@ -157,7 +161,8 @@ class SamplingRequest(NullMeansDefault):
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias=logit_bias, ignore_eos=self.ignore_eos,
                               logprobs=self.num_logprobs(), min_tokens=self.min_tokens,
-                              stop_token_ids=tuple(self.stop_token_ids or ()))
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
+                              constraint=constraint)
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the response reports (None: no log-probabilities); each endpoint
@@ -356,6 +361,47 @@ def check_token_ids(body: SamplingRequest, vocab_size: int) -> None:
     if body.stop_token_ids and max(body.stop_token_ids) >= vocab_size:
         raise APIError(400, f"'stop_token_ids' names a token id outside the vocabulary (0 .. {vocab_size - 1})",
                        param="stop_token_ids")
+
+
+def output_schema(body: SamplingRequest) -> dict | str | None:
+    """`response_format` (day 4.5): None for text, "json_object", or json_schema's schema; a 400 if malformed."""
+    fmt = body.response_format
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param="response_format")
+    if fmt["type"] == "json_object":
+        return "json_object"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, "'response_format.json_schema' needs a 'name' and a 'schema' object", param="response_format")
+    return spec["schema"]
+
+
+@functools.lru_cache(maxsize=16)
+def cached_constraint(schema_text: str, tokenizer, vocab_size: int) -> Constraint:
+    """One compiled `Constraint` per schema (by its JSON text, property order kept): its masks are reused."""
+    schema = schema_text if schema_text == "json_object" else json.loads(schema_text)
+    return make_constraint(schema, tokenizer, vocab_size)
+
+
+def output_constraint(body: SamplingRequest, tokenizer, vocab_size: int) -> Constraint | None:
+    """The engine's constraint for `response_format` (None: free text); an unsupported schema keyword is a 400 naming it."""
+    schema = output_schema(body)
+    if schema is None:
+        return None
+    if body.ignore_eos:
+        raise APIError(400, "'ignore_eos' cannot go with 'response_format': the output ends where the schema does",
+                       param="ignore_eos")
+    try:
+        return cached_constraint(schema if schema == "json_object" else json.dumps(schema), tokenizer, vocab_size)
+    except ValueError as error:  # an unsupported keyword, a recursive $ref, a bound out of range
+        raise APIError(400, f"'response_format': {error}", param="response_format", code="unsupported_schema") from None
+    except (TypeError, AttributeError, KeyError) as error:  # a keyword's value of the wrong JSON type
+        raise APIError(400, f"'response_format': a malformed schema ({type(error).__name__}: {error})",
+                       param="response_format", code="invalid_schema") from None
 
 
 def check_choices(num_prompts: int, n: int) -> None:

@@ -49,7 +49,7 @@ from .http_extras import install_http_extras
 from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, ChatCompletionRequest, CompletionRequest, Detokenize,
                          TokenizeChat, chat_prompt_ids, check_choices, check_token_ids, choice, collect_all,
                          completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card, object_kind,
-                         parse_body, prompt_size, server_version, usage)
+                         output_constraint, parse_body, prompt_size, server_version, usage)
 from .prometheus_metrics import ServerMetrics
 from .sequence import SamplingParams
 from .text_stream import IncrementalDetokenizer, TextStream, find_stop  # noqa: F401 (day 3.5's tasks: server.X too)
@@ -412,7 +412,8 @@ class Server:
         they start in the same step); every check first, so a refused request leaves nothing behind."""
         check_choices(len(prompts), body.n)
         check_token_ids(body, self.vocab_size)
-        choices = [(prompt, body.sampling(max_tokens_for(body, len(prompt), self.context), i))
+        constraint = output_constraint(body, self.tokenizer, self.vocab_size)  # day 4.5: response_format
+        choices = [(prompt, body.sampling(max_tokens_for(body, len(prompt), self.context), i, constraint))
                    for prompt in prompts for i in range(body.n)]
         self.check_open(len(choices))
         self.metrics.n.observe(body.n)

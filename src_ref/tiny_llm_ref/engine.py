@@ -24,6 +24,7 @@ from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy, ShortestPre
 from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
 from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
+from .structured import is_complete
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
 from .validation import check_kv_pool
 
@@ -246,6 +247,7 @@ class LLMEngine:
             return []
         tokens = self.run(plan)
         outputs = self.scheduler.update_from_output(plan, tokens)
+        self.finish_completed(outputs)
         logprobs = getattr(self.runner, "logprobs", None)  # the step's, for requests that asked (a stand-in runner has none)
         if logprobs:
             for output in outputs:
@@ -253,6 +255,14 @@ class LLMEngine:
                     output.logprobs = logprobs.get(output.request_id)
         self.record(plan, outputs)
         return outputs
+
+    def finish_completed(self, outputs: list[StepOutput]) -> None:
+        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided)."""
+        for output in outputs:
+            seq = self.sequences.get(output.request_id)
+            if not output.finished and seq is not None and is_complete(seq):
+                self.scheduler.finish(seq, "stop")
+                output.finished, output.finish_reason = True, "stop"
 
     def run(self, plan: StepPlan) -> list[int]:
         """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided)."""

@@ -19,6 +19,7 @@ from .quantized_kv import make_kv_pool
 from .qwen2_week3 import PrefillChunk, RaggedBatch
 from .sampler import make_sampler
 from .scheduler import ScheduledChunk, StepPlan
+from .structured import apply_constraints
 from .sequence import Sequence
 
 
@@ -40,8 +41,9 @@ class ModelRunner:
         # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up.
         mx.eval(logits, *self.pool.arrays())
         seqs = [chunk.seq for chunk in sampling]
-        # A request's penalties, min_p and logit_bias (none asked: the logits themselves, at no cost).
-        tokens = self.sample(process_logits(logits, seqs), seqs)
+        # A request's penalties, min_p and logit_bias, then its constraint's mask (day 4.5); none asked:
+        # the logits themselves, at no cost.
+        tokens = self.sample(apply_constraints(process_logits(logits, seqs), seqs), seqs)
         self.logprobs = token_logprobs(logits, seqs, tokens)  # only for the requests that ask
         return tokens
 

