@@ -36,7 +36,10 @@ ALLOWED_IMPORTS = {
 ALLOWED_BY_MODULE = {
     "server": {"asyncio", "concurrent", "contextlib", "fastapi", "json", "queue", "threading", "uuid"},
     "prefix_cache": {"hashlib"},  # a block's name is a hash of its parent's name and its tokens
-    "speculative": {"mlx_lm"},  # day 4.1's draft-model proposer keeps its draft's KV cache with mlx-lm's
+    "speculative": {"mlx_lm"},
+    "structured": {"json"},  # day 4.5: a schema compiled by its JSON text
+    # Day 4.5 grades the server's protocol module with the constraint it builds: an HTTP body's types and answers.
+    "openai_api": {"asyncio", "fastapi", "functools", "json", "pydantic"},  # day 4.1's draft-model proposer keeps its draft's KV cache with mlx-lm's
 }
 
 REASONS = {

@@ -7,6 +7,7 @@ line per request; CORS through Starlette's middleware; OpenAI's error body for e
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import secrets
 import time
@@ -126,3 +127,11 @@ async def drain(receive) -> None:
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
             return
+
+
+def server_version() -> str:
+    """/version's answer: the course package's version, where it is installed."""
+    try:
+        return importlib.metadata.version("tiny-llm-course")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (the course is not installed as a package)"

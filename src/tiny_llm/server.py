@@ -45,11 +45,11 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .http_extras import install_http_extras
+from .http_extras import install_http_extras, server_version
 from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, ChatCompletionRequest, CompletionRequest, Detokenize,
                          TokenizeChat, chat_prompt_ids, check_choices, check_token_ids, choice, collect_all,
                          completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card, object_kind,
-                         output_constraint, parse_body, prompt_size, server_version, usage)
+                         output_constraint, parse_body, prompt_size, usage)
 from .prometheus_metrics import ServerMetrics
 from .sequence import SamplingParams
 from .text_stream import IncrementalDetokenizer, TextStream, find_stop  # noqa: F401 (day 3.5's tasks: server.X too)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.metadata
 import json
 import logging
 from typing import Annotated, Any, Literal
@@ -129,14 +128,15 @@ class SamplingRequest(NullMeansDefault):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension: they end the output
     # Typed loosely: `output_constraint` reads it and names what is wrong (day 4.5).
     response_format: Any = None
-    # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt: one engine request each
+    # Not served (checked against NOT_SERVED): typed loosely so the 400 names the field.
     store: Any = None
 
     def refuse_unserved(self) -> None:
         """A 400 naming the first field (in the schema's order) set to something this server does not do."""
-        for name in [name for name in type(self).model_fields if name in NOT_SERVED and name in self.model_fields_set]:
-            if getattr(self, name) not in NOT_SERVED[name]:
+        given = self.model_dump(include=set(NOT_SERVED) & self.model_fields_set)  # read by name, not getattr
+        for name in [name for name in type(self).model_fields if name in given]:
+            if given[name] not in NOT_SERVED[name]:
                 raise APIError(400, f"'{name}' is not supported by this server (only {NOT_SERVED[name][-1]!r})",
                                param=name, code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
@@ -279,14 +279,6 @@ class Detokenize(NullMeansDefault):
 
 
 TOKENIZE_BODY = TypeAdapter(TokenizeChat | TokenizeCompletion)
-
-
-def server_version() -> str:
-    """/version's answer: the course package's version, where it is installed."""
-    try:
-        return importlib.metadata.version("tiny-llm-course")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (the course is not installed as a package)"
 
 
 def parse_body(kind, raw: bytes, model_name: str):
