@@ -792,7 +792,9 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     if attack == "ansi_table":
         assert "\\x1b[2J" in done.stdout, "the escape is shown as text"
     if attack == "carriage_return":
-        assert "\\r   1    1    1" in done.stdout, "the carriage return is shown as text"
+        # Escaped once, where the text first reaches the judge (the pipe writes \x0d; the grader's own pass, \r).
+        assert any(f"{shown}   1    1    1" in done.stdout for shown in ("\\r", "\\x0d")), \
+            "the carriage return is shown as text"
     if attack in BUILT_ATTACKS:
         assert "not read (" in done.stdout, done.stdout
         assert "hidden-31" not in done.stdout + json.dumps(results), "a hidden file's text came back"
