@@ -21,11 +21,14 @@ from .openai_api import APIError
 logger = logging.getLogger("tiny_llm.server")
 access_logger = logging.getLogger("tiny_llm.access")
 
-def install_http_extras(app: FastAPI, api_key: str | None, cors_origins: list[str], max_body_bytes: int) -> None:
+def install_http_extras(app: FastAPI, api_key: str | None, cors_origins: list[str], max_body_bytes: int,
+                        errors: type[APIError] = APIError) -> None:
     """OpenAI's error format for every error, a body-size limit, an API key, CORS, a request-id header and
     an access log."""
 
-    @app.exception_handler(APIError)
+    # `errors`: the APIError class the caller's handlers raise. Where a day grades openai_api.py (4.5), the graded
+    # package's copy of it is not the one this module imported, and a handler keyed on the other class never runs.
+    @app.exception_handler(errors)
     async def api_error(request: Request, error: APIError):
         return error.response()
 

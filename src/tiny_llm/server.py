@@ -702,7 +702,7 @@ def create_app(engine, tokenizer, model_name: str, clock: Callable[[], float] = 
     app.state.engine_thread = server.engine_thread
     app.state.metrics = server.metrics
     app.state.drain = server.drain
-    install_http_extras(app, api_key, list(cors_origins), max_body_bytes)
+    install_http_extras(app, api_key, list(cors_origins), max_body_bytes, errors=APIError)
     add_completion_routes(app, server)
     add_tokenizer_routes(app, server)
     add_info_routes(app, server)
