@@ -15,6 +15,12 @@ itself (`scripts/grade.py --src`, the course's isolated pytest runner, its time 
 the days it must hurt, and must lose more than half of each one's points. The table printed names,
 per mutation and day, the points lost and the tests that failed.
 
+A mutation must also cost only its own task and the day's "your stack so far": each patch lies in one
+task's region of the reference (its `# BEGIN TASK` markers), and another task of the day that scores
+less than on the honest tree is a LEAK (a correct task paying for another one's bug: that task's
+tests must take the other task from the reference, `solution(week, day, task=N)`). A patch in provided
+code belongs to no task; its per-task losses are printed, never counted as leaks.
+
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
 the new code. Takes a few minutes (every mutation is a grading run); not part of CI.
 Exit status: 0 when every mutation is caught, 1 when one is not (or is stale), 2 on bad arguments.
@@ -24,18 +30,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from course.course_map import DAYS, find_day
+from course.selector import Task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = REPO_ROOT / "src" / "tiny_llm"
 REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
+TASK_REGION = re.compile(r"# BEGIN TASK Week (\d+) Day (\d+) Task (\d+).*?# END TASK", re.S)
+TEST_TASK = re.compile(r"test_task_(\d+)_")
 GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
 WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4), (4, 5)]  # the honest submission's days
 
@@ -51,6 +62,17 @@ class Mutation:
     @property
     def day_keys(self) -> list[tuple[int, int]]:
         return [(self.week, day) for day in self.days]
+
+    def planted_tasks(self) -> set[Task]:
+        """The tasks whose regions in the reference the patches change (none: provided code)."""
+        tasks = set()
+        for module, old, _ in self.patches:
+            text = (REFERENCE / f"{module}.py").read_text()
+            at = text.find(old)
+            for region in TASK_REGION.finditer(text):
+                if at >= 0 and region.start() <= at < region.end():
+                    tasks.add(Task(int(region[1]), int(region[2]), int(region[3])))
+        return tasks
 
 
 MUTATIONS = [
@@ -378,14 +400,41 @@ def grade_week(submission: Path, week: int, days: list[int], work: Path, attempt
     else:
         lines = (finished.stdout + finished.stderr).strip().splitlines()
         return f"the grader failed (status {finished.returncode}): " + " | ".join(lines[-6:])
-    results = {day: {"lost": 0.0, "max": float(sum(find_day(week, day).points.values())), "failed": []} for day in days}
+    results = {day: {"lost": 0.0, "max": float(sum(find_day(week, day).points.values())), "failed": [], "by_task": {}}
+               for day in days}
     for test in json.loads(report.read_text())["tests"]:
         day = int(test["tags"][1].split(".")[1])
         if test["score"] < test["max_score"]:
             lost = test["max_score"] - test["score"]
+            name = test["name"].split(": ", 1)[1]
             results[day]["lost"] += lost
-            results[day]["failed"].append((test["name"].split(": ", 1)[1], lost))
+            results[day]["failed"].append((name, lost))
+            task = TEST_TASK.match(name)
+            number = int(task[1]) if task else 0
+            results[day]["by_task"][number] = results[day]["by_task"].get(number, 0.0) + lost
     return results
+
+
+def stack_tasks(week: int, day: int) -> set[int]:
+    """The day's "your stack so far" task numbers: no code of their own, they pay for every bug by design."""
+    source = (REPO_ROOT / "tests" / f"test_week_{week}_day_{day}.py").read_text()
+    return {int(n) for n in re.findall(r"def test_task_(\d+)_your_stack_so_far", source)}
+
+
+def leaks(mutation: Mutation, key: tuple[int, int], result: dict, honest: dict) -> dict[int, float]:
+    """Task number -> points lost beyond the honest tree, for each task of the day the mutation is not planted
+    in (nor a stack task). Empty for a mutation in provided code: it belongs to no task."""
+    tasks = mutation.planted_tasks()
+    if not tasks:
+        return {}
+    excluded = {t.number for t in tasks if t.day_key == key} | stack_tasks(*key)
+    return {number: lost - honest.get("by_task", {}).get(number, 0.0) for number, lost in result["by_task"].items()
+            if number not in excluded and lost > honest.get("by_task", {}).get(number, 0.0)}
+
+
+def describe_tasks(by_task: dict[int, float]) -> str:
+    """'task 2 -5, task 6 -60': points lost per task."""
+    return ", ".join(f"task {number or '?'} -{lost:g}" for number, lost in sorted(by_task.items())) or "none"
 
 
 def describe_failures(failed: list[tuple[str, float]]) -> str:
@@ -417,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list:
         for mutation in MUTATIONS:
-            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)}: {mutation.what}")
+            planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
+            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)} ({planted}): "
+                  f"{mutation.what}")
         return 0
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
@@ -427,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     days = {tuple(int(part) for part in day.split(".")) for day in args.day or []}
     chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
               and (not days or days & set(m.day_keys))]
-    problems = 0
+    problems, started = 0, time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
@@ -454,13 +505,19 @@ def main(argv: list[str] | None = None) -> int:
                 problems += 1
                 print(f"ERROR {mutation.name}: {results}", flush=True)
                 continue
+            planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
             for (week, day), result in results.items():
                 caught = result["lost"] > result["max"] / 2
-                problems += not caught
-                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}), day {week}.{day}: "
-                      f"lost {result['lost']:g} of {result['max']:g}; failed: "
+                leaked = leaks(mutation, (week, day), result, baseline[(week, day)])
+                problems += not caught or bool(leaked)
+                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}; in {planted}), day {week}.{day}: "
+                      f"lost {result['lost']:g} of {result['max']:g} ({describe_tasks(result['by_task'])}); failed: "
                       f"{describe_failures(result['failed']) or 'nothing'}", flush=True)
-    print(f"mutations: {'every one caught' if not problems else f'{problems} problem(s)'}")
+                if leaked:
+                    print(f"LEAK {mutation.name}, day {week}.{day}: a correct task pays for it: "
+                          f"{describe_tasks(leaked)}", flush=True)
+    print(f"mutations: {'every one caught, no leak' if not problems else f'{problems} problem(s)'} "
+          f"({len(chosen)} mutations in {time.monotonic() - started:.0f} s)")
     return 1 if problems else 0
 
 
