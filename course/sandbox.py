@@ -4,7 +4,10 @@ The grader (scripts/grade.py) prepares, for each day, a sandbox root holding onl
 code needs (`prepare_root`): the package being graded, a copy of the reference with the graded day's
 task bodies removed (the selector fills the other days' tasks from it, function by function), and the
 few tooling files the worker runs (this module's worker, course/remote.py, course/selector.py and what
-they import). The grader's own code, the tests and their expected values are not in it.
+they import). The grader's own code, the tests and their expected values are not in it. The tests of
+one task (`solution(week, day, task=N)`) run in a worker of their own, on a root made beside the day's
+on first use (`task_root`) whose reference lacks only Task N's bodies: the code graded there can never
+call its own answer, and takes the day's other tasks from the reference as the selector says.
 
 In the trusted pytest process, `solution(week, day)` (tests/harness.py) returns `RemoteSelection`,
 which starts the worker on first use (`start_worker`):
@@ -125,13 +128,16 @@ def strip_task_bodies(source: str, functions: set[str]) -> str:
     return "".join(lines)
 
 
-def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week: int, day: int) -> Path:
-    """The sandbox's read-only view: the graded package, the reference without day W.D's tasks, the worker."""
+def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week: int, day: int,
+                 task: int | None = None) -> Path:
+    """The sandbox's read-only view: the graded package, the reference without day W.D's tasks (or without
+    Task `task` of it alone), the worker."""
     from course.selector import task_table
 
     graded = {}
     for module, names in task_table().items():
-        graded[module] = {name for name, task in names.items() if task is not None and task.day_key == (week, day)}
+        graded[module] = {name for name, t in names.items() if t is not None and t.day_key == (week, day)
+                          and task in (None, t.number)}
     (dest / "course").mkdir(parents=True)
     for name in WORKER_FILES:
         shutil.copyfile(course / name, dest / "course" / name)
@@ -145,6 +151,20 @@ def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week:
         (target / path.name).write_text(text)
     for path in [dest, *dest.rglob("*")]:
         path.chmod(0o555 if path.is_dir() else 0o444)
+    return dest
+
+
+def task_root(root: Path, week: int, day: int, task: int) -> Path:
+    """The root of the worker that runs Task `task`'s tests of the day graded in `root` (trusted side): the same
+    package, the reference without that task's bodies alone; made beside `root` on first use."""
+    dest = root.parent / f"{root.name}-task{task}"
+    if not dest.exists():
+        here = Path(__file__).resolve().parent
+        building = Path(tempfile.mkdtemp(prefix=f"{dest.name}-", dir=root.parent)) / "root"
+        prepare_root(building, root / "src" / "tiny_llm", here.parent / "src_ref" / "tiny_llm_ref", here, week, day,
+                     task)
+        building.rename(dest)  # whole or not at all: a test process stopped half-way leaves no half root
+        building.parent.rmdir()
     return dest
 
 
@@ -360,8 +380,9 @@ class RemoteSelection:
     _restart_needed = {"flag": False}
 
     def __init__(self, week: int, day: int, kind: str = "day"):
-        """`kind` "day": the day's tasks from the student (`selector.for_day`); "stack": the student's week
-        so far (`selector.for_stack`, the "your stack so far" tests)."""
+        """`kind` "day": the day's tasks from the student (`selector.for_day`); "taskN": Task N alone
+        (`selector.for_task`); "stack": the student's week so far (`selector.for_stack`, the "your stack so
+        far" tests). Each kind has a worker of its own."""
         self._key = (week, day, kind)
         _forward_seeds()
         if not os.environ.get(RANK_PIPES_VARIABLE):
@@ -379,8 +400,10 @@ class RemoteSelection:
             cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
             if not self._workers:
                 atexit.register(stop_workers)  # the workers' output files go with them
-            worker = Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), *self._key, float(cpu or 0) or None,
-                            int(memory or 0) or None)
+            root, (week, day, kind) = Path(os.environ[SANDBOX_ROOT_VARIABLE]), self._key
+            if kind.startswith("task"):
+                root = task_root(root, week, day, int(kind.removeprefix("task")))
+            worker = Worker(root, week, day, kind, float(cpu or 0) or None, int(memory or 0) or None)
             self._workers[self._key] = worker
         return worker
 
@@ -465,6 +488,8 @@ def _select(week: int, day: int, kind: str):
 
     if kind == "stack":
         return selector.for_stack(week, day)
+    if kind.startswith("task"):
+        return selector.for_task(week, day, int(kind.removeprefix("task")))
     return selector.for_day(week, day)
 
 

@@ -7,6 +7,9 @@ the student's files with some functions and methods swapped for the reference's:
 
 - `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
   every other day's task, even one the student has written. So each day is graded on its own code.
+- `for_task(W, D, N)` (the tests of Task N that run other tasks of its day, an engine with its proposer,
+  acceptance and roll-back): the student's code for that task alone, the reference's for every other.
+  So a bug in one task costs that task's points, never a correct task's of the same day.
 - `for_stack(W, D)` (the day's "your stack so far" tests): the student's code for day W.D's tasks and
   every earlier day of week W they have written (for week 4, from day 3.1 on: days 4.3 and 4.4 run
   week 3's engine), the reference's for the rest. So the engine the student will serve with is tested
@@ -303,6 +306,13 @@ def for_day(week: int, day: int) -> Selection:
     """
     return _selection_for_days(f"tiny_llm_week{week}_day{day}", [(week, day)],
                                lambda task, written: task.day_key == (week, day))
+
+
+def for_task(week: int, day: int, number: int) -> Selection:
+    """The code under test for one task's tests: the student's for Task N of day W.D alone, the reference's for
+    every other task, the day's own included (the day's modules are the student's files all the same)."""
+    return _selection_for_days(f"tiny_llm_week{week}_day{day}_task{number}", [(week, day)],
+                               lambda task, written: task.day_key == (week, day) and task.number == number)
 
 
 STACK_STARTS = {4: (3, 1)}  # week 4's engine days run on week 3's engine: their stack starts at day 3.1

@@ -1,6 +1,7 @@
 """The one switch between the student's package and the reference, used by every test.
 
     sol = solution(week=1, day=5)   # the code under test: sol.qwen2_week1, sol.embedding, ...
+    mine = solution(week=4, day=1, task=4)  # Task 4's tests: the student's Task 4, every other task the reference's
     ref = reference()               # always the reference: oracles and collaborators
     mine = stack(week=3, day=2)     # "your stack so far": days 3.1 and 3.2 of the student's, together
 
@@ -9,7 +10,9 @@ Against the reference (TINY_LLM_SOLUTION=ref), `solution(...)` is simply `tiny_l
 Against the student's package (the default), `solution(week, day)` is the selector's package for that
 day (course/selector.py): the student's code for the day's tasks, the reference's for every other task,
 function by function. So a student who starts at day 2.7 is graded on day 2.7's code alone, and a
-mistake in day 2.7's part of batch.py cannot fail day 2.6's tests.
+mistake in day 2.7's part of batch.py cannot fail day 2.6's tests. With `task=N` it is the student's
+code for that one task: a test of Task N that runs an engine made of several tasks of the day uses it,
+so a bug in another task of the day never costs Task N's points.
 
 While grading (`pdm run grade` sets TINY_LLM_SANDBOX_ROOT), that package runs in a sandboxed worker
 process and `solution(...)` reaches it through a pipe (course/sandbox.py): the tests, and the verdict,
@@ -45,13 +48,14 @@ def reference() -> selector.Selection:
     return selector.reference()
 
 
-def solution(week: int, day: int) -> selector.Selection:
-    """The code under test for one day: the student's code for that day's tasks, or the reference."""
+def solution(week: int, day: int, task: int | None = None) -> selector.Selection:
+    """The code under test for one day: the student's code for that day's tasks (or for Task `task` alone), or
+    the reference."""
     if solution_name() == "ref":
         return reference()
     if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the day's package runs in the sandbox
-        return sandbox.RemoteSelection(week, day)
-    return selector.for_day(week, day)
+        return sandbox.RemoteSelection(week, day, kind="day" if task is None else f"task{task}")
+    return selector.for_day(week, day) if task is None else selector.for_task(week, day, task)
 
 
 def stack(week: int, day: int) -> selector.Selection:

@@ -58,6 +58,24 @@ def test_a_days_selection_runs_that_days_tasks_only():
     assert selection.qwen2_week2 is ref.qwen2_week2, "a module with none of the day's tasks is the reference's"
 
 
+def test_a_tasks_selection_runs_that_task_only():
+    """Day 4.1 Task 2's engine test: the student's greedy acceptance, the reference's planning and roll-back
+    (Tasks 4 and 5, in the same file): a bug there never costs Task 2's points."""
+    table, ref = selector.task_table(), selector.reference()
+    selection = selector.for_task(4, 1, 2)
+    speculative = selection.speculative
+    for name, task in table["speculative"].items():
+        chosen = resolve(speculative, name)
+        if (task.day_key, task.number) == ((4, 1), 2):
+            assert code_file(chosen).endswith("src/tiny_llm/speculative.py"), name
+        else:
+            assert chosen.__code__ is resolve(ref.speculative, name).__code__, f"{name} must be the reference's"
+            assert chosen.__globals__ is speculative.__dict__, "a swapped-in function runs in the student's module"
+    assert code_file(resolve(speculative, "SpeculativeEngine.verify")).endswith("src/tiny_llm/speculative.py"), \
+        "provided code of the day's module is the student's file"
+    assert selection.scheduler is ref.scheduler, "a module with none of the day's tasks is the reference's"
+
+
 def test_a_stack_runs_the_days_tasks_and_the_earlier_days_written_ones():
     """Day 3.2's "your stack so far": the student's 3.2 tasks always, their 3.1 tasks once written, the rest the reference's."""
     table, unwritten = selector.task_table(), selector.unwritten()

@@ -9,8 +9,10 @@ Qwen2, one request at a time, for greedy outputs on the embedded model; hand-bui
 acceptance rules and the counters.
 
 Every other day's code (week 3's engine, scheduler, runner, model) comes from the reference: the
-selector. The engine tests run the student's whole day 4.1 (their proposer, acceptance rules,
-planning and roll-back) on that stack.
+selector. Each task's tests take the student's code for that task alone and the reference's for the
+day's other tasks (`solution(week=4, day=1, task=N)`): Task 2's engine test runs the student's greedy
+acceptance with the reference's planning and roll-back, so a bug in one task never costs another
+task's points. Task 6 runs the student's whole day 4.1 on their week 3.
 """
 
 import functools
@@ -26,9 +28,8 @@ from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
 from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
 
-sol = solution(week=4, day=1)
+TASKS = {n: solution(week=4, day=1, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
 ref = reference()
-Params = sol.sequence.SamplingParams  # made where the engine reads them (while grading, the submission's process)
 STEP_LIMIT = 2000  # no engine run in this file needs more steps; more means a sequence stopped moving
 
 
@@ -65,8 +66,9 @@ class FakeSpeculativeRunner:
     every sharer), and checked at every sampled row.
     """
 
-    def __init__(self, engine, logits_of=fake_logits):
+    def __init__(self, engine, sol, logits_of=fake_logits):
         self.engine = engine
+        self.sol = sol
         self.block_size = engine.block_manager.block_size
         self.logits_of = logits_of
         self.slots: dict[int, tuple] = {}
@@ -107,7 +109,7 @@ class FakeSpeculativeRunner:
         known = self.verify_classes.get(id(cls))
         if known is None:
             # A class of this process is asked directly; one of the submission's (a handle) is known by identity.
-            verify = is_verify_class(cls)
+            verify = is_verify_class(cls, self.sol)
             known = self.verify_classes[id(cls)] = (cls, verify)
         return known[1]
 
@@ -121,16 +123,24 @@ class FakeSpeculativeRunner:
         return tokens
 
 
+def for_task(number: int):
+    """(the code under test for Task `number`, its SamplingParams): params are made where the engine reads them
+    (while grading, in the submission's process that runs the task)."""
+    sol = TASKS[number]
+    return sol, sol.sequence.SamplingParams
+
+
 @functools.cache
-def ref_verify_chunks():
-    """VerifyChunk of the student's module and the reference's (a chunk is recognized by either)."""
+def verify_chunk_classes(sol):
+    """VerifyChunk of the student's module in `sol` and the reference's (a chunk is recognized by either)."""
     return (sol.speculative.VerifyChunk, ref.speculative.VerifyChunk)
 
 
-def is_verify_class(cls) -> bool:
+def is_verify_class(cls, sol) -> bool:
     """Whether chunks of class `cls` are VerifyChunks: a class of this process is asked, one of the submission's
     (a handle: while grading, it is the student's module's VerifyChunk or another) is known by identity."""
-    return issubclass(cls, ref_verify_chunks()) if isinstance(cls, type) else cls is ref_verify_chunks()[0]
+    classes = verify_chunk_classes(sol)
+    return issubclass(cls, classes) if isinstance(cls, type) else cls is classes[0]
 
 
 class OracleProposer:
@@ -158,13 +168,13 @@ class OracleProposer:
         pass
 
 
-def fake_engine(logits_of=fake_logits, proposer=None, num_speculative_tokens=4, min_acceptance_rate=0.3,
+def fake_engine(sol, logits_of=fake_logits, proposer=None, num_speculative_tokens=4, min_acceptance_rate=0.3,
                 probe_interval=8, **config):
-    """The student's SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
+    """`sol`'s SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
     speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
     engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), sol.engine.EngineConfig(**config),
                                                speculation=speculation, proposer=proposer)
-    engine.runner = FakeSpeculativeRunner(engine, logits_of)
+    engine.runner = FakeSpeculativeRunner(engine, sol, logits_of)
     return engine
 
 
@@ -250,6 +260,7 @@ def seq_of(tokens, params=None, request_id="s"):
 
 
 def test_task_1_ngram_proposes_what_followed():
+    sol = TASKS[1]
     proposer = sol.speculative.NgramProposer(max_ngram=3, min_ngram=1)
     # "5 6 7" occurred before, followed by 8 9 1: the longest suffix match wins.
     assert proposer.propose(seq_of([5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 3) == [8, 9, 1]
@@ -267,6 +278,7 @@ def test_task_1_ngram_proposes_what_followed():
 
 
 def test_task_1_ngram_respects_min_ngram_and_k():
+    sol = TASKS[1]
     strict = sol.speculative.NgramProposer(max_ngram=3, min_ngram=2)
     assert strict.propose(seq_of([1, 9, 8, 1]), 2) == [], "a single-token match is below min_ngram"
     assert strict.propose(seq_of([1, 9, 8, 7, 1, 9]), 2) == [8, 7]
@@ -295,8 +307,9 @@ def copying_logits(history):
 @pytest.mark.parametrize("k", [2, 4])
 def test_task_1_prompt_lookup_speeds_up_copying(k):
     """On output that copies its prompt, the engine with prompt lookup gains about k + 1 tokens a step, same text."""
+    sol, Params = for_task(1)
     rng = random.Random(k)
-    engine = fake_engine(copying_logits, proposer=sol.speculative.NgramProposer(), num_speculative_tokens=k,
+    engine = fake_engine(sol, copying_logits, proposer=sol.speculative.NgramProposer(), num_speculative_tokens=k,
                          token_budget=64, max_num_seqs=2, block_size=4)
     prompts = [rng.sample(range(EOS), PERIOD) for _ in range(2)]  # distinct tokens: a suffix occurs once
     max_tokens = 40
@@ -322,13 +335,15 @@ def test_task_1_prompt_lookup_speeds_up_copying(k):
     ([], [3], [3]),  # nothing guessed: exactly a decode step
 ])
 def test_task_2_accept_greedy(draft, target, expected):
+    sol = TASKS[2]
     assert sol.speculative.accept_greedy(list(draft), list(target)) == expected
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_task_2_engine_gains_exactly_the_agreeing_guesses(k):
     """In the engine, each verify chunk gains its agreeing guesses plus one token; outputs as without speculation."""
-    engine = fake_engine(proposer=OracleProposer(seed=k), num_speculative_tokens=k, token_budget=32,
+    sol, Params = for_task(2)
+    engine = fake_engine(sol, proposer=OracleProposer(seed=k), num_speculative_tokens=k, token_budget=32,
                          max_num_seqs=4, block_size=4, min_acceptance_rate=0.0)
     prompts = random_prompts(6, seed=40 + k)
     arrivals = [(p, Params(max_tokens=16), i) for i, p in enumerate(prompts)]
@@ -349,6 +364,7 @@ def test_task_3_rejection_sampling_keeps_the_target_distribution(with_draft_prob
     Whatever the guesses, token i of the output, whenever the output reaches it, must follow p[i].
     With `draft_probs` the guesses are drawn from the draft's rows q; without, they are fixed (q one-hot).
     """
+    sol = TASKS[3]
     # The test's own chi-square against known quantiles (dof 2 has a closed form; dof 10's 0.999 quantile is 29.588).
     assert chi_square_p_value(2 * math.log(1000), 2) == pytest.approx(1e-3, rel=1e-9)
     assert chi_square_p_value(29.588, 10) == pytest.approx(1e-3, rel=1e-3)
@@ -371,6 +387,7 @@ def test_task_3_rejection_sampling_keeps_the_target_distribution(with_draft_prob
 
 
 def test_task_3_rejection_sampling_edge_cases():
+    sol = TASKS[3]
     mx.random.seed(3)
     certain = mx.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     for _ in range(20):
@@ -407,6 +424,7 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
     The first token comes from the prefill (no guess); each later step verifies 2 guesses. 4,000
     requests, 27 outcomes of (t2, t3, t4); false-alarm rate FALSE_ALARM.
     """
+    sol, Params = for_task(3)
 
     class Ones:
         def propose(self, seq, k):
@@ -417,7 +435,7 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
 
     temperature = 0.8
     mx.random.seed(1234)
-    engine = fake_engine(markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
+    engine = fake_engine(sol, markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
                          max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
     add_request, params = engine.add_request, Params(temperature=temperature, max_tokens=4)
@@ -445,7 +463,8 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
     """Speculation changes how many tokens a step yields, never which: same outputs as one request alone."""
-    engine = fake_engine(proposer=OracleProposer(seed=budget * 10 + k), num_speculative_tokens=k,
+    sol, Params = for_task(4)
+    engine = fake_engine(sol, proposer=OracleProposer(seed=budget * 10 + k), num_speculative_tokens=k,
                          token_budget=budget, max_num_seqs=3, block_size=2)
     rng = random.Random(budget + k)
     prompts = random_prompts(7, seed=budget + 100 * k)
@@ -465,8 +484,9 @@ def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
 
 
 def test_task_4_proposals_fill_only_the_leftover_budget():
+    sol, Params = for_task(4)
     proposer = OracleProposer(seed=1)
-    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, token_budget=8, max_num_seqs=4)
+    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=4, token_budget=8, max_num_seqs=4)
     engine.add_request([1, 2, 3], Params(max_tokens=30), request_id="a")
     engine.add_request([4, 5], Params(max_tokens=30), request_id="b")
     engine.step()  # both prompts prefill (5 tokens): nobody decodes yet, nothing to guess
@@ -476,12 +496,13 @@ def test_task_4_proposals_fill_only_the_leftover_budget():
     engine.propose(plan)
     # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
     assert plan.num_tokens == 8 and proposer.calls == []
-    assert all(not is_verify_class(class_of(c)) for c in plan.chunks)
+    assert all(not is_verify_class(class_of(c), sol) for c in plan.chunks)
     engine.record(plan, engine.update(plan, engine.runner.logit_rows(plan)))
     run_to_end(engine)
 
 
 def test_task_4_proposals_within_room_blocks_and_max_tokens():
+    sol, Params = for_task(4)
     class Fixed:
         def __init__(self):
             self.calls = []
@@ -494,7 +515,7 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
             pass
 
     proposer = Fixed()
-    engine = fake_engine(proposer=proposer, num_speculative_tokens=6, token_budget=16, max_num_seqs=4,
+    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=6, token_budget=16, max_num_seqs=4,
                          block_size=4, num_blocks=4)
     engine.add_request([7] * 6, Params(max_tokens=4), request_id="a")  # 6 prompt tokens: 2 blocks
     engine.add_request([8] * 7, Params(max_tokens=9), request_id="b")  # 7 prompt tokens: 2 blocks, the pool is full
@@ -505,10 +526,10 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
     # a: 7 tokens, may emit 3 more: at most 2 guesses (the last token is always the target's own), and
     # its 2 blocks have room for 1 position more with none free: 1 guess.
     assert proposer.calls[0] == 2
-    assert is_verify_class(class_of(chunks["a"])) and chunks["a"].draft == [1]
+    assert is_verify_class(class_of(chunks["a"]), sol) and chunks["a"].draft == [1]
     assert (chunks["a"].start, chunks["a"].length) == (6, 2)
     # b: 8 tokens in 2 full blocks, no free block left: speculation never preempts, so no guess.
-    assert not is_verify_class(class_of(chunks["b"])) and chunks["b"].length == 1
+    assert not is_verify_class(class_of(chunks["b"]), sol) and chunks["b"].length == 1
     assert plan.decodes == [chunks["b"]] and plan.prefills == [chunks["a"]], "a verify chunk runs as a prefill chunk"
     assert plan.num_tokens == 3 and engine.block_manager.num_free_blocks == 0
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -516,6 +537,7 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
 
 
 def test_task_4_backs_off_when_guesses_fail():
+    sol, Params = for_task(4)
     class Wrong:
         calls = 0
 
@@ -531,7 +553,7 @@ def test_task_4_backs_off_when_guesses_fail():
     prompt = [3] * 5
     expected, _ = fake_greedy(prompt, 60)
     max_tokens = len(expected)  # no EOS within the run
-    engine = fake_engine(proposer=Wrong(), num_speculative_tokens=3, min_acceptance_rate=0.5, probe_interval=5)
+    engine = fake_engine(sol, proposer=Wrong(), num_speculative_tokens=3, min_acceptance_rate=0.5, probe_interval=5)
     engine.add_request(prompt, Params(max_tokens=max_tokens), request_id="r")
     run_to_end(engine)
     decode_steps = max_tokens - 1
@@ -544,6 +566,7 @@ def test_task_4_backs_off_when_guesses_fail():
 def test_task_4_guesses_follow_what_gets_accepted():
     """A sequence whose first guess is always right and the rest wrong: after its first verification it asks for
     2 guesses (one more than it gets accepted), not k; all right again, it grows back by one a step."""
+    sol, Params = for_task(4)
 
     class FirstRight:
         def __init__(self, right_after: int):
@@ -565,7 +588,7 @@ def test_task_4_guesses_follow_what_gets_accepted():
     prompt = next([start, 8, 7] for start in range(EOS) if fake_greedy([start, 8, 7], 40)[1] == "length")
     expected, _ = fake_greedy(prompt, 40)
     proposer = FirstRight(right_after=6)
-    engine = fake_engine(proposer=proposer, num_speculative_tokens=4, min_acceptance_rate=0.2, token_budget=64)
+    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=4, min_acceptance_rate=0.2, token_budget=64)
     engine.add_request(prompt, Params(max_tokens=len(expected)), request_id="r")
     run_to_end(engine)
     asked = proposer.asked
@@ -578,6 +601,7 @@ def test_task_4_guesses_follow_what_gets_accepted():
 
 
 def test_task_5_counters_exact_on_a_constructed_case():
+    sol, Params = for_task(5)
     prompt = [2, 4, 6, 8]
     truth, _ = fake_greedy(prompt, 30)
     assert EOS not in truth[:12]
@@ -598,7 +622,7 @@ def test_task_5_counters_exact_on_a_constructed_case():
         def forget(self, request_id):
             pass
 
-    engine = fake_engine(proposer=Scripted(), num_speculative_tokens=3, block_size=2,
+    engine = fake_engine(sol, proposer=Scripted(), num_speculative_tokens=3, block_size=2,
                          min_acceptance_rate=0.0)
     seq = engine.add_request(prompt, Params(max_tokens=12), request_id="r")
     engine.step()  # prefill: 1 token
@@ -625,7 +649,8 @@ def test_task_5_counters_exact_on_a_constructed_case():
 @pytest.mark.parametrize("block_size", [1, 2, 3, 8])
 def test_task_5_rejected_positions_never_leak_blocks(block_size):
     """Tight pool, many rejections across block boundaries, preemptions: blocks always add up."""
-    engine = fake_engine(proposer=OracleProposer(seed=block_size), num_speculative_tokens=4,
+    sol, Params = for_task(5)
+    engine = fake_engine(sol, proposer=OracleProposer(seed=block_size), num_speculative_tokens=4,
                          token_budget=24, max_num_seqs=4, block_size=block_size,
                          num_blocks=ref.block_manager.blocks_for(60, block_size), min_acceptance_rate=0.0)
     prompts = random_prompts(8, seed=block_size, longest=12)
@@ -639,12 +664,13 @@ def test_task_5_rejected_positions_never_leak_blocks(block_size):
 
 def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
     """EOS among the accepted tokens ends the sequence there; the prefix cache only names real tokens."""
+    sol, Params = for_task(5)
     for start in range(200):  # a prompt whose greedy run meets EOS after a few tokens
         prompt = [start % EOS, (start * 7) % EOS, 5]
         output, reason = fake_greedy(prompt, 12)
         if reason == "stop" and len(output) >= 3:
             break
-    engine = fake_engine(proposer=OracleProposer(seed=4), num_speculative_tokens=5, block_size=2,
+    engine = fake_engine(sol, proposer=OracleProposer(seed=4), num_speculative_tokens=5, block_size=2,
                          enable_prefix_caching=True, min_acceptance_rate=0.0)
     arrivals = [(prompt, Params(max_tokens=12), 0), (prompt, Params(max_tokens=12), 1),
                 (prompt + output, Params(max_tokens=4), 2)]
@@ -669,6 +695,7 @@ def real(model32):
 def test_task_5_whole_day_on_the_embedded_model_equals_mlx_lm(real, budget, k):
     """The student's day 4.1 on week 3's engine and the embedded Qwen2, with a draft model (the same
     checkpoint through mlx-lm, so most guesses are right) and prompt lookup: mlx-lm's greedy output."""
+    sol, Params = for_task(5)
     model, mlx_model, tokenizer = real
     rng = random.Random(budget)
     base = [rng.randrange(100, 5000) for _ in range(6)]

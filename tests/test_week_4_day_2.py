@@ -9,7 +9,10 @@ day 3.2's block accounting after every step.
 The oracle needs group sizes MLX supports (32, 64, 128), so most model-level tests run `wide_model`,
 a random Qwen2 built here with SmolLM2's head_dim of 64; the embedded model (head_dim 16, one group
 per head) gives the tolerance against the float pool. The engine, the runner and the model come
-from the reference (the selector): what runs the student's code is the pool and its sizing.
+from the reference (the selector): what runs the student's code is the pool and its sizing. Each
+task's tests take the student's code for that task alone (`solution(week=4, day=2, task=N)`): the pool
+of Task 2 is tested over the reference's quantize_kv, the engine of Task 3 over the reference's pool,
+so a bug in one task never costs another task's points; Task 4 runs the student's whole day.
 """
 
 import random
@@ -21,7 +24,7 @@ import pytest
 from tests.harness import reference, solution, stack
 from tests.week4_stack import check_quantized_stack
 
-sol = solution(week=4, day=2)
+TASKS = {n: solution(week=4, day=2, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 BLOCK_SIZE = 4
@@ -97,8 +100,8 @@ def engine_config(**knobs):
     return ref.engine.EngineConfig(**{"block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16, **knobs})
 
 
-def make_engine(model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None):
-    """The reference engine on the pool under test, sized by memory with the sizing under test.
+def make_engine(sol, model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None):
+    """The reference engine on `sol`'s pool, sized by memory with `sol`'s sizing.
 
     The engine module is the reference's (the selector keeps modules without the day's tasks as they
     are), so the pool and its size are put in here: the one place the tests build an engine.
@@ -197,6 +200,7 @@ def uneven(shape, seed: int) -> mx.array:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group_size", [64, 32])
 def test_task_1_layout_is_mlx_quantize_per_token_and_head(bits, group_size):
+    sol = TASKS[1]
     x = uneven((5, 3, 64), seed=1)
     packed, scales, biases = sol.quantized_kv.quantize_kv(x, group_size, bits)
     assert packed.shape == (5, 3, 64 * bits // 32) and packed.dtype == mx.uint32, \
@@ -226,6 +230,7 @@ def test_task_1_round_trip_error_within_a_level_of_each_group(bits, group_size):
     Half a level from rounding; MLX's scale, stretched so the group's larger end sits exactly on a
     level, can push the other end up to half a level past the last one (clipped).
     """
+    sol = TASKS[1]
     x = uneven((40, 4, 64), seed=2)
     q = sol.quantized_kv.quantize_kv(x, group_size, bits)
     back = sol.quantized_kv.dequantize_kv(*q, group_size, bits, mx.float32)
@@ -242,6 +247,7 @@ def test_task_1_round_trip_error_within_a_level_of_each_group(bits, group_size):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_task_1_dequantize_matches_mlx(bits):
+    sol = TASKS[1]
     x = uneven((6, 2, 64), seed=3)
     mlx_packed, mlx_scales, mlx_biases = mx.quantize(x.reshape(12, 64), 32, bits)
     scales, biases = mlx_scales.astype(mx.float16), mlx_biases.astype(mx.float16)
@@ -260,6 +266,7 @@ def test_task_1_dequantize_matches_mlx(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_task_2_pool_stores_keys_and_values_quantized(bits):
+    sol = TASKS[2]
     pool = sol.quantized_kv.QuantizedKvPool(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=2, head_dim=64,
                                            bits=bits)
     keys, values = uneven((4, 2, 64), seed=4), uneven((4, 2, 64), seed=5)
@@ -283,6 +290,7 @@ def test_task_2_pool_stores_keys_and_values_quantized(bits):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_task_2_rewriting_a_slot_requantizes_it(bits):
     """A freed block handed to another sequence is overwritten: new values, new scales, new biases."""
+    sol = TASKS[2]
     pool = sol.quantized_kv.QuantizedKvPool(1, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=64, bits=bits)
     first, second = uneven((4, 1, 64), seed=6), 100 * uneven((2, 1, 64), seed=7) + 50
     pool.write(0, mx.array([0, 1, 2, 3]), first, -first)
@@ -307,6 +315,7 @@ def test_task_2_rewriting_a_slot_requantizes_it(bits):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_task_2_model_over_quantized_pool_matches_mlx_round_trip(wide_model, bits):
     """Two sequences, the second on the first one's blocks, prefilled in chunks: logits as the MLX oracle's."""
+    sol = TASKS[2]
     model, _ = wide_model
     shape = pool_shape(model, 8, 4)
     pool, oracle = sol.quantized_kv.QuantizedKvPool(*shape, bits=bits), RoundTripPool(*shape, bits=bits)
@@ -324,6 +333,7 @@ def test_task_2_embedded_logits_within_tolerance_of_float_pool(model32):
     200 positions prefilled in chunks of 32, so most queries read keys that earlier chunks stored,
     into blocks another sequence used before.
     """
+    sol = TASKS[2]
     mlx_model, _ = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     tokens, table = prompt_of(200, 3, 5000), list(range(13))
@@ -342,6 +352,7 @@ def test_task_2_embedded_logits_within_tolerance_of_float_pool(model32):
 
 
 def test_task_3_bytes_per_token_and_blocks_for_a_budget():
+    sol = TASKS[3]
     qkv = sol.quantized_kv
     smollm2 = (30, 3, 64)  # layers, KV heads, head_dim
     assert qkv.kv_bytes_per_token(*smollm2, None, mx.float32) == 2 * 30 * 3 * 64 * 4
@@ -367,11 +378,12 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
 
     Eight requests, four at a time: the later ones reuse the blocks of the finished ones.
     """
+    sol = TASKS[3]
     model, tokenizer = wide_model
     memory = 10 * 4 * sol.quantized_kv.model_bytes_per_token(model, None)
     prompts, max_tokens = [prompt_of(12, 10 + i, 512) for i in range(8)], 12
-    float_engine = make_engine(model, tokenizer, kv_cache_bytes=memory)
-    quantized = make_engine(model, tokenizer, kv_cache_bytes=memory, kv_bits=8)
+    float_engine = make_engine(sol, model, tokenizer, kv_cache_bytes=memory)
+    quantized = make_engine(sol, model, tokenizer, kv_cache_bytes=memory, kv_bits=8)
     assert float_engine.block_manager.num_blocks == 10
     assert quantized.block_manager.num_blocks >= 3.5 * 10
     knob = ref.engine.LLMEngine(model, tokenizer, engine_config(kv_cache_bytes=memory, kv_bits=8))
@@ -391,10 +403,11 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
     """Your pool in the engine, memory tight enough to preempt and reuse blocks: MLX's tokens, every block back."""
+    sol = TASKS[3]
     model, tokenizer = wide_model
     memory = 12 * 4 * sol.quantized_kv.model_bytes_per_token(model, bits)
     prompts, max_tokens = [prompt_of(n, 20 + n, 512) for n in (9, 14, 5, 11, 7)], 10
-    engine = make_engine(model, tokenizer, kv_cache_bytes=memory, kv_bits=bits)
+    engine = make_engine(sol, model, tokenizer, kv_cache_bytes=memory, kv_bits=bits)
     assert engine.block_manager.num_blocks == 12
     outputs = run_to_end(engine, prompts, max_tokens)
     assert engine.num_preemptions > 0, "the workload was meant to preempt"
@@ -403,7 +416,7 @@ def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
     assert outputs == run_to_end(oracle, prompts, max_tokens)
     assert oracle.num_preemptions == engine.num_preemptions
     with pytest.raises(ValueError):
-        make_engine(model, tokenizer, kv_cache_bytes=100, kv_bits=bits)
+        make_engine(sol, model, tokenizer, kv_cache_bytes=100, kv_bits=bits)
 
 
 # ---------------------------------------------------------------- Task 4: your stack so far
