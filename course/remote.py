@@ -816,7 +816,9 @@ def _student_frames(error: BaseException) -> str:
     they call), innermost first, one line each: file, line and code, as `pdm run test` shows them."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
-    lines = [f'  File "{f.filename}", line {f.lineno}, in {f.name}: {(f.line or "").strip()}' for f in frames[::-1]]
+    # Paths from the repository's root ("src/tiny_llm/batch.py"), as the student's tree and `pdm run test` name them.
+    lines = [f'  File "{re.sub(r"^.*?/(?=src(_ref)?/)", "", f.filename)}", line {f.lineno}, in {f.name}: '
+             f'{(f.line or "").strip()}' for f in frames[::-1]]
     return "\n".join(lines[:12])[:6000]
 
 

@@ -1079,6 +1079,7 @@ def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
         probe.crash()
     note = "\n".join(getattr(raised.value, "__notes__", []))
     assert "probe.py" in note and "return table[3]" in note and "crash" in note, note
+    assert 'File "src/tiny_llm/probe.py", line' in note, "the student's own path, as `pdm run test` shows it"
     assert "remote.py" not in note and "sandbox.py" not in note, note
     with pytest.raises(ValueError) as raised:
         probe.escape()

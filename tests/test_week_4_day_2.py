@@ -185,6 +185,33 @@ def stored_difference(pool, layer: int, slots: list[int], x: mx.array, bits: int
     return ""
 
 
+def gathered_difference(got: mx.array, x: mx.array, other: mx.array, bits: int, group_size: int, dtype: mx.Dtype,
+                        name: str) -> str:
+    """What differs between what gather returned for `name` ("keys" or "values") and the dequantization of `x`, what
+    was written there (`other`: what was written as the other one): the dtype, the shape, the other one's data, the
+    scales and biases swapped, the packed words; "" if nothing does (to float rounding)."""
+    if got.dtype != dtype:
+        return f"gather returns {name} as {got.dtype}, not the pool's dtype ({dtype})"
+    if got.shape != x.shape:
+        return f"gather's {name} have shape {got.shape}, want {x.shape} (slots first, then heads and head_dim)"
+    shape, head_dim = x.shape, x.shape[-1]
+    got = got.astype(mx.float32)
+
+    def matches(expected: mx.array) -> bool:
+        return mx.allclose(got, expected.reshape(shape), rtol=1e-5, atol=1e-4).item()
+
+    if matches(round_trip(x.reshape(-1, *shape[-2:]), bits, group_size)):
+        return ""
+    if matches(round_trip(other.reshape(-1, *shape[-2:]), bits, group_size)):
+        return f"gather's {name} are the {'values' if name == 'keys' else 'keys'}"
+    packed, scales, biases = mx.quantize(x.reshape(-1, head_dim), group_size, bits)
+    scales, biases = scales.astype(mx.float16).astype(mx.float32), biases.astype(mx.float16).astype(mx.float32)
+    if matches(mx.dequantize(packed, biases, scales, group_size, bits)):
+        return f"gather's {name}: scales and biases swapped when dequantizing"
+    return f"gather's {name} are not the dequantization of what the pool stores at those slots (the slots read, " \
+           f"the bits ({bits}) or the group size ({group_size}) given to dequantize_kv)"
+
+
 def uneven(shape, seed: int) -> mx.array:
     """Keys-like data whose heads and tokens differ in scale by 10^4 and in offset: per-group scales matter."""
     mx.random.seed(seed)
@@ -277,12 +304,10 @@ def test_task_2_pool_stores_keys_and_values_quantized(bits):
         differs = stored_difference(pool, 1, [6, 7, 0, 3], x, bits, 64, name)
         assert not differs, differs
     got_keys, got_values = pool.gather(1, mx.array([[0, 6], [3, 7]]))
-    assert got_keys.shape == got_values.shape == (2, 2, 2, 64), f"gather's shape {got_keys.shape}, want (2, 2, 2, 64)"
-    assert got_keys.dtype == got_values.dtype == mx.float32, f"gather returns {got_keys.dtype}, not the pool's float32"
-    assert mx.allclose(got_keys[0, 1], round_trip(keys, bits, 64)[0], rtol=1e-5, atol=1e-5).item(), \
-        "the stored keys are right but gather's are not their dequantization (its bits, group size, scale and bias)"
-    assert mx.allclose(got_values[1, 0], round_trip(values, bits, 64)[3], rtol=1e-5, atol=1e-5).item(), \
-        "the stored values are right but gather's are not their dequantization, or they are the keys"
+    written = mx.array([[2, 0], [3, 1]])  # which row of `keys` and `values` each of those slots holds
+    for got, x, other, name in ((got_keys, keys, values, "keys"), (got_values, values, keys, "values")):
+        differs = gathered_difference(got, x[written], other[written], bits, 64, mx.float32, name)
+        assert not differs, f"the stored {name} are right (mx.quantize's) but {differs}"
     assert all(mx.array_equal(part, mx.zeros_like(part)).item() for part in pool.keys[0] + pool.values[0]), \
         "other layers untouched"
 
@@ -303,13 +328,10 @@ def test_task_2_rewriting_a_slot_requantizes_it(bits):
             assert not differs, f"slots {slots} after {'a rewrite' if slots[0] else 'their neighbours rewrite'}: " \
                                 f"{differs}"
     keys, values = pool.gather(0, mx.array([0, 1, 2, 3]))
-    assert keys.dtype == values.dtype == mx.float32, f"gather returns {keys.dtype}, not the pool's dtype (float32)"
-    expected = mx.concatenate([round_trip(first, bits, 64)[:2], round_trip(second, bits, 64)])
-    assert mx.allclose(keys, expected, rtol=1e-5, atol=1e-4).item(), \
-        "the stored parts are right but gather's keys are not their dequantization (its bits, group size, or scale " \
-        "and bias order)"
-    assert mx.allclose(values, -expected, rtol=1e-5, atol=1e-4).item(), \
-        "the stored parts are right but gather's values are not their dequantization"
+    written = mx.concatenate([first[:2], second])
+    for got, sign, name in ((keys, 1, "keys"), (values, -1, "values")):
+        differs = gathered_difference(got, sign * written, -sign * written, bits, 64, mx.float32, name)
+        assert not differs, f"the stored parts are right but {differs}"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
