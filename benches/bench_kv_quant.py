@@ -34,11 +34,10 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches import lab  # noqa: E402
-from benches.engines import week3_engine  # noqa: E402
 from course import selector  # noqa: E402
-from course.models import default_model  # noqa: E402
+from course.engines import week3_engine  # noqa: E402
+from course.models import build_prompt, default_model  # noqa: E402
 from course.user_errors import user_error  # noqa: E402
-from scripts.main import build_prompt  # noqa: E402
 
 PROG = "pdm run bench-kv-quant"
 FORMATS = {"float32": None, "float16": 16, "8-bit": 8, "4-bit": 4}  # label -> the engine's kv_bits

@@ -11,8 +11,8 @@ and releases what it holds (`close()`).
 - `Speculative`: day 4.1's `SpeculativeEngine` of a selection (a `Week3` with guesses and their counters).
 - `TensorParallel`: day 4.4's `TensorParallelEngine` of a selection on rank 0 (the other ranks follow it).
 
-`week3_engine` is the one place a lab or `compare` builds an `LLMEngine` (`speculative_engine`: a
-`SpeculativeEngine`).
+Their engines are built by `course.engines` (`week3_engine`, `speculative_engine`), the one place a lab
+or `compare` builds one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from benches.workloads import Arrival
+from course.engines import speculative_engine, week3_engine
 
 
 class Event(NamedTuple):
@@ -51,17 +52,6 @@ class Adapter:
 # ---------------------------------------------------------------- week 3
 
 
-def week3_engine(selection, model, tokenizer, clock=None, **config):
-    """An `LLMEngine` of `selection` (the student's or the reference's); `config` are `EngineConfig` fields.
-
-    Every lab and `compare` builds its week-3 engine here, so a change of the engine's constructor
-    is one edit. `clock` (default: the engine's) times its steps.
-    """
-    engine = selection.engine
-    timing = {} if clock is None else {"clock": clock}
-    return engine.LLMEngine(model, tokenizer, engine.EngineConfig(**config), **timing)
-
-
 class Week3(Adapter):
     """Week 3's `LLMEngine`; `config` are `EngineConfig` fields (token_budget, adaptive_budget, ...)."""
 
@@ -83,17 +73,6 @@ class Week3(Adapter):
         engine = self.engine
         return {"num_preemptions": engine.num_preemptions, "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
                 "tokens_run": engine.prompt_tokens_total + engine.generation_tokens_total}
-
-
-def speculative_engine(selection, model, tokenizer, proposer=None, num_speculative_tokens: int = 4, clock=None,
-                       adaptive: bool = True, **config):
-    """Day 4.1's `SpeculativeEngine` of `selection`: `proposer` (default prompt lookup) guessing up to k tokens,
-    backing off where guesses fail (`adaptive`), or always guessing k (min_acceptance_rate 0)."""
-    speculative = selection.speculative
-    timing = {} if clock is None else {"clock": clock}
-    speculation = speculative.SpeculativeConfig(num_speculative_tokens, **({} if adaptive else {"min_acceptance_rate": 0.0}))
-    return speculative.SpeculativeEngine(model, tokenizer, selection.engine.EngineConfig(**config),
-                                         speculation=speculation, proposer=proposer, **timing)
 
 
 class Speculative(Week3):

@@ -363,3 +363,11 @@ def load_model(name: str | None = None):
     # Materialize the weights (and the cast) now, so no timed run pays for loading them.
     mx.eval(model.parameters())
     return model, tokenizer
+
+
+def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
+    """`text` as one user turn of the tokenizer's chat template (when it has one and `use_chat_template`), else as is."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text

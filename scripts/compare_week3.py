@@ -19,8 +19,8 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from benches.engines import week3_engine
 from course import selector
+from course.engines import week3_engine
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24  # a pool of 96 tokens: the workload needs about twice that
 MAX_NUM_SEQS, MAX_BUDGET = 4, 48

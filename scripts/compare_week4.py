@@ -25,7 +25,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from benches.engines import speculative_engine, week3_engine
+from course.engines import speculative_engine, week3_engine
 from course import selector
 from scripts.compare_week3 import CONTEXT_STEPS, TimedModel, VirtualClock, first_step_difference, instrument
 

@@ -111,13 +111,6 @@ def rates(prompt_tokens: int, start: float, arrivals: list[float]) -> dict:
             "generation_tps": generation_tps}
 
 
-def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text
-
-
 def make_our_sampler(package: selector.Selection, args):
     """None (greedy) at temperature 0 without filters, else the package's own make_sampler (day 1.7)."""
     if args.temp == 0 and args.top_p is None and args.top_k is None:
@@ -209,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     blas = fast_mlx.setup()
     import mlx.core as mx
 
-    from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
+    from course.models import (MEANINGLESS_NOTE, build_prompt, default_model, describe_model, is_embedded, load_model,
+                               resolve_model)
     from tiny_llm_ref.validation import check_text
 
     package = selector.from_arguments(args)

@@ -126,14 +126,3 @@ def test_bench_serve_launches_the_chosen_solution_and_says_no_to_it_with_base_ur
         bench_serve.main(["--base-url", "http://127.0.0.1:9", "--solution", "student"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
-
-
-def test_bench_grading_grades_the_chosen_solution_and_refuses_a_day_without_its_week(capsys):
-    from benches import bench_grading
-
-    assert bench_grading.SUBMISSIONS["student"].parts[-2:] == ("src", "tiny_llm")
-    assert bench_grading.build_parser().parse_args(["--solution", "student"]).solution == "student"
-    with pytest.raises(SystemExit) as exit_:
-        bench_grading.main(["--day", "1"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().count("\n") == 0

@@ -72,7 +72,7 @@ def ours(smollm2):
 
 
 def chat_prompt(tokenizer, question: str) -> str:
-    from scripts.main import build_prompt
+    from course.models import build_prompt
 
     return build_prompt(tokenizer, question, use_chat_template=True)
 

@@ -1294,3 +1294,14 @@ def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypat
     times = json.loads((tmp_path / "times.json").read_text())
     assert times["week1-day1"] == 26.0, "several rounds: the slowest is recorded"
     assert times["week1-day2"] == 7.0, "a day cut short in one round of several records nothing"
+
+
+def test_bench_grading_grades_the_chosen_solution_and_refuses_a_day_without_its_week(capsys):
+    from maint import bench_grading
+
+    assert bench_grading.SUBMISSIONS["student"].parts[-2:] == ("src", "tiny_llm")
+    assert bench_grading.build_parser().parse_args(["--solution", "student"]).solution == "student"
+    with pytest.raises(SystemExit) as exit_:
+        bench_grading.main(["--day", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
