@@ -22,8 +22,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from course.scratch import copy_repository
+
 REPO = Path(__file__).resolve().parent.parent
-COPIED = ("src", "src_ref", "course", "scripts", "benches")
+COPIED = ("src", "src_ref", "course", "scripts")
 DAYS = {3: (1, 2, 3, 4), 4: (1, 2)}
 
 
@@ -69,9 +71,7 @@ MUTATIONS = [
 
 def honest_copy(into: Path) -> None:
     """The repository's code under `into`, with the reference's modules as the student's solution."""
-    for name in COPIED:
-        shutil.copytree(REPO / name, into / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    (into / "models").symlink_to(REPO / "models")
+    copy_repository(into, COPIED)
     for module in (REPO / "src_ref" / "tiny_llm_ref").glob("*.py"):
         shutil.copy(module, into / "src" / "tiny_llm" / module.name)
 

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from course.course_map import DAYS, Day
 from course.isolated_pytest import child_env, run_test_file
+from course.scratch import copy_repository
 from course.selector import definitions, unwritten_in_source
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON = Path("src") / "tiny_llm"
 REFERENCE = Path("src_ref") / "tiny_llm_ref"
-IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,11 +66,7 @@ def skeleton_files(rev: str | None) -> dict[str, bytes]:
 
 def make_workspace(dest: Path) -> None:
     """A copy of what the tests need; the model directory is linked, not copied."""
-    for name in ("scripts", "course", "maint", "tests", "src_ref"):
-        shutil.copytree(REPO_ROOT / name, dest / name, ignore=IGNORE)
-    shutil.copy2(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
-    if (REPO_ROOT / "models").exists():
-        (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
+    copy_repository(dest, ("scripts", "course", "maint", "tests", "src_ref"))
 
 
 def fill_day(dest: Path, skeleton: dict[str, bytes], day: Day) -> list[str]:

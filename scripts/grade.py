@@ -55,7 +55,7 @@ from fractions import Fraction
 from math import floor
 from pathlib import Path
 
-from course import cgroup, sandbox
+from course import cgroup, sandbox, scratch
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_source
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
@@ -276,19 +276,10 @@ def trusted_file(name: str) -> Path:
     return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
-def _copy_trusted(dest: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in TRUSTED_FOLDERS:
-        shutil.copytree(REPO_ROOT / name, dest / name, ignore=ignore)
-    shutil.copyfile(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
-    if (REPO_ROOT / "models").exists():
-        (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
-
-
 def make_grading_dir(dest: Path) -> Path:
     """A fresh, read-only directory for the trusted test process: tests, tooling and reference, no student code."""
     dest.mkdir(parents=True)
-    _copy_trusted(dest)
+    scratch.copy_repository(dest, TRUSTED_FOLDERS)
     read_only(dest)
     return dest
 
@@ -770,12 +761,11 @@ def make_autograder(dest: Path) -> None:
     from maint.make_skeleton import generate
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     (dest / "course").mkdir(parents=True)
     for name in AUTOGRADER_PARTS:
         source = REPO_ROOT / name
         if source.is_dir():
-            shutil.copytree(source, dest / "course" / name, ignore=ignore, symlinks=True)
+            shutil.copytree(source, dest / "course" / name, ignore=scratch.IGNORE, symlinks=True)
         elif source.exists():
             shutil.copyfile(source, dest / "course" / name)
     for name, text in generate(REPO_ROOT / REFERENCE_DIR).items():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from course import sandbox
+from course.scratch import copy_repository
 from maint import book_check
 from scripts import grade
 
@@ -206,15 +207,13 @@ def write_modules(directory: Path, modules: dict[str, str]) -> None:
 
 def make_course(root: Path, student: dict[str, str]) -> Path:
     """A repo with the real tooling, the real harness and conftest, and the synthetic days."""
-    for folder in ("scripts", "course", "maint"):
-        shutil.copytree(REPO_ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_repository(root, ("scripts", "course", "maint"))
     with open(root / "course" / "course_map.py", "a") as f:
         f.write(SYNTHETIC_DAYS)
     (root / "tests").mkdir()
     for name in ("__init__.py", "harness.py", "conftest.py"):
         shutil.copy2(REPO_ROOT / "tests" / name, root / "tests" / name)
     write_modules(root / "tests", TESTS)
-    shutil.copy2(REPO_ROOT / "pyproject.toml", root / "pyproject.toml")
     write_modules(root / "src_ref" / "tiny_llm_ref", {**REFERENCE, "__init__.py": ""})
     write_modules(root / "src" / "tiny_llm", {**student, "__init__.py": ""})
     return root

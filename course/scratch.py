@@ -1,0 +1,26 @@
+"""A copy of the repository's code in a scratch folder, for a check or the grader to run apart from the working tree.
+
+The grader's trusted directory, `check-days`' per-day workspaces, `check_compare`'s honest copies and the
+tooling tests all start from `copy_repository`: the folders they name, `pyproject.toml` (pdm's scripts and
+pytest's settings), and the model directory linked rather than copied (the embedded model is 30 MB).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Caches a run leaves behind, and the labs' saved figures: never part of what a copy runs.
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "results")
+
+
+def copy_repository(dest: Path, folders) -> Path:
+    """`folders` of the repository (e.g. "tests", "course") and pyproject.toml copied under `dest`, models/ linked."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in folders:
+        shutil.copytree(REPO_ROOT / name, dest / name, ignore=IGNORE)
+    shutil.copyfile(REPO_ROOT / "pyproject.toml", dest / "pyproject.toml")
+    if (REPO_ROOT / "models").exists():
+        (dest / "models").symlink_to((REPO_ROOT / "models").resolve(), target_is_directory=True)
+    return dest
