@@ -66,19 +66,15 @@ class SamplingParams:
 
     def __post_init__(self):
         """Reject values no sampler can use, naming the field."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens, 1)
         # `not x >= 0` (rather than `x < 0`) also refuses NaN, which compares False with everything.
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in 0 .. 2**63 - 1, got {self.seed}")
+        check_int("top_k", self.top_k, 0)  # 0: off
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_SEED)
         for name in ("presence_penalty", "frequency_penalty"):
             check_number(name, getattr(self, name), *PENALTY_RANGE)
         check_number("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)

@@ -26,18 +26,10 @@ from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # 
 from .sequence import SamplingParams, Sequence
 from .structured import is_complete
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
-from .validation import check_kv_pool
+from .validation import check_int, check_kv_pool
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "shortest_prefill_first")  # EngineConfig.scheduling_policy's values
 DEFAULT_KV_TOKENS = 8192  # the pool's size in tokens when `num_blocks` is not given
-
-
-def _positive_int(name: str, value) -> None:
-    """TypeError/ValueError naming `name` unless `value` is an int >= 1 (provided)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -93,11 +85,11 @@ class EngineConfig:
         # Named one by one: the grader's integrity scan flags getattr with a computed name in a student's file.
         for name, value in (("token_budget", self.token_budget), ("max_num_seqs", self.max_num_seqs),
                             ("block_size", self.block_size), ("aging_steps", self.aging_steps)):
-            _positive_int(name, value)
+            check_int(name, value, 1)
         if self.num_blocks is not None:
-            _positive_int("num_blocks", self.num_blocks)
+            check_int("num_blocks", self.num_blocks, 1)
         if self.kv_cache_bytes is not None:
-            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+            check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
             if self.num_blocks is not None:
                 raise ValueError("give num_blocks or kv_cache_bytes, not both")
         if self.kv_bits not in KV_BITS:
@@ -207,8 +199,7 @@ class LLMEngine:
             request_id = self.num_requests_added()
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer, got {priority!r}")
+        check_int("priority", priority)
         # The KV cache holds every token but the last output (which is never fed back).
         longest = len(tokens) + sampling.max_tokens - 1
         capacity = self.block_manager.num_blocks * self.block_manager.block_size

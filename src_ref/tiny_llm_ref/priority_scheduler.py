@@ -29,6 +29,7 @@ takes blocks (`outranks` is by priority alone), and aging still bounds a long pr
 from __future__ import annotations
 
 from .sequence import Sequence
+from .validation import check_int
 
 DEFAULT_AGING_STEPS = 256  # steps of waiting that raise a sequence's effective priority by one
 
@@ -38,9 +39,7 @@ class PriorityPolicy:
 
     def __init__(self, aging_steps: int = DEFAULT_AGING_STEPS):
         """A step counter and each sequence's arrival step (provided)."""
-        if not isinstance(aging_steps, int) or isinstance(aging_steps, bool) or aging_steps < 1:
-            raise ValueError(f"aging_steps must be an integer >= 1, got {aging_steps!r}")
-        self.aging_steps = aging_steps
+        self.aging_steps = check_int("aging_steps", aging_steps, 1)
         self.num_steps = 0
         self.arrival_step: dict[Sequence, int] = {}
 

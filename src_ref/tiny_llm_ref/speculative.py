@@ -37,6 +37,7 @@ from .engine import EngineConfig, LLMEngine
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .scheduler import ScheduledChunk, StepOutput, StepPlan
 from .sequence import Sequence
+from .validation import check_int
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
@@ -330,9 +331,7 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
-        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
-                or self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
 
 
 # ---------------------------------------------------------------- the engine
