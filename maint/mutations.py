@@ -106,8 +106,8 @@ MUTATIONS = [
         ("scheduler", "            self.block_manager.cache_computed_blocks(seq)  # day 3.3: its new full blocks become shareable\n",
          ""),)),
     Mutation("seed-alone", "a seeded sequence re-seeded with its seed alone every step", (1,), (
-        ("model_runner", "                mx.random.seed(params.seed + len(seq.output_token_ids))\n",
-         "                mx.random.seed(params.seed)\n"),)),
+        ("model_runner", "            seed_draw(params, len(seq.output_token_ids))",
+         "            seed_draw(params, 0)"),)),
     Mutation("budget-ignores-decodes", "the prefill budget not reduced by the planned decodes", (1,), (
         ("scheduler", "        self.schedule_prefills(plan, budget - len(plan.decodes))\n",
          "        self.schedule_prefills(plan, budget)\n"),)),

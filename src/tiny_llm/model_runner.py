@@ -17,7 +17,7 @@ from .block_manager import slot_mapping
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .quantized_kv import make_kv_pool
 from .qwen2_week3 import PrefillChunk, RaggedBatch
-from .sampler import make_sampler
+from .sampler import make_sampler, seed_draw
 from .scheduler import ScheduledChunk, StepPlan
 from .structured import apply_constraints
 from .sequence import Sequence
@@ -71,7 +71,7 @@ class ModelRunner:
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
-        # TODO: argmax for all rows; a sampled sequence uses make_sampler (seed: mx.random.seed(seed + outputs so far))
+        # TODO: argmax for all rows; a sampled sequence uses make_sampler, after seed_draw(its params, outputs so far)
         raise NotImplementedError(
             "Week 3 Day 1 Task 4 (book/src/week3-01-token-budget.md): pick each sequence's next token"
         )

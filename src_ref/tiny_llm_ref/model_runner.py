@@ -17,7 +17,7 @@ from .block_manager import slot_mapping
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .quantized_kv import make_kv_pool
 from .qwen2_week3 import PrefillChunk, RaggedBatch
-from .sampler import make_sampler
+from .sampler import make_sampler, seed_draw
 from .scheduler import ScheduledChunk, StepPlan
 from .structured import apply_constraints
 from .sequence import Sequence
@@ -100,7 +100,7 @@ class ModelRunner:
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of `logits`: argmax for greedy ones, its own sampler otherwise."""
         # BEGIN TASK Week 3 Day 1 Task 4: pick each sequence's next token
-        # TODO: argmax for all rows; a sampled sequence uses make_sampler (seed: mx.random.seed(seed + outputs so far))
+        # TODO: argmax for all rows; a sampled sequence uses make_sampler, after seed_draw(its params, outputs so far)
         if not seqs:
             return []
         tokens = mx.argmax(logits, axis=-1).tolist()
@@ -108,10 +108,7 @@ class ModelRunner:
             params = seq.sampling
             if params.greedy:
                 continue
-            if params.seed is not None:
-                # Seeded by (seed, how many tokens it has): the same draw whatever else shares the batch,
-                # and again after a preemption recomputes it.
-                mx.random.seed(params.seed + len(seq.output_token_ids))
+            seed_draw(params, len(seq.output_token_ids))  # a seeded request: the same draw whatever shares the batch
             sampler = make_sampler(params.temperature, params.top_p if params.top_p < 1 else None,
                                    params.top_k or None)
             row_logits = logits[row : row + 1].astype(mx.float32)

@@ -52,3 +52,14 @@ def make_sampler(temp: float, top_p: float | None = None, top_k: int | None = No
         return mx.random.categorical(logits, axis=-1)
 
     return sample
+
+
+def seed_draw(sampling, num_output_tokens: int) -> None:
+    """Seed MLX's global random state for a seeded request's next draw; one without a seed leaves it (provided).
+
+    The seed is the request's plus the tokens it has produced so far, so its draw is the same whatever
+    else shares the batch, and again when a preemption recomputes it. Week 3's runner and day 4.1's
+    verification both draw after this call.
+    """
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed + num_output_tokens)

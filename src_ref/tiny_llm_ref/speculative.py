@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .engine import EngineConfig, LLMEngine
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
+from .sampler import seed_draw
 from .scheduler import ScheduledChunk, StepOutput, StepPlan
 from .sequence import Sequence
 from .validation import check_int
@@ -460,8 +461,7 @@ class SpeculativeEngine(LLMEngine):
         params = chunk.seq.sampling
         if params.greedy:
             return accept_greedy(chunk.draft, mx.argmax(logits, axis=-1).tolist())
-        if params.seed is not None:
-            mx.random.seed(params.seed + len(chunk.seq.output_token_ids))  # as week 3: whatever shares the batch
+        seed_draw(params, len(chunk.seq.output_token_ids))  # as week 3's runner: whatever shares the batch
         probs = mx.softmax(logits.astype(mx.float32) / params.temperature, axis=-1)
         return accept_sampled(chunk.draft, probs)
 
