@@ -4,14 +4,15 @@ The oracle is the engine without the cache: with the same prompts, greedy output
 token for token, whatever the shared prefix's length relative to a block (on a boundary, one token
 short, one token over), whether the sharers run at once or one after another, and under memory
 pressure that evicts cached blocks. Block accounting is checked directly: no block is reused while a
-sequence holds it, and the hit rate is counted exactly. Task 3's engines take Task 4's counting from
-the reference (`engine_before_task_4`); Task 5 runs the student's days 3.1-3.3 together with caching on
+sequence holds it, and the hit rate is counted exactly. Each task's tests take the student's code for
+that task alone (`solution(week=3, day=3, task=N)`): Task 3's engines name blocks with the reference's
+hashes (Task 1), free them with its free list (Task 2) and count with its Task 4, so a bug in one task
+never costs another task's points. Task 5 runs the student's days 3.1-3.3 together with caching on
 (tests/week3_stack.py), whose hit rate must be the reference engine's on the same workload.
 """
 
 import hashlib
 import random
-import types
 
 import pytest
 
@@ -19,7 +20,7 @@ from tests.harness import reference, solution, stack
 from tests.week3_fakes import run_until_done
 from tests.week3_stack import check_stack
 
-sol = solution(week=3, day=3)
+TASKS = {n: solution(week=3, day=3, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 BLOCK = 4  # small blocks: prefixes cross several of them with short prompts
@@ -40,9 +41,9 @@ def week3_model(model32):
     return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer
 
 
-def engines(week3_model, monkeypatch, manager_class):
-    """Engines whose prefix cache is `manager_class` (the rest of the engine is the reference's)."""
-    monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", manager_class)
+def engines(sol, week3_model, monkeypatch):
+    """Engines whose prefix cache is `sol`'s (the rest of the engine is the reference's)."""
+    monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
     model, tokenizer = week3_model
 
     def make(enable_prefix_caching=True, **kwargs):
@@ -56,25 +57,20 @@ def engines(week3_model, monkeypatch, manager_class):
 
 @pytest.fixture
 def engine_factory(week3_model, monkeypatch):
-    """Engines whose prefix cache is the solution's."""
-    return engines(week3_model, monkeypatch, sol.prefix_cache.PrefixCachingBlockManager)
+    """Engines whose prefix cache is Task 4's selection: the student's counting, the reference's Tasks 1-3."""
+    return engines(TASKS[4], week3_model, monkeypatch)
 
 
 @pytest.fixture
 def engine_before_task_4(week3_model, monkeypatch):
-    """Engines whose prefix cache is the solution's but for Task 4's counting (the reference's `record_lookup`,
-    which admission calls, bound to each engine's block manager; no log line asks for `hit_rate`): Task 3 is
-    tested before Task 4 is written. Binding to the instance also works through the grader's sandbox."""
-    make = engines(week3_model, monkeypatch, sol.prefix_cache.PrefixCachingBlockManager)
+    """Engines whose prefix cache is Task 3's selection: the student's sharing and naming of computed blocks, the
+    reference's hashes (Task 1), free list (Task 2) and counting (Task 4); no log line asks for `hit_rate`."""
+    make = engines(TASKS[3], week3_model, monkeypatch)
 
-    def make_counted(enable_prefix_caching=True, **kwargs):
-        engine = make(enable_prefix_caching, log_interval=1e9, **kwargs)
-        if enable_prefix_caching:
-            record_lookup = vars(ref.prefix_cache.PrefixCachingBlockManager)["record_lookup"]
-            engine.block_manager.record_lookup = types.MethodType(record_lookup, engine.block_manager)
-        return engine
+    def make_quiet(enable_prefix_caching=True, **kwargs):
+        return make(enable_prefix_caching, log_interval=1e9, **kwargs)
 
-    return make_counted
+    return make_quiet
 
 
 def run(engine, prompts, max_tokens=6, one_at_a_time=False):
@@ -93,6 +89,7 @@ def run(engine, prompts, max_tokens=6, one_at_a_time=False):
 
 
 def test_task_1_hash_block_chains_parent_and_tokens():
+    sol = TASKS[1]
     hash_block = sol.prefix_cache.hash_block
     a = hash_block(b"", [1, 2, 3, 4])
     assert isinstance(a, bytes) and a == hash_block(b"", [1, 2, 3, 4])
@@ -105,6 +102,7 @@ def test_task_1_hash_block_chains_parent_and_tokens():
 
 
 def test_task_1_prefix_block_hashes_names_full_blocks_only():
+    sol = TASKS[1]
     names = sol.prefix_cache.prefix_block_hashes
     ids = tokens(11, 0)
     assert len(names(ids, BLOCK)) == 2  # 11 tokens: two full blocks, the partial third is unnamed
@@ -129,6 +127,7 @@ def name_block(bm, block, name):
 
 
 def test_task_2_shared_block_is_not_freed_while_referenced():
+    sol = TASKS[2]
     bm = sol.prefix_cache.PrefixCachingBlockManager(num_blocks=4, block_size=BLOCK)
     a, b = make_seq("a", tokens(8, 1)), make_seq("b", tokens(8, 1))
     bm.allocate(a, 8)
@@ -147,6 +146,7 @@ def test_task_2_shared_block_is_not_freed_while_referenced():
 
 
 def test_task_2_freed_named_blocks_stay_cached_until_evicted_lru():
+    sol = TASKS[2]
     bm = sol.prefix_cache.PrefixCachingBlockManager(num_blocks=4, block_size=BLOCK)
     a, b = make_seq("a", tokens(8, 1)), make_seq("b", tokens(8, 2))
     bm.allocate(a, 8)
@@ -167,6 +167,7 @@ def test_task_2_freed_named_blocks_stay_cached_until_evicted_lru():
 
 
 def test_task_2_unnamed_free_blocks_are_taken_before_cached_ones():
+    sol = TASKS[2]
     bm = sol.prefix_cache.PrefixCachingBlockManager(num_blocks=4, block_size=BLOCK)
     a = make_seq("a", tokens(16, 1))
     bm.allocate(a, 16)
@@ -295,6 +296,7 @@ def test_task_4_reset_forgets_cache_and_counters(engine_factory):
 
 
 def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
+    sol = TASKS[4]
     monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
     model, tokenizer = week3_model
     now = [0.0]

@@ -3,20 +3,21 @@
 Time is counted in engine steps (an injected clock that ticks once per step), never in seconds.
 Oracles: the same requests under first-come-first-served give the same greedy tokens (preemption by
 recompute changes when a token comes, never which); every block is back in the pool at the end.
-Task 2's planner takes Task 3's `make_room`/`can_admit` from the reference (`planner_before_task_3`);
-Task 4's shortest-prefill-first order is tested alone and in day 3.1's planner; Task 5 runs the student's days
-3.1-3.4 together with priorities and caching on, and with shortest prefill first (tests/week3_stack.py).
+Each task's tests take the student's code for that task alone (`solution(week=3, day=4, task=N)`): Task 2's
+planner runs the reference's aging (Task 1) and preemption (Task 3), Task 3's the reference's order, so a bug
+in one task never costs another task's points. Task 4's shortest-prefill-first order is tested alone and in
+day 3.1's planner; Task 5 runs the student's days 3.1-3.4 together with priorities and caching on, and with
+shortest prefill first (tests/week3_stack.py).
 """
 
 import random
-import types
 
 import pytest
 
 from tests.harness import reference, solution, stack
 from tests.week3_stack import check_stack
 
-sol = solution(week=3, day=4)
+TASKS = {n: solution(week=3, day=4, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 
@@ -25,20 +26,12 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 150_000) for _ in range(n)]
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000, policy="PriorityPolicy"):
-    """Day 3.1's one planner with the solution's priority policy (or `policy`, another of its order policies) plugged in."""
+def make_scheduler(sol, num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000,
+                   policy="PriorityPolicy"):
+    """Day 3.1's one planner of `sol` with its priority policy (or `policy`, another of its order policies) plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
     order = getattr(sol.priority_scheduler, policy)(aging_steps=aging_steps)
     return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
-
-
-def planner_before_task_3(**kwargs):
-    """The planner with Task 3's preemption (`make_room`, `can_admit`) from the reference: `schedule` calls
-    `make_room`, and Task 2 is tested before Task 3 is written."""
-    scheduler = make_scheduler(**kwargs)
-    for name in ("make_room", "can_admit"):  # bound to this scheduler only; works through the grader's sandbox too
-        setattr(scheduler, name, types.MethodType(vars(ref.scheduler.Scheduler)[name], scheduler))
-    return scheduler
 
 
 def seq(request_id, n, priority=0, seed=0):
@@ -58,13 +51,14 @@ STEP_CLOCKS: dict[int, list[int]] = {}  # id(engine) -> the list its clock reads
 
 @pytest.fixture
 def engine_factory(model32, monkeypatch):
-    """Engines whose priority policy is the solution's (the rest of the engine is the reference's)."""
-    monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.priority_scheduler.PriorityPolicy)
-    monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.priority_scheduler.ShortestPrefillFirst)
+    """`make(sol, **config)`: an engine whose priority policies and preemption are `sol`'s (the rest of the engine
+    is the reference's)."""
     mlx_model, tokenizer = model32
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
 
-    def make(**kwargs):
+    def make(sol, **kwargs):
+        monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.priority_scheduler.PriorityPolicy)
+        monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.priority_scheduler.ShortestPrefillFirst)
         now = [0]
         options = dict(token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64, scheduling_policy="priority")
         options.update(kwargs)
@@ -94,6 +88,7 @@ def run_steps(engine, arrivals, max_steps=400):
 
 
 def test_task_1_rank_orders_by_priority_then_arrival():
+    sol = TASKS[1]
     policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
     low, high, high_later = seq("low", 4, 0), seq("high", 4, 5), seq("high2", 4, 5)
     for x in (low, high):
@@ -105,6 +100,7 @@ def test_task_1_rank_orders_by_priority_then_arrival():
 
 
 def test_task_1_priorities_age():
+    sol = TASKS[1]
     policy = sol.priority_scheduler.PriorityPolicy(aging_steps=10)
     old = seq("old", 4, priority=0)
     policy.add(old)
@@ -123,6 +119,7 @@ def test_task_1_priorities_age():
 
 
 def test_task_2_order_and_outranks():
+    sol = TASKS[2]
     policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
     a, b, c = seq("a", 4, 1), seq("b", 4, 3), seq("c", 4, 1, seed=1)
     for x in (a, b, c):
@@ -140,7 +137,8 @@ def test_task_2_order_and_outranks():
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():
-    s = planner_before_task_3(budget=32)
+    sol = TASKS[2]
+    s = make_scheduler(sol, budget=32)
     batch = seq("batch", 100, priority=0)
     s.add(batch)
     complete(s.schedule())  # the long batch prompt is part-way through
@@ -153,7 +151,8 @@ def test_task_2_urgent_prefill_goes_first_in_the_budget():
 
 
 def test_task_2_waiting_queue_served_by_priority():
-    s = planner_before_task_3(budget=16, max_num_seqs=4)
+    sol = TASKS[2]
+    s = make_scheduler(sol, budget=16, max_num_seqs=4)
     for i, p in enumerate([0, 2, 1]):
         s.add(seq(f"p{p}", 16, priority=p, seed=i))
     order = []
@@ -165,7 +164,8 @@ def test_task_2_waiting_queue_served_by_priority():
 
 
 def test_task_2_decodes_in_priority_order():
-    s = planner_before_task_3(budget=32)
+    sol = TASKS[2]
+    s = make_scheduler(sol, budget=32)
     s.add(seq("p0", 4, priority=0))
     complete(s.schedule())  # p0 is admitted first...
     for i, p in enumerate([3, 1], start=1):
@@ -179,7 +179,8 @@ def test_task_2_decodes_in_priority_order():
 
 
 def test_task_3_slot_taken_from_lower_priority():
-    s = make_scheduler(max_num_seqs=2)
+    sol = TASKS[3]
+    s = make_scheduler(sol, max_num_seqs=2)
     lows = [seq(f"low{i}", 8, priority=0, seed=i) for i in range(2)]
     for x in lows:
         s.add(x)
@@ -193,7 +194,8 @@ def test_task_3_slot_taken_from_lower_priority():
 
 
 def test_task_3_blocks_taken_from_lower_priority():
-    s = make_scheduler(num_blocks=6, block_size=4, budget=32, max_num_seqs=4)
+    sol = TASKS[3]
+    s = make_scheduler(sol, num_blocks=6, block_size=4, budget=32, max_num_seqs=4)
     low = seq("low", 20, priority=0)
     s.add(low)
     complete(s.schedule())
@@ -211,7 +213,8 @@ def test_task_3_blocks_taken_from_lower_priority():
 
 
 def test_task_3_no_preemption_among_equals():
-    s = make_scheduler(max_num_seqs=1)
+    sol = TASKS[3]
+    s = make_scheduler(sol, max_num_seqs=1)
     a, b = seq("a", 8, priority=1), seq("b", 8, priority=1, seed=1)
     s.add(a)
     s.add(b)  # same priority, same step, one slot: b waits for a, it does not push it out
@@ -222,8 +225,10 @@ def test_task_3_no_preemption_among_equals():
 
 
 def test_task_3_high_priority_ttft_bounded_regardless_of_low_load(engine_factory):
+    sol = TASKS[3]
+
     def urgent_ttft(num_low):
-        engine = engine_factory()
+        engine = engine_factory(sol)
         arrivals = {0: [(f"low{i}", tokens(60, i), 12, 0) for i in range(num_low)],
                     3: [("urgent", tokens(10, 99), 4, 5)]}
         seqs = run_steps(engine, arrivals)
@@ -235,17 +240,18 @@ def test_task_3_high_priority_ttft_bounded_regardless_of_low_load(engine_factory
     assert alone == 0  # the clock reads the step index: its first token comes in the step it arrives
     assert urgent_ttft(2) == alone and urgent_ttft(8) == alone, "low-priority load must not delay it"
 
-    engine = engine_factory(scheduling_policy="fcfs")  # the contrast: first come, first served
+    engine = engine_factory(sol, scheduling_policy="fcfs")  # the contrast: first come, first served
     run_steps(engine, {0: [(f"low{i}", tokens(60, i), 12, 0) for i in range(8)], 3: [("urgent", tokens(10, 99), 4, 5)]})
     assert engine.metrics.requests["urgent"].ttft > 5
 
 
 def test_task_3_preempted_requests_resume_identically(engine_factory):
+    sol = TASKS[3]
     lows = [(f"low{i}", tokens(30, 10 + i), 10, 0) for i in range(3)]
     urgents = [(f"urgent{i}", tokens(20, 20 + i), 6, 3) for i in range(2)]
     arrivals = {0: lows, 4: urgents}
-    plain = run_steps(engine_factory(scheduling_policy="fcfs", num_blocks=64), arrivals)
-    engine = engine_factory(num_blocks=24, max_num_seqs=3)  # tight: the urgent ones must preempt
+    plain = run_steps(engine_factory(sol, scheduling_policy="fcfs", num_blocks=64), arrivals)
+    engine = engine_factory(sol, num_blocks=24, max_num_seqs=3)  # tight: the urgent ones must preempt
     seqs = run_steps(engine, arrivals)
     assert engine.num_preemptions > 0
     assert {k: s.output_token_ids for k, s in seqs.items()} == {k: s.output_token_ids for k, s in plain.items()}
@@ -253,8 +259,9 @@ def test_task_3_preempted_requests_resume_identically(engine_factory):
 
 
 def test_task_3_aging_bounds_starvation(engine_factory):
+    sol = TASKS[3]
     # A steady stream of urgent requests; the low one still finishes, within a bounded number of steps.
-    engine = engine_factory(max_num_seqs=1, aging_steps=8)
+    engine = engine_factory(sol, max_num_seqs=1, aging_steps=8)
     arrivals = {step: [(f"u{step}", tokens(6, step), 3, 1)] for step in range(0, 60, 2)}
     arrivals[0].append(("low", tokens(6, 500), 3, 0))
     seqs = run_steps(engine, arrivals)
@@ -267,6 +274,7 @@ def test_task_3_aging_bounds_starvation(engine_factory):
 
 
 def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
+    sol = TASKS[4]
     policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
     long, partway, short, twin = seq("long", 100), seq("partway", 100, seed=1), seq("short", 20, seed=2), seq("twin", 20, seed=3)
     urgent_long = seq("urgent long", 200, priority=1, seed=4)
@@ -280,6 +288,7 @@ def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
 
 
 def test_task_4_length_never_outranks():
+    sol = TASKS[4]
     policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
     long, short, urgent = seq("long", 100), seq("short", 4, seed=1), seq("urgent", 100, priority=1, seed=2)
     for x in (long, short, urgent):
@@ -289,7 +298,8 @@ def test_task_4_length_never_outranks():
 
 
 def test_task_4_short_prompt_passes_a_long_ones_chunks():
-    s = make_scheduler(budget=32, policy="ShortestPrefillFirst")
+    sol = TASKS[4]
+    s = make_scheduler(sol, budget=32, policy="ShortestPrefillFirst")
     long = seq("long", 200)
     s.add(long)
     complete(s.schedule())  # part-way: 168 tokens left
@@ -305,10 +315,11 @@ def test_task_4_short_prompt_passes_a_long_ones_chunks():
 
 def test_task_4_shorts_stream_early_same_tokens(engine_factory):
     """A long prompt, then shorts behind it: their first tokens come within two steps, the tokens are FCFS's."""
+    sol = TASKS[4]
     arrivals = {0: [("long", tokens(120, 1), 4, 0)], 1: [(f"short{i}", tokens(10, 2 + i), 4, 0) for i in range(3)]}
-    plain_engine = engine_factory(scheduling_policy="fcfs")
+    plain_engine = engine_factory(sol, scheduling_policy="fcfs")
     plain = run_steps(plain_engine, arrivals)
-    engine = engine_factory(scheduling_policy="shortest_prefill_first")
+    engine = engine_factory(sol, scheduling_policy="shortest_prefill_first")
     seqs = run_steps(engine, arrivals)
     ttfts = [engine.metrics.requests[f"short{i}"].ttft for i in range(3)]
     assert max(ttfts) <= 1, f"short prompts waited {ttfts} steps behind the long one's chunks"

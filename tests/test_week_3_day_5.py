@@ -2,7 +2,9 @@
 
 Everything past tasks 1-3 runs over real HTTP: uvicorn in a thread on a free port, the engine in the
 server's own engine thread, the official `openai` client and httpx as clients. Outputs are checked
-against in-process generation with the same engine, never against themselves.
+against in-process generation with the same engine, never against themselves. Task 4's server is the
+student's engine thread with the reference's Tasks 1-3 (`solution(week=3, day=5, task=4)`), so a bug in
+the stop strings or the detokenizer costs those tasks' points, not Task 4's.
 """
 
 import asyncio
@@ -20,7 +22,8 @@ from tests.serve_fakes import parse_prometheus, running_server, wait_until
 from tests.week3_fakes import run_until_done
 from tests.week3_stack import check_stack
 
-sol = solution(week=3, day=5)
+sol = solution(week=3, day=5)  # Tasks 1-3: the student's pure functions
+served = solution(week=3, day=5, task=4)  # Task 4's server: the student's Task 4 alone
 ref = reference()
 
 MODEL = "tiny-test-model"
@@ -222,7 +225,7 @@ def scrape(url: str) -> tuple[dict, dict]:
 def test_task_4_metrics_endpoint(model, tokenizer):
     """/metrics through prometheus_client, vLLM's names after `tiny_llm:`, every sample labelled with the model."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         for max_tokens in (3, 5):
             body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "temperature": 0}
@@ -252,7 +255,7 @@ def test_task_4_latency_phases_add_up(model, tokenizer):
                                                                                block_size=8))
     step = engine.step
     engine.step = lambda: (time.sleep(0.02), step())[1]  # 400 tokens take 8 s: time to queue the second request
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         with httpx.Client(timeout=60) as client:
             # One sequence at a time: the first request runs, the second waits in the engine's queue and leaves.
@@ -290,7 +293,7 @@ def test_task_4_openai_client_streams_chat(model, tokenizer):
     from openai import OpenAI
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     content = "Tell me about the sea."
     expected = in_process(model, chat_text(tokenizer, content), max_tokens=12)
     expected_tokens = in_process_tokens(model, chat_text(tokenizer, content), max_tokens=12)
@@ -316,7 +319,7 @@ def test_task_4_openai_client_streams_chat(model, tokenizer):
 
 def test_task_4_concurrent_streams(model, tokenizer):
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     prompts = [f"request number {i}: " + "word " * (i % 5) for i in range(32)]
     lengths = [4 + i % 7 for i in range(32)]
     expected = [in_process(model, p, n) for p, n in zip(prompts, lengths)]
@@ -348,7 +351,7 @@ def test_task_4_concurrent_streams(model, tokenizer):
 
 def test_task_4_disconnect_frees_blocks(model, tokenizer):
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True}
     with running_server(app) as url:
         with httpx.Client(timeout=60) as client:
@@ -367,7 +370,7 @@ def test_task_4_disconnect_frees_blocks(model, tokenizer):
 
 def test_task_4_stop_strings(model, tokenizer):
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     prompt = "stop test"
     full = in_process(model, prompt, max_tokens=20)
     stop = full.split()[3]  # a word from the middle of the output
@@ -401,7 +404,7 @@ def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
     from tests.serve_fakes import free_port
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", interface="asgi3")
     server = DrainingServer(config, timeout=0.2)
@@ -520,7 +523,7 @@ def assert_still_serving(url: str, model, engine) -> None:
 
 def test_task_4_bad_requests_get_4xx(model, tokenizer):
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         for path, body, status, param in BAD_REQUESTS:
             for stream in (False, True):
@@ -538,7 +541,7 @@ def test_task_4_bad_requests_get_4xx(model, tokenizer):
 def test_task_4_failed_step_fails_its_requests_only(model, tokenizer):
     """A step that raises fails the requests in it; the engine thread logs it and keeps serving."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     run = engine.runner.run
     failures = []
 
@@ -561,7 +564,7 @@ def test_task_4_failed_step_fails_its_requests_only(model, tokenizer):
 def test_task_4_unexpected_add_request_error_fails_that_request_only(model, tokenizer):
     """`add_request` raising something other than ValueError/TypeError: that request gets a 500, not a hang."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     add_request = engine.add_request
     failures = []
 
@@ -584,7 +587,7 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
     import socket
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     run = engine.runner.run
     engine.runner.run = lambda plan: (time.sleep(0.02), run(plan))[1]  # steps long enough to count
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 1,
@@ -626,7 +629,7 @@ def test_task_4_streaming_client_that_leaves_before_the_body_is_aborted_and_coun
     import socket
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     run = engine.runner.run
     engine.runner.run = lambda plan: (time.sleep(0.02), run(plan))[1]  # 400 tokens would take 8 s
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True,
@@ -648,7 +651,7 @@ def test_task_4_streaming_client_that_leaves_before_the_body_is_aborted_and_coun
 def test_task_4_several_choices(model, tokenizer):
     """A list of prompts and n > 1: one choice per prompt and sample, each the engine's own text."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     prompts = ["first prompt", "the second one"]
     expected = [in_process(model, p, 5) for p in prompts for _ in range(2)]
     body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0}
@@ -687,7 +690,7 @@ def test_task_4_http_extras(model, tokenizer):
         return add_request(*args, **kwargs)
 
     engine.add_request = recording_add_request
-    app = sol.server.create_app(engine, tokenizer, MODEL, api_key="sesame", cors_origins=("*",), max_model_len=64)
+    app = served.server.create_app(engine, tokenizer, MODEL, api_key="sesame", cors_origins=("*",), max_model_len=64)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     with running_server(app) as url:
         assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 401
@@ -720,7 +723,7 @@ def test_task_4_langchain_clients(model, tokenizer):
     from pydantic import BaseModel
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     content = "Tell me about the sea."
     expected = in_process(model, chat_text(tokenizer, content), max_tokens=6)
     prompts = ["Once upon a time", "The sea is"]
@@ -764,7 +767,7 @@ FIELDS = ["temperature", "top_p", "top_k", "seed", "stop", "stream", "n", "prior
 def test_task_4_fuzzed_requests_never_500(model):
     """Any JSON in any field (small outputs): a 200 or a 4xx, never a 500, and the engine lives on."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, model[1], MODEL, max_model_len=48)  # a chat without max_tokens stays short
+    app = served.server.create_app(engine, model[1], MODEL, max_model_len=48)  # a chat without max_tokens stays short
 
     @settings(max_examples=40, deadline=None)
     @given(data=st.data())
@@ -816,7 +819,7 @@ def test_task_4_logprobs_match_mlx_lm(model, tokenizer, model32):
     from openai import OpenAI
 
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     prompt_text = "The capital of France is"
     content = "Name a colour."
     completion_oracle = mlx_lm_greedy(model32, tokenizer.encode(prompt_text, add_special_tokens=False), 6)
@@ -877,7 +880,7 @@ def test_task_4_penalties_and_logit_bias_match_mlx_lm(model, tokenizer, model32)
     oracle_counts = by_definition(presence=0.7, frequency=0.9)
     assert repeating != oracle_repetition and repeating != oracle_counts, "each penalty must change this output"
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         body = {"model": MODEL, "prompt": prompt_text, "max_tokens": 8, "temperature": 0,
                 "logit_bias": {str(t): v for t, v in bias.items()}}
@@ -896,7 +899,7 @@ def test_task_4_penalties_and_logit_bias_match_mlx_lm(model, tokenizer, model32)
 def test_task_4_ignore_eos_runs_to_max_tokens(model, tokenizer):
     """With EOS forced (logit_bias), a request ends at once with "stop"; with ignore_eos it runs to max_tokens."""
     engine = make_engine(model)
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     eos = next(iter(tokenizer.eos_token_ids))
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100}}
     with running_server(app) as url:
@@ -912,7 +915,7 @@ def test_task_4_cached_tokens_in_usage(model, tokenizer):
     """`usage.prompt_tokens_details.cached_tokens`: 0 the first time, the shared full blocks the second."""
     engine = ref.engine.LLMEngine(model[0], tokenizer, ref.engine.EngineConfig(
         token_budget=64, max_num_seqs=16, block_size=8, enable_prefix_caching=True))
-    app = sol.server.create_app(engine, tokenizer, MODEL)
+    app = served.server.create_app(engine, tokenizer, MODEL)
     prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
@@ -954,7 +957,7 @@ def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
 
     engine = make_engine(model)
     slow = SlowTokenizer(tokenizer)
-    app = sol.server.create_app(engine, slow, MODEL)
+    app = served.server.create_app(engine, slow, MODEL)
     huge = {"model": MODEL, "prompt": "word " * 400_000, "max_tokens": 2}
     answers = {}
     with running_server(app) as url:
