@@ -1304,3 +1304,22 @@ def test_bench_grading_grades_the_chosen_solution_and_refuses_a_day_without_its_
         bench_grading.main(["--day", "1"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_a_tasks_sandbox_root_hides_that_tasks_answer_only(tmp_path):
+    """The worker of Task N's tests (solution(..., task=N)) takes the day's other tasks from the reference, so its
+    root holds them; Task N's own reference bodies are never there, and the day's root holds none of the day's."""
+    from course.sandbox import prepare_root, task_root
+
+    reference = REPO_ROOT / "src_ref" / "tiny_llm_ref"
+    day_root = prepare_root(tmp_path / "sandbox-4.1", REPO_ROOT / "src" / "tiny_llm", reference, REPO_ROOT / "course",
+                            4, 1)
+    root = task_root(day_root, 4, 1, 2)
+    assert root == tmp_path / "sandbox-4.1-task2" and task_root(day_root, 4, 1, 2) == root, "made once, beside the day's"
+    hidden = 'raise NotImplementedError("not available while this day is graded")'
+    day_copy = (day_root / "src_ref" / "tiny_llm_ref" / "speculative.py").read_text()
+    task_copy = (root / "src_ref" / "tiny_llm_ref" / "speculative.py").read_text()
+    assert "accepted.append(target_tokens[len(accepted)])" not in task_copy, "Task 2's answer is hidden from its worker"
+    assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" in task_copy, "Task 5 is the reference's there"
+    assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" not in day_copy and day_copy.count(hidden) >= 5
+    assert [p.name for p in tmp_path.iterdir()].count("sandbox-4.1-task2") == 1 and len(list(tmp_path.iterdir())) == 2
