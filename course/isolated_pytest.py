@@ -35,6 +35,7 @@ from pathlib import Path
 
 POLL_SECONDS = 0.05
 HARD_GRACE = 5.0  # past a test's limit, seconds until the watcher kills a process the signal did not stop
+STARTUP_SECONDS = 180.0  # how long pytest may take to collect the tests
 EXIT_GRACE_SECONDS = 20.0  # after the last test, how long pytest may take to shut down
 LOG_TAIL = 4000
 
@@ -175,32 +176,29 @@ class _Process:
     started: float = 0.0
 
 
-def _one_process(args: list[str], cwd: Path, env: dict, timeout: float, startup_timeout: float,
-                 deadline: float | None, cap: float | None, memory_mb: int | None, work: Path, run: RunResult,
-                 index: int, on_result) -> _Process:
+def _one_process(targets: list[str], cwd: Path, env: dict, timeout: float, deadline: float | None,
+                 cap: float | None, memory_mb: int | None, work: Path, run: RunResult, index: int) -> _Process:
     """Run pytest once on the tests without a result; record what it finishes in `run`."""
     events_path, log_path, skip_path = work / f"events{index}.jsonl", work / f"log{index}.txt", work / f"skip{index}.json"
     skip_path.write_text(json.dumps(list(run.results)))  # tests that already have a result are not run again
     env = {**env, "TINY_LLM_EVENTS": str(events_path), "TINY_LLM_SKIP": str(skip_path)}
-    command = pytest_command(["-q", "--color=no", f"--timeout={timeout:g}", "--timeout-method=signal", *args])
+    command = pytest_command(["-q", "--color=no", f"--timeout={timeout:g}", "--timeout-method=signal", *targets])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_limit_memory(memory_mb))
     run.processes += 1
     try:
-        return _watch(proc, run, events_path, log_path, timeout, startup_timeout, deadline, cap, on_result)
+        return _watch(proc, run, events_path, log_path, timeout, deadline, cap)
     finally:
         _kill_group(proc)  # and whatever it left in its group
 
 
-def _finish(run: RunResult, result: CaseResult, on_result) -> None:
+def _record(run: RunResult, result: CaseResult) -> None:
     run.results[result.nodeid] = result
-    if on_result is not None:
-        on_result(result)
 
 
-def _watch(proc, run, events_path, log_path, timeout, startup_timeout, deadline, cap, on_result) -> _Process:
+def _watch(proc, run, events_path, log_path, timeout, deadline, cap) -> _Process:
     state, offset = _Process(), 0
     launched, finished_at = time.monotonic(), None
     while True:
@@ -219,8 +217,8 @@ def _watch(proc, run, events_path, log_path, timeout, startup_timeout, deadline,
                 run.first_start = run.first_start or state.started
             elif kind == "finish":
                 state.current = None
-                _finish(run, CaseResult(event["nodeid"], event["outcome"], event.get("output", ""),
-                                        float(event.get("duration", 0.0))), on_result)
+                _record(run, CaseResult(event["nodeid"], event["outcome"], event.get("output", ""),
+                                        float(event.get("duration", 0.0))))
             elif kind == "session_finish":
                 finished_at = time.monotonic()
         if exited:
@@ -231,19 +229,19 @@ def _watch(proc, run, events_path, log_path, timeout, startup_timeout, deadline,
             _kill_group(proc)
             run.out_of_time = True
             if state.current is not None:
-                _finish(run, CaseResult(state.current, "timeout", "stopped: the time budget ran out during this test",
-                                        round(now - state.started, 3)), on_result)
+                _record(run, CaseResult(state.current, "timeout", "stopped: the time budget ran out during this test",
+                                        round(now - state.started, 3)))
                 state.current = None
             return state
         if state.current is not None and now - state.started > timeout + HARD_GRACE:
             _kill_group(proc)
-            _finish(run, CaseResult(state.current, "timeout", f"timed out: still running after {timeout:g} s, so it "
-                                    "was stopped.", round(now - state.started, 3)), on_result)
+            _record(run, CaseResult(state.current, "timeout", f"timed out: still running after {timeout:g} s, so it "
+                                    "was stopped.", round(now - state.started, 3)))
             state.current = None
             return state
-        if state.collected is None and now - launched > startup_timeout:
+        if state.collected is None and now - launched > STARTUP_SECONDS:
             _kill_group(proc)
-            run.problems.append(f"pytest did not finish collecting {run.test_file} within {startup_timeout:g} s"
+            run.problems.append(f"pytest did not finish collecting {run.test_file} within {STARTUP_SECONDS:g} s"
                                 f"\n{_tail(log_path)}")
             return state
         if finished_at is not None and now - finished_at > EXIT_GRACE_SECONDS:
@@ -256,14 +254,12 @@ def _watch(proc, run, events_path, log_path, timeout, startup_timeout, deadline,
     return state
 
 
-def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0, startup_timeout: float = 180.0,
-                  pytest_args: tuple[str, ...] = (), deadline: float | None = None, cap: float | None = None,
-                  memory_mb: int | None = None, on_result=None) -> RunResult:
+def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = 60.0,
+                  deadline: float | None = None, cap: float | None = None, memory_mb: int | None = None) -> RunResult:
     """Run `test_file` (relative to `cwd`; or a list of files) with per-test time limits; see the module docstring.
 
     `deadline`: a `time.monotonic()` value at which the run stops, remaining tests `not_run`; `cap`: seconds
-    after the first test's start at which it stops likewise. `on_result`: called with each CaseResult as it
-    arrives (progress bars).
+    after the first test's start at which it stops likewise.
     """
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
     run = RunResult(" ".join(targets))
@@ -271,16 +267,15 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
         for index in range(10_000):
             done_before = len(run.results)
-            state = _one_process([*pytest_args, *targets], cwd, env, timeout, startup_timeout, deadline, cap,
-                                 memory_mb, Path(tmp), run, index, on_result)
-            if state.collected is None:
+            state = _one_process(targets, cwd, env, timeout, deadline, cap, memory_mb, Path(tmp), run, index)
+            if not run.expected:  # nothing was ever collected: the problem is recorded
                 break
             if state.current is not None:
                 log = _tail(Path(tmp) / f"log{index}.txt")
-                _finish(run, CaseResult(
+                _record(run, CaseResult(
                     state.current, "crashed",
                     "the test process died during this test (a crash, an abort or an exit of the interpreter)."
-                    f"\nEnd of pytest's output:\n{readable_stack(_crash_part(log), cwd)}"), on_result)
+                    f"\nEnd of pytest's output:\n{readable_stack(_crash_part(log), cwd)}"))
             remaining = [nodeid for nodeid in run.expected if nodeid not in run.results]
             if not remaining or run.problems:
                 break

@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import traceback
-import unicodedata
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -59,6 +58,7 @@ from course import cgroup, sandbox
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_source
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
+from course.remote import printable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -419,14 +419,6 @@ def placeholder(day: Day, why: str | None = None, pending: bool = False) -> DayR
 
 
 # ---------------------------------------------------------------- output
-
-def printable(text: str) -> str:
-    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e): what
-    the submission produced (failure messages, its output, file names) cannot recolour the terminal, move the
-    cursor back over the table, or reorder what is shown."""
-    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode()
-                   for c in text)
-
 
 def first_lines(text: str, count: int = 3) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]

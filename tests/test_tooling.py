@@ -809,9 +809,8 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     if attack == "ansi_table":
         assert "\\x1b[2J" in done.stdout, "the escape is shown as text"
     if attack == "carriage_return":
-        # Escaped once, where the text first reaches the judge (the pipe writes \x0d; the grader's own pass, \r).
-        assert any(f"{shown}   1    1    1" in done.stdout for shown in ("\\r", "\\x0d")), \
-            "the carriage return is shown as text"
+        # Escaped once (course.remote.printable), where the text first reaches the judge.
+        assert "\\r   1    1    1" in done.stdout, "the carriage return is shown as text"
     if attack in BUILT_GRADES:
         refused = [f"{target}: not read (" for part in attack.split("+") for target in BUILT_TARGETS[part]]
         assert all(note in done.stdout for note in refused), (refused, done.stdout)  # each file, by name
