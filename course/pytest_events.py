@@ -7,10 +7,11 @@ and the watcher knows exactly which test was running.
 
 Environment (read once, then removed from `os.environ` so the code under test does not see it):
     TINY_LLM_EVENTS   the file to append events to
-    TINY_LLM_TRACE    a file for the Python stack of a test that runs past its time limit
     TINY_LLM_SKIP     (optional) a JSON list of test ids not to run again (they have a result already)
-    TINY_LLM_TIMEOUT  that time limit in seconds: at the limit a TimeLimitExceeded is raised in the test
-                      (SIGALRM); if that cannot stop it, the stack is dumped and the watcher kills the process
+
+The per-test time limit is pytest-timeout's (`--timeout`, signal method): at the limit it fails the test
+in place, and this plugin reports that failure as the outcome `timeout`. A test the signal cannot stop
+(stuck in C code) is ended by the watcher, which kills the process (course/isolated_pytest.py).
 
 No line is signed: while grading, the submission's code runs in a sandbox that cannot reach this process
 or its files (course/sandbox.py), so only this plugin writes the stream.
@@ -20,30 +21,14 @@ Events: {"event": "collected", "items": [...]}, {"event": "collect_error", "node
 {"event": "session_finish", "exitstatus"}. Outcomes: passed, failed, error, skipped, xfailed, timeout.
 """
 
-import faulthandler
 import json
 import os
-import signal
 import sys
 
 MAX_OUTPUT = 6000
+TIMEOUT_MESSAGE = "Timeout (>"  # how pytest-timeout's failure starts: "Timeout (>60.0s) from pytest-timeout."
 
-HARD_GRACE = 3.0  # after the soft limit, seconds until the stack is dumped and the watcher kills pytest
-
-_state = {"fd": None, "trace": None, "timeout": 0.0, "reports": {}, "fired": False}
-
-
-class TimeLimitExceeded(BaseException):
-    """Raised in a test that runs past its time limit (a BaseException: `except Exception` does not swallow it)."""
-
-
-def _on_alarm(signum, frame):
-    _state["fired"] = True
-    raise TimeLimitExceeded(f"still running after {_state['timeout']:g} s: stopped (time limit)")
-
-
-def _soft_limits() -> bool:
-    return _state["timeout"] > 0 and hasattr(signal, "setitimer")
+_state = {"fd": None, "reports": {}, "timeout": 0.0}
 
 
 def _emit(event: dict) -> None:
@@ -61,10 +46,7 @@ def pytest_configure(config):
     path = os.environ.pop("TINY_LLM_EVENTS", None)
     if path:
         _state["fd"] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    trace = os.environ.pop("TINY_LLM_TRACE", None)
-    if trace:
-        _state["trace"] = open(trace, "w")
-    _state["timeout"] = float(os.environ.pop("TINY_LLM_TIMEOUT", "0") or 0)
+    _state["timeout"] = float(config.getoption("timeout", None) or 0)  # pytest-timeout's limit, for the message
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -92,15 +74,6 @@ def pytest_collection_finish(session):
 
 def pytest_runtest_logstart(nodeid, location):
     _state["reports"][nodeid] = []
-    _state["fired"] = False
-    if _state["trace"] is not None and _state["timeout"] > 0:
-        # Written by a watchdog thread even while the test holds the GIL or is stuck in C code.
-        faulthandler.dump_traceback_later(_state["timeout"] + HARD_GRACE - 1.0, repeat=False, file=_state["trace"])
-    if _soft_limits():
-        # A hang in Python code is interrupted in place, so the process goes on with the next test; a hang
-        # the signal cannot reach (inside C code) is ended by the watcher, which kills the process.
-        signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, _state["timeout"])
     _emit({"event": "start", "nodeid": nodeid})
 
 
@@ -127,13 +100,9 @@ def _outcome(reports) -> tuple[str, str]:
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    if _soft_limits():
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    if _state["trace"] is not None and _state["timeout"] > 0:
-        faulthandler.cancel_dump_traceback_later()
     reports = _state["reports"].pop(nodeid, [])
     outcome, output = _outcome(reports)
-    if _state["fired"]:
+    if outcome == "failed" and any(TIMEOUT_MESSAGE in getattr(r, "longreprtext", "") for r in reports if r.failed):
         outcome = "timeout"
         output = f"timed out: still running after {_state['timeout']:g} s, so it was stopped.\n{output}"
     duration = sum(getattr(r, "duration", 0.0) for r in reports)

@@ -58,6 +58,7 @@ import struct
 import threading
 import traceback
 import types
+import unicodedata
 import weakref
 
 import numpy as np
@@ -833,24 +834,26 @@ def describe_exception(error: BaseException, with_traceback: bool) -> dict:
     return described
 
 
-def escape_controls(text: str) -> str:
-    """`text` with every control character but newline and tab written as an escape (`\\x1b`): no text of the
-    submission's can move a terminal's cursor or repaint a report."""
-    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", text)
+def printable(text: str) -> str:
+    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e): no text
+    of the submission's (a failure message, its output, a file name) can recolour or clear a terminal, move the
+    cursor back over a table, or reorder what is shown."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseException:
     cls = stand_in or BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
-    message = escape_controls(str(header.get("msg", "")))
+    message = printable(str(header.get("msg", "")))
     if cls is StopIteration:
         return StopIteration()
     try:
         error = cls(message)
     except Exception:
         error = RuntimeError(message)
-    trace = escape_controls(str(header.get("tb", "")))
+    trace = printable(str(header.get("tb", "")))
     if trace:
-        name = escape_controls(str(header.get("name", "")))
+        name = printable(str(header.get("name", "")))
         error.add_note(f"Raised in the submission's code (sandboxed){f' as {name}' if name else ''}, "
                        f"innermost first:\n{trace.rstrip()}")
     return error
@@ -901,7 +904,7 @@ class Handle:
         return _await_there(self).__await__()
 
     def __repr__(self):
-        return f"<object of the submission: {escape_controls(self._cls)}>"
+        return f"<object of the submission: {printable(self._cls)}>"
 
     __str__ = __repr__
 

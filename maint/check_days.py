@@ -134,7 +134,7 @@ def check_day(dest: Path, skeleton: dict[str, bytes], day: Day, timeout: float,
                 (dest / SKELETON / name).write_text(text)
                 problems += missing
     run = run_test_file(day.test_file, dest, child_env("student"), timeout=timeout)
-    problems += run.problems + run.review + [f"collection error: {e}" for e in run.collect_errors]
+    problems += run.problems + [f"collection error: {e}" for e in run.collect_errors]
     failed = [r for r in run.results.values() if not r.ok]
     for result in failed:
         lines = [line for line in result.output.strip().splitlines() if line.strip()]

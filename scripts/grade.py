@@ -29,7 +29,7 @@ Points are declared once, in course/course_map.py (`Day.points`: task -> points)
 split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
 parametrized cases, in whole 1/10000 points, so every day's tests add up to exactly its points.
 
-Exit status: 0 when grading finished (whatever the score, "needs review" included); 2 when the grader
+Exit status: 0 when grading finished (whatever the score); 2 when the grader
 itself failed: bad arguments, an error in the grader, or a day whose tests could not be run at all (a
 course or environment problem, not the student's). With 2 the report is still written when possible.
 """
@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import traceback
-import unicodedata
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -59,6 +58,7 @@ from course import cgroup, sandbox, scratch
 from course.course_map import DAYS, Day
 from course.integrity import Finding, scan_source
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
+from course.remote import printable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
@@ -70,7 +70,7 @@ GRADER_FAILED = 2
 STATUS_WORDS = {
     "passed": "passed", "xfailed": "passed", "failed": "failed", "error": "error in set-up",
     "skipped": "skipped", "timeout": "timed out", "crashed": "crashed the interpreter",
-    "not_run": "not run", "not_collected": "could not be collected", "needs_review": "needs review",
+    "not_run": "not run", "not_collected": "could not be collected",
 }
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
 CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
@@ -119,7 +119,6 @@ class DayReport:
     day: Day
     tests: list[CaseScore] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # grader-side problems (exit 2)
-    review: list[str] = field(default_factory=list)  # why the day needs a person to look (scored 0)
     notes: list[str] = field(default_factory=list)  # course configuration notes (printed)
     seconds: float = 0.0
     pending: bool = False  # not graded (yet): a placeholder in a progressive report
@@ -356,14 +355,12 @@ def apportion(total: int, weights: list[Fraction]) -> list[int]:
     return units
 
 
-def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str] | None = None,
-              review: list[str] | None = None) -> DayReport:
+def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str] | None = None) -> DayReport:
     """Spread each task's points over its test functions, and each function's share over its cases.
 
     `expected`: the test ids collected beforehand (their results come from `run`, missing ones score 0).
-    `review`: reasons the day cannot be trusted: every test then scores 0, "needs review".
     """
-    report = DayReport(day, seconds=run.seconds, review=list(review or []) + run.review)
+    report = DayReport(day, seconds=run.seconds)
     cases: dict[str, list[str]] = {}
     for nodeid in expected:
         cases.setdefault(function_of(nodeid), []).append(nodeid)
@@ -373,7 +370,6 @@ def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str
     by_task: dict[int | None, list[str]] = {}
     for function in cases:
         by_task.setdefault(task_of(function), []).append(function)
-    review_text = "needs review: " + "; ".join(report.review) if report.review else ""
 
     for task, task_functions_ in sorted(by_task.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         points = day.points.get(task, 0) if task is not None else 0
@@ -389,17 +385,14 @@ def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str
                 result = run.results.get(nodeid) or CaseResult(
                     nodeid, "not_collected" if not cases[function] or collect_output else "not_run",
                     collect_output or "the test process did not report this test")
-                if review_text:
-                    result = CaseResult(nodeid, "needs_review", review_text)
                 report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, printable(result.output),
                                               share if result.ok else 0, share))
     broken = bool(run.problems or run.collect_errors)
     for task in sorted(set(day.points) - set(by_task)):
-        if broken or review_text:
+        if broken:
             # The file could not be read at all: its tasks count, at zero, with the reason.
             report.tests.append(CaseScore(day, task, f"test_task_{task}", f"{day.test_file}::test_task_{task}_*",
-                                          "needs_review" if review_text else "not_collected",
-                                          review_text or collect_output, 0, day.points[task] * UNITS))
+                                          "not_collected", collect_output, 0, day.points[task] * UNITS))
             continue
         report.notes.append(f"Task {task} of week {day.week} day {day.day} has points but no tests "
                             f"named test_task_{task}_... in {day.test_file}: left out of the total")
@@ -408,32 +401,21 @@ def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str
     return report
 
 
-def placeholder(day: Day, expected: list[str], why: str, review: list[str] | None = None,
-                pending: bool = False) -> DayReport:
-    """A day that was not run: every expected test at 0 with the reason."""
-    run = RunResult(day.test_file)
-    for nodeid in expected:
-        run.results[nodeid] = CaseResult(nodeid, "not_run", why)
-    report = score_day(day, expected, run, task_functions(REPO_ROOT / day.test_file), review)
+def placeholder(day: Day, why: str | None = None, pending: bool = False) -> DayReport:
+    """A day that was not run: every test function at 0, and why (a note)."""
+    report = score_day(day, [], RunResult(day.test_file), task_functions(REPO_ROOT / day.test_file))
+    report.notes += [f"week {day.week} day {day.day}: {why}"] if why else []
     report.pending = pending
     return report
 
 
 # ---------------------------------------------------------------- output
 
-def printable(text: str) -> str:
-    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e): what
-    the submission produced (failure messages, its output, file names) cannot recolour the terminal, move the
-    cursor back over the table, or reorder what is shown."""
-    return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode()
-                   for c in text)
-
-
 def first_lines(text: str, count: int = 3) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     # The most telling lines of a pytest failure are usually its last ones ("E   assert ...").
     telling = [line for line in lines if line.startswith("E ") or "not implemented yet" in line
-               or line.startswith(("timed out", "the test process died", "Fatal Python error", "needs review"))]
+               or line.startswith(("timed out", "the test process died", "Fatal Python error"))]
     chosen = (telling or lines)[:count]
     # Where it happened: the innermost frame in the student's package (a faulthandler "File" line first).
     where = [line for line in lines if line.strip().startswith("File ") and "tiny_llm" in line][:1]
@@ -453,8 +435,6 @@ def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
-    if all(t.outcome == "needs_review" for t in tests):
-        return "NEEDS REVIEW (see below)"
     kinds = sorted({status_word(t) for t in bad})
     return f"{len(bad)} of {len(tests)} not passed: {', '.join(kinds)}"
 
@@ -482,13 +462,7 @@ def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], 
             lines.append(f"{report.day.week:>4} {report.day.day:>4} {task:>4}  {got / UNITS:>6.1f} / "
                          f"{points(of):<4}  {status}")
     lines += ["", f"total: {points(total)} / {points(maximum)}"]
-    reviewed = [r for r in reports if r.review]
-    if reviewed:
-        lines += ["", "NEEDS REVIEW (these days score 0 until a person has looked):"]
-        for report in reviewed:
-            lines.append(f"  week {report.day.week} day {report.day.day}:")
-            lines += [f"    - {reason}" for reason in report.review]
-    details = [t for r in reports if not r.review and not r.pending for t in r.tests if not t.passed]
+    details = [t for r in reports if not r.pending for t in r.tests if not t.passed]
     if details:
         lines += ["", "Tests not passed:"]
         # Cases of one test function that fail the same way are shown once.
@@ -537,7 +511,6 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
         "tests": tests,
         "extra_data": {
             "max_score": sum(t.max_units for t in graded) / UNITS,
-            "needs_review": {f"{r.day.week}.{r.day.day}": r.review for r in reports if r.review},
             "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
             **extra,
         },
@@ -612,8 +585,7 @@ def record_times(reports: list["DayReport"]) -> None:
 
 
 def passed_everything(report: "DayReport") -> bool:
-    return bool(report.tests) and all(case.passed for case in report.tests) and not report.problems \
-        and not report.review
+    return bool(report.tests) and all(case.passed for case in report.tests) and not report.problems
 
 
 def grade(args: argparse.Namespace) -> int:
@@ -667,7 +639,7 @@ def grade(args: argparse.Namespace) -> int:
         rounds = args.record_times or 1
         bar = progress_bar(len(days) * rounds)
 
-        reports: list[DayReport] = [placeholder(d, [], "not graded yet", pending=True) for d in days]
+        reports: list[DayReport] = [placeholder(d, pending=True) for d in days]
 
         def save() -> None:
             if json_path is not None:
@@ -685,7 +657,7 @@ def grade(args: argparse.Namespace) -> int:
             else:
                 print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
             if time.monotonic() >= run_deadline:
-                reports[index] = placeholder(day, [], "not run: the run's time budget ran out before this day")
+                reports[index] = placeholder(day, "not run: the run's time budget ran out before this day")
             else:
                 env = trusted_env
                 if package is not None:
@@ -705,9 +677,9 @@ def grade(args: argparse.Namespace) -> int:
                 reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
                 graded.append(reports[index])
                 if run.out_of_time:
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({cap:.0f} s: "
-                                                f"{CAP_FACTOR:g}x an honest run plus one test's limit; --budget "
-                                                f"{args.budget:g} s for the whole run)")
+                    how = "--day-budget" if args.day_budget else f"{CAP_FACTOR:g}x an honest run plus one test's limit"
+                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({cap:.0f} s: {how}; "
+                                                f"--budget {args.budget:g} s for the whole run)")
             if bar is not None:
                 bar.update(1)
             save()

@@ -9,6 +9,7 @@ real course's days 1.1 and 1.4 when their tests exist.
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -595,7 +596,7 @@ ATTACK_FILES = {
     "extra_helper": "src/tiny_llm/helpers.py", "models_symlink_write": "src/tiny_llm/basics.py", "sleep": None,
     # Attacks on what crosses the pipe (issue 31), each graded on the day it targets (ATTACK_DAYS).
     "lying_eq": None, "fake_float64": None, "lying_class": "src/tiny_llm/metrics.py", "approx_liar": None,
-    "fake_mx_array": "src/tiny_llm/basics.py", "oracle_setattr": None, "oracle_items": None, "oracle_methods": None,
+    "fake_mx_array": "src/tiny_llm/basics.py", "oracle_writes": None,
     "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
     "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
     # issue 31: the bounds around the sandbox
@@ -605,10 +606,13 @@ ATTACK_FILES = {
 }
 # attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
 ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
-               "oracle_setattr": (1, 5), "oracle_items": (1, 5), "oracle_methods": (1, 5),
+               "oracle_writes": (1, 5),
                "fake_private_state": (2, 2), "deep_result": (2, 2), "raising_dunders": (2, 2),
                "lying_exception": (2, 2)}
-ATTACK_ARGS = {"memory": ["--memory-mb", "2560"]}  # "sleep" and "hang" keep the default 60 s per test
+# "sleep" sleeps 2 s in every task: graded with a 3 s per-test limit and an 8 s day cap (by hand, not 3x its
+# recorded honest time plus 60 s, which is what `day_cap` is tested for below), each is cut in seconds, not minutes.
+QUICK_CAP = ["--timeout", "3", "--day-budget", "8"]
+ATTACK_ARGS = {"memory": ["--memory-mb", "2560"], "sleep": QUICK_CAP, "hang": QUICK_CAP}
 MARKERS = ("sleep 4242", "sleep 4243", "sleep 4244")  # the command lines of the processes attacks leave
 
 
@@ -643,7 +647,7 @@ def _fifo(submission: Path) -> None:
     """A FIFO where a module should be: reading it would block the grader for ever."""
     import os
 
-    target = submission / "src" / "tiny_llm" / "basics.py"
+    target = submission / "src" / "tiny_llm" / "attention.py"
     target.unlink()
     os.mkfifo(target)
 
@@ -674,19 +678,44 @@ def _linked_package(submission: Path) -> None:
 
 # Attacks git cannot hold as they must be (a link into this machine's repository, a FIFO, a sparse file): built
 # over the skeleton at run time. Each scores as the skeleton, with a note naming the file.
+# Each is refused before anything reads it, so two on different modules share one grade (basics.py's tasks score
+# on their own: a module read after all would show): the pairs below, "+"-joined.
 BUILT_ATTACKS = {"reference_links": _reference_links, "hidden_test_link": _hidden_test_link, "hard_link": _hard_link,
                  "fifo": _fifo, "directory": _directory, "huge": _huge, "linked_package": _linked_package}
+BUILT_TARGETS = {"reference_links": ("src/tiny_llm/basics.py", "src/tiny_llm/attention.py"),
+                 "hidden_test_link": ("src/tiny_llm/attention.py",), "hard_link": ("src/tiny_llm/basics.py",),
+                 "fifo": ("src/tiny_llm/attention.py",), "directory": ("src/tiny_llm/basics.py",),
+                 "huge": ("src/tiny_llm/basics.py",), "linked_package": ("src/tiny_llm",)}
+BUILT_GRADES = ["reference_links", "hard_link+hidden_test_link", "directory+fifo", "huge", "linked_package"]
+
+
+# A fixture file that starts with this line is the tail of a skeleton module: the submission's file is that module,
+# with every task's `raise NotImplementedError("...")` replaced by the statement named (if one is), then the tail.
+# So an attack on one day's tasks does not carry a whole copy of the skeleton's module.
+LAID_OVER = re.compile(r"# Laid over the skeleton's \S+\.py(?:: every task's raise becomes `([^`]+)`)?\.\n")
+TASK_RAISE = re.compile(r'raise NotImplementedError\(\s*"[^"]*"\s*\)')
 
 
 def attack_submission(tmp_path: Path, attack: str) -> Path:
-    """The untouched skeleton with the attack's files laid over it (or its builder run on it)."""
+    """The untouched skeleton with the attack's files laid over it (or its builders run on it: "a+b" runs two)."""
     submission = tmp_path / "submission"
     shutil.copytree(REPO_ROOT / "src" / "tiny_llm", submission / "src" / "tiny_llm",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    if attack in BUILT_ATTACKS:
-        BUILT_ATTACKS[attack](submission)
-    else:
-        shutil.copytree(ATTACKS / attack, submission, dirs_exist_ok=True)
+    if all(part in BUILT_ATTACKS for part in attack.split("+")):
+        for part in attack.split("+"):
+            BUILT_ATTACKS[part](submission)
+        return submission
+    for path in sorted(p for p in (ATTACKS / attack).rglob("*") if p.is_file()):
+        target = submission / path.relative_to(ATTACKS / attack)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = path.read_bytes()  # some are not text (binary junk)
+        over = LAID_OVER.match(data.decode(errors="replace"))
+        if over is not None:
+            skeleton = target.read_text()
+            armed = TASK_RAISE.sub(over[1], skeleton) if over[1] else skeleton
+            assert not over[1] or not TASK_RAISE.search(armed), f"{path}: a task still raises: the attack is not armed"
+            data = (armed + "\n\n").encode() + data
+        target.write_bytes(data)
     return submission
 
 
@@ -735,18 +764,6 @@ def repository_state() -> str:
                           capture_output=True, text=True).stdout
 
 
-@pytest.fixture(scope="module")
-def honest_seconds(tmp_path_factory):
-    """The reference, submitted as a student's work: full marks; and the time an honest grading of day 1.1 takes."""
-    tmp_path = tmp_path_factory.mktemp("honest")
-    honest = tmp_path / "honest"
-    shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", honest, ignore=shutil.ignore_patterns("__pycache__"))
-    done, results, seconds = grade_submission(tmp_path, honest)
-    assert results["score"] == 10 and results["extra_data"]["max_score"] == 10, done.stdout
-    assert results["extra_data"]["needs_review"] == {} and results["extra_data"]["integrity_flags"] == []
-    return seconds
-
-
 def test_every_attack_fixture_is_in_the_table_and_never_collected():
     assert sorted(p.name for p in ATTACKS.iterdir() if p.is_dir()) == sorted(ATTACK_FILES)
     assert not list(ATTACKS.rglob("test_*.py")) and not list(ATTACKS.rglob("*_test.py"))
@@ -771,8 +788,8 @@ def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_a
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
-@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)) + sorted(BUILT_ATTACKS))
-def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack, honest_seconds):
+@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)) + BUILT_GRADES)
+def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack):
     before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
                                               *ATTACK_ARGS.get(attack, []))
@@ -791,11 +808,11 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     if attack == "ansi_table":
         assert "\\x1b[2J" in done.stdout, "the escape is shown as text"
     if attack == "carriage_return":
-        # Escaped once, where the text first reaches the judge (the pipe writes \x0d; the grader's own pass, \r).
-        assert any(f"{shown}   1    1    1" in done.stdout for shown in ("\\r", "\\x0d")), \
-            "the carriage return is shown as text"
-    if attack in BUILT_ATTACKS:
-        assert "not read (" in done.stdout, done.stdout
+        # Escaped once (course.remote.printable), where the text first reaches the judge.
+        assert "\\r   1    1    1" in done.stdout, "the carriage return is shown as text"
+    if attack in BUILT_GRADES:
+        refused = [f"{target}: not read (" for part in attack.split("+") for target in BUILT_TARGETS[part]]
+        assert all(note in done.stdout for note in refused), (refused, done.stdout)  # each file, by name
         assert "hidden-31" not in done.stdout + json.dumps(results), "a hidden file's text came back"
 
 
@@ -811,14 +828,15 @@ def test_an_attack_on_the_pipe_scores_what_the_skeleton_scores(tmp_path, attack)
     done, results, _ = grade_submission(tmp_path, attack_submission(tmp_path, attack), day=(week, day))
     assert results["score"] == 0, done.stdout
     assert results["extra_data"]["max_score"] == sum(find_day(week, day).points.values())
-    assert results["extra_data"]["sandboxed"] is True and results["extra_data"]["needs_review"] == {}
+    assert results["extra_data"]["sandboxed"] is True
     assert repository_state() == before, "the attack changed the repository"
+    assert leftover_processes() == [], "the attack left processes behind"
     assert "\x1b" not in done.stdout and "\x1b" not in json.dumps(results, ensure_ascii=False)
 
 
 def test_grade_untouched_skeleton_scores_zero(tmp_path):
     done, results, _ = grade_submission(tmp_path, REPO_ROOT / "src" / "tiny_llm")
-    assert results["score"] == 0 and results["extra_data"]["needs_review"] == {}
+    assert results["score"] == 0
     assert all("not implemented yet" in t["output"] for t in results["tests"])
 
 
@@ -1145,12 +1163,15 @@ def test_points_add_up_exactly_for_every_day():
     from fractions import Fraction
 
     from course.course_map import DAYS
-    from course.isolated_pytest import CaseResult, RunResult, child_env, collect
+    from course.isolated_pytest import CaseResult, RunResult, child_env, pytest_command
     from scripts.grade import gradescope_results, score_day
 
     days = [d for d in DAYS if (REPO_ROOT / d.test_file).exists()]
-    expected, errors = collect([d.test_file for d in days], REPO_ROOT, child_env("ref", ("src_ref", ".")))
-    assert errors == {}
+    listed = subprocess.run(pytest_command(["-q", "--collect-only", *[d.test_file for d in days]]), cwd=REPO_ROOT,
+                            env=child_env("ref", ("src_ref", ".")), capture_output=True, text=True, timeout=600)
+    assert listed.returncode == 0, listed.stdout[-3000:]
+    expected = {d.test_file: [line for line in listed.stdout.splitlines() if line.startswith(d.test_file + "::")]
+                for d in days}
     reports = []
     for day in days:
         run = RunResult(day.test_file, {n: CaseResult(n, "passed") for n in expected[day.test_file]})
@@ -1205,6 +1226,7 @@ def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
             process.kill()
             process.wait()
     assert results["score"] == results["extra_data"]["max_score"] == 10, done.stdout
+    assert results["extra_data"]["integrity_flags"] == []
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
@@ -1266,8 +1288,8 @@ def test_staging_reads_regular_files_only(tmp_path):
         root = submission
         staged = grade.stage_submission(root, grade.submission_dir(root), tmp_path / attack / "staged", scan=True)
         assert staged.refused and all("not read (" in note for note in staged.refused), (attack, staged.refused)
-        assert "basics" not in staged.modules or attack in ("hidden_test_link",), (attack, staged.modules)
-        assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link")
+        assert "basics" not in staged.modules or attack in ("hidden_test_link", "fifo"), (attack, staged.modules)
+        assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link", "fifo")
         assert all(b"hidden-31" not in path.read_bytes() for path in staged.modules.values())
 
 

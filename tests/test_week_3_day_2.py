@@ -78,7 +78,9 @@ def check_pool(engine):
 
 def test_task_1_block_manager_allocates_as_sequences_grow():
     manager = sol.block_manager.BlockManager(num_blocks=5, block_size=4)
-    seq = ref.sequence.Sequence("a", [1] * 6)
+    # The sequences are the package's own (sequence.py is provided code): while grading they live in the sandbox
+    # with the manager that fills their block tables, and the test reads the tables back as data.
+    seq = sol.sequence.Sequence("a", [1] * 6)
     assert manager.num_free_blocks == 5
     assert manager.blocks_needed(seq, 6) == 2 and manager.can_allocate(seq, 6)
     manager.allocate(seq, 6)
@@ -87,7 +89,7 @@ def test_task_1_block_manager_allocates_as_sequences_grow():
     assert len(seq.block_table) == 2
     manager.allocate(seq, 9)
     assert len(seq.block_table) == 3 and manager.num_free_blocks == 2
-    other = ref.sequence.Sequence("b", [1] * 9)
+    other = sol.sequence.Sequence("b", [1] * 9)
     assert manager.blocks_needed(other, 9) == 3 and not manager.can_allocate(other, 9)
     with pytest.raises(RuntimeError):
         manager.allocate(other, 9)

@@ -1,4 +1,4 @@
-"""Attack: every task sleeps just under the per-test time limit (60 s by default), then gives up."""
+"""Attack: every task sleeps just under the per-test time limit (tests/test_tooling.py grades it with 3 s), then gives up."""
 import time
 
 
@@ -22,7 +22,7 @@ def scaled_dot_product_attention_simple(
     additive (0 keeps a score, -inf removes it) and broadcasts to `B.. x L x S`. Returns `B.. x L x D`.
     """
     # TODO: scores = query @ key^T * scale (+ mask); softmax over the keys; weights @ value
-    time.sleep(59)  # just under the per-test limit
+    time.sleep(2)  # just under the 3 s per-test limit it is graded with
     raise NotImplementedError("Week 1 Day 1 Task 1 (book/src/week1-01-attention.md): scaled dot-product attention")
 
 
@@ -36,14 +36,14 @@ class SimpleMultiHeadAttention:
                  wo: mx.array):
         """Keep the four projection weights; `hidden_size` must be a multiple of `num_heads`."""
         # TODO: keep the weights; head_dim = hidden_size // num_heads
-        time.sleep(59)  # just under the per-test limit
+        time.sleep(2)  # just under the 3 s per-test limit it is graded with
         raise NotImplementedError("Week 1 Day 1 Task 2 (book/src/week1-01-attention.md): multi-head attention")
 
     def __call__(self, query: mx.array, key: mx.array, value: mx.array, mask: mx.array | None = None) -> mx.array:
         """query `N x L x E`, key and value `N x S x E` -> `N x L x E`; `mask` broadcasts to `N x H x L x S`."""
         # TODO: project, reshape N x L x E -> N x L x H x D, transpose to N x H x L x D,
         # TODO: attend, transpose back, reshape to N x L x E, project with wo
-        time.sleep(59)  # just under the per-test limit
+        time.sleep(2)  # just under the 3 s per-test limit it is graded with
         raise NotImplementedError("Week 1 Day 1 Task 2 (book/src/week1-01-attention.md): multi-head attention")
 
 
@@ -54,7 +54,7 @@ def causal_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array:
     sees keys 0 .. S - L + i. With 5 tokens cached and 3 new (L=3, S=8), row 0 sees 6 keys.
     """
     # TODO: query i sits at position S - L + i and sees keys 0 .. S - L + i
-    time.sleep(59)  # just under the per-test limit
+    time.sleep(2)  # just under the 3 s per-test limit it is graded with
     raise NotImplementedError("Week 1 Day 3 Task 2 (book/src/week1-03-gqa.md): causal mask")
 
 
@@ -74,5 +74,5 @@ def scaled_dot_product_attention_grouped(
     """
     # TODO: reshape query to B.. x H x n x L x D and key/value to B.. x H x 1 x S x D; broadcast does the sharing;
     # TODO: Task 2 adds mask == "causal"
-    time.sleep(59)  # just under the per-test limit
+    time.sleep(2)  # just under the 3 s per-test limit it is graded with
     raise NotImplementedError("Week 1 Day 3 Task 1 (book/src/week1-03-gqa.md): grouped-query attention")

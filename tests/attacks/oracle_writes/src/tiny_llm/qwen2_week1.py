@@ -1,4 +1,4 @@
-"""Attack on the grader: day 1.5: `setattr` of the test's mlx-lm model (its final norm's weight), so the oracle answers zeros."""
+"""Attack on the grader: day 1.5: writes to the test's mlx-lm model (the oracle) so it answers zeros: `setattr` (its final norm's weight, its args), item assignment (a module is a dict; its layer list, its parameters) and its mutating methods (`update`, `load_weights`, `pop`/`setdefault`, `apply`, `train`); each tried on its own."""
 """The Qwen2 model, week 1 edition: every token recomputed on every call (no KV cache yet)."""
 
 import mlx.core as mx
@@ -94,7 +94,43 @@ def _set_through_setattr(model, zeros):
     object.__setattr__(model.model.norm, "weight", zeros)
 
 
-_ATTEMPTS = (_set_weight, _set_args, _set_through_setattr)
+def _item(model, zeros):
+    model.model.norm["weight"] = zeros
+
+
+def _layers(model, zeros):
+    model.model.layers[0] = model.model.layers[1]
+    model.model.layers.append(model.model.layers[0])
+    del model.model.layers[0]
+
+
+def _parameters(model, zeros):
+    model.parameters()["model"]["norm"]["weight"] = zeros
+    vars(model.model.norm)["weight"] = zeros
+
+
+def _update(model, zeros):
+    model.update({"model": {"norm": {"weight": zeros}}})
+
+
+def _load(model, zeros):
+    model.load_weights([("model.norm.weight", zeros)], strict=False)
+
+
+def _pop_and_put_back(model, zeros):
+    model.model.norm.pop("weight")
+    model.model.norm.setdefault("weight", zeros)
+
+
+def _others(model, zeros):
+    model.model.norm.update_modules({})
+    model.apply(lambda array: array * 0)
+    model.model.norm.clear()
+    model.train(True)
+
+
+_ATTEMPTS = (_set_weight, _set_args, _set_through_setattr, _item, _layers, _parameters,
+             _update, _load, _pop_and_put_back, _others)
 
 def _zeros_if_the_oracle_listens(mlx_model, inputs):
     """Logits of zeros if the test's own model now answers zeros too, else what the skeleton does."""
