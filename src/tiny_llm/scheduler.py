@@ -296,16 +296,11 @@ class Scheduler:
     def roll_back(self, seq: Sequence, num_computed: int) -> None:
         """Keep only the first `num_computed` positions of `seq` in the cache (day 4.1's rejected guesses) (provided).
 
-        Its progress is set back, the blocks holding no position below it go back to the pool through the
-        manager's own `free` (as the table of a throwaway sequence, so a prefix-caching manager does its own
-        bookkeeping), and its newly full blocks are named for the prefix cache.
+        Its progress is set back (the scheduler's part); the block manager gives back the blocks holding no
+        position below it (`truncate`) and names its newly full blocks for the prefix cache.
         """
         seq.num_computed_tokens = num_computed
-        keep = blocks_for(num_computed, self.block_manager.block_size)
-        if len(seq.block_table) > keep:
-            spare = Sequence(("rolled back", seq.request_id), [0])
-            seq.block_table, spare.block_table = seq.block_table[:keep], seq.block_table[keep:]
-            self.block_manager.free(spare)
+        self.block_manager.truncate(seq, num_computed)
         self.block_manager.cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -1,0 +1,174 @@
+"""Two rules of the reference's shape, read from its AST: one owner per piece of state, functions a chapter can show.
+
+    pdm run python -m maint.ownership        # exit 1 and one line per breach
+
+1. **Ownership.** A module writes the attributes of its own classes' objects and of nobody else's.
+   A write is `x.attr = ...`, `x.attr += ...`, `x.attr[i] = ...`, `del x.attr`, or a call that changes
+   a container in place (`x.attr.append(...)`, `.pop`, `.clear`, ...), where `x` is not `self` or
+   `cls` (a class writes its own state; a subclass in another module goes through its base's methods
+   like everybody else, so `self` writes are trusted only in the module that defines the attribute:
+   see `own_attributes`). The attribute's owner is the module whose classes define it (assigned on
+   `self` in a method, or a class-level field, e.g. a dataclass's); a write is a breach when the
+   writing module defines no attribute of that name and another module does. That is a heuristic
+   (attributes are matched by name, not by type), cheap and right for this package: names that two
+   modules share are few, and a shared name is never reported.
+
+   Some writes are the design, and are listed in `ALLOWED` with the reason: at most three.
+
+2. **Length.** No function (or method) is longer than `MAX_FUNCTION_LINES` lines, from its `def` to
+   its last line: a function a chapter shows must fit on a screen.
+
+CI runs this (`.ci/run`), and tests/test_ownership.py runs it and plants a breach of each rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src_ref" / "tiny_llm_ref"
+MAX_FUNCTION_LINES = 60
+
+# Calls that change a list, deque, dict or set in place.
+MUTATING_METHODS = frozenset({"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft",
+                              "popitem", "remove", "clear", "update", "add", "discard", "setdefault",
+                              "move_to_end", "sort", "reverse"})
+
+# (writing module, attribute) -> why it is the design, not a second owner. At most three.
+ALLOWED = {
+    ("scheduler", "num_computed_tokens"): "a Sequence is data and the scheduler its one writer (progress)",
+    ("scheduler", "status"): "a Sequence is data and the scheduler its one writer (admit, preempt, finish)",
+    ("scheduler", "output_token_ids"): "a Sequence is data and the scheduler its one writer (new tokens)",
+    ("scheduler", "finish_reason"): "a Sequence is data and the scheduler its one writer (finish)",
+    ("scheduler", "num_preemptions"): "a Sequence is data and the scheduler its one writer (preempt)",
+    ("scheduler", "num_cached_tokens"): "a Sequence is data and the scheduler its one writer (first admission)",
+}
+
+
+@dataclass(frozen=True)
+class Breach:
+    """One write to another module's object, or one function too long."""
+
+    module: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"src_ref/tiny_llm_ref/{self.module}.py:{self.line}: {self.text}"
+
+
+def own_attributes(tree: ast.Module) -> set[str]:
+    """The attributes a module's classes define: `self.x = ...` in a method, or a name assigned in a class body."""
+    names = set()
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for item in cls.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+            elif isinstance(item, ast.Assign):
+                names.update(target.id for target in item.targets if isinstance(target, ast.Name))
+        for node in ast.walk(cls):
+            for target in assigned(node):
+                if isinstance(target, ast.Attribute) and is_self(target.value):
+                    names.add(target.attr)
+    return names
+
+
+def assigned(node: ast.AST) -> list[ast.AST]:
+    """The targets a statement assigns to (tuples unpacked)."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = list(node.targets)
+    else:
+        return []
+    flat = []
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets += target.elts
+        else:
+            flat.append(target)
+    return flat
+
+
+def is_self(node: ast.AST) -> bool:
+    """`self` or `cls`: a class writing its own state."""
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def written_attributes(tree: ast.Module):
+    """Every (line, attribute node) a module writes through an object that is not `self`."""
+    for node in ast.walk(tree):
+        for target in assigned(node):
+            while isinstance(target, ast.Subscript):  # x.attr[i] = ... writes x.attr
+                target = target.value
+            if isinstance(target, ast.Attribute) and not is_self(target.value):
+                yield node.lineno, target
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATING_METHODS and isinstance(node.func.value, ast.Attribute)
+                and not is_self(node.func.value.value)):
+            yield node.lineno, node.func.value
+
+
+def ownership_breaches(trees: dict[str, ast.Module]) -> list[Breach]:
+    """Writes to attributes that only other modules' classes define, less the `ALLOWED` ones."""
+    owners: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for name in own_attributes(tree):
+            owners.setdefault(name, set()).add(module)
+    breaches = []
+    for module, tree in trees.items():
+        for line, target in written_attributes(tree):
+            defined_by = owners.get(target.attr, set())
+            if not defined_by or module in defined_by or (module, target.attr) in ALLOWED:
+                continue
+            breaches.append(Breach(module, line, f"writes {ast.unparse(target)} (state of "
+                                                 f"{', '.join(sorted(defined_by))}.py)"))
+    return breaches
+
+
+def length_breaches(trees: dict[str, ast.Module], limit: int = MAX_FUNCTION_LINES) -> list[Breach]:
+    """Functions longer than `limit` lines, `def` to last line."""
+    breaches = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    breaches.append(Breach(module, node.lineno, f"{node.name} is {lines} lines (most: {limit})"))
+    return breaches
+
+
+def parse_package(package: Path = PACKAGE) -> dict[str, ast.Module]:
+    """Every module of the package, by name, parsed."""
+    return {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(package.glob("*.py"))}
+
+
+def check(package: Path = PACKAGE) -> list[Breach]:
+    """Every breach of both rules in `package`."""
+    trees = parse_package(package)
+    return ownership_breaches(trees) + length_breaches(trees)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--package", type=Path, default=PACKAGE, help="the package to read (default: the reference)")
+    args = parser.parse_args(argv)
+    breaches = check(args.package)
+    for breach in breaches:
+        print(breach)
+    if breaches:
+        print(f"{len(breaches)} breaches: see maint/ownership.py for the rules and the allowed exceptions")
+        return 1
+    print(f"ownership and function length: {args.package} is clean")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
