@@ -19,10 +19,10 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
+from .order_policy import DEFAULT_AGING_STEPS, FirstComeFirstServed, PriorityPolicy, ShortestPrefillFirst
 from .prefix_cache import PrefixCachingBlockManager
-from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy, ShortestPrefillFirst
 from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
-from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
+from .scheduler import Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
 from .structured import is_complete
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget

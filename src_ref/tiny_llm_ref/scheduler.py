@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_for
+from .order_policy import FirstComeFirstServed
 from .sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
@@ -104,34 +105,6 @@ class StepOutput:
     finish_reason: str | None  # one of FINISH_REASONS once finished
     logprobs: object = None  # the token's TokenLogprobs, for a request that asked (set by the engine)
     num_cached_tokens: int | None = None  # on the finished output: prompt tokens the prefix cache served
-
-
-class FirstComeFirstServed:
-    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
-
-    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
-    """
-
-    def add(self, seq: Sequence) -> None:
-        """A sequence arrived."""
-
-    def next_step(self) -> None:
-        """A step is being planned."""
-
-    def forget(self, seq: Sequence) -> None:
-        """A sequence finished."""
-
-    def order(self, seqs) -> list[Sequence]:
-        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
-        return list(seqs)
-
-    def outranks(self, seq: Sequence, other: Sequence) -> bool:
-        """Whether `seq` may take `other`'s blocks: never, among equals."""
-        return False
-
-    def describe(self) -> str:
-        """One line for the engine's start-up log."""
-        return "first come, first served"
 
 
 class Scheduler:

@@ -1,4 +1,10 @@
-"""Priorities: the planner serves important requests first, and takes blocks back from unimportant ones.
+"""Order policies: which sequences the planner serves first, and whose blocks it may take back.
+
+The scheduler (scheduler.py) plans; an order policy only ranks. `FirstComeFirstServed` is day 3.1's
+(provided); `PriorityPolicy` and `ShortestPrefillFirst` are day 3.4's. (This module was
+`priority_scheduler.py`: it never held a scheduler.)
+
+Priorities: the planner serves important requests first, and takes blocks back from unimportant ones.
 
 Day 3.1's planner is first come, first served: a chat user who arrives behind a queue of long batch
 jobs waits for all of them. Here every request carries a `priority` (an int; *larger is more
@@ -33,6 +39,34 @@ from .sequence import Sequence
 DEFAULT_AGING_STEPS = 256  # steps of waiting that raise a sequence's effective priority by one
 
 
+class FirstComeFirstServed:
+    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
+
+    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence arrived."""
+
+    def next_step(self) -> None:
+        """A step is being planned."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished."""
+
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
+        return list(seqs)
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks: never, among equals."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return "first come, first served"
+
+
 class PriorityPolicy:
     """The scheduler's order policy by priority: higher effective priority first, then earlier arrival."""
 
@@ -58,18 +92,17 @@ class PriorityPolicy:
 
     def effective_priority(self, seq: Sequence) -> int:
         """`seq.priority`, plus one for every `aging_steps` steps since it arrived."""
-        # BEGIN TASK Week 3 Day 4 Task 1: priority plus one per aging_steps steps waited
         # TODO: seq.priority + steps since its arrival // aging_steps
-        waited = self.num_steps - self.arrival_step[seq]
-        return seq.priority + waited // self.aging_steps
-        # END TASK
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): priority plus one per aging_steps steps waited"
+        )
 
     def rank(self, seq: Sequence) -> tuple[int, int]:
         """Sort key, most urgent first: higher effective priority, then earlier arrival."""
-        # BEGIN TASK Week 3 Day 4 Task 1: sort key: higher effective priority, then earlier arrival
         # TODO: (-effective priority, arrival step)
-        return (-self.effective_priority(seq), self.arrival_step[seq])
-        # END TASK
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 1 (book/src/week3-04-priorities.md): sort key: higher effective priority, then earlier arrival"
+        )
 
     def order(self, seqs) -> list[Sequence]:
         """`seqs` most urgent first; stable, so among equals the given order stands.
@@ -77,17 +110,15 @@ class PriorityPolicy:
         Effective priorities change as sequences age, so the queues are sorted again every step
         rather than kept in a heap whose keys would go stale.
         """
-        # BEGIN TASK Week 3 Day 4 Task 2: most urgent first, stable among equals
         # TODO: sort by rank (Python's sort is stable)
-        return sorted(seqs, key=self.rank)
-        # END TASK
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 2 (book/src/week3-04-priorities.md): most urgent first, stable among equals"
+        )
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether `seq` is strictly more urgent than `other`, so it may take `other`'s blocks."""
-        # BEGIN TASK Week 3 Day 4 Task 2: strictly more urgent
         # TODO: compare ranks
-        return self.rank(seq) < self.rank(other)
-        # END TASK
+        raise NotImplementedError("Week 3 Day 4 Task 2 (book/src/week3-04-priorities.md): strictly more urgent")
 
     def describe(self) -> str:
         """One line for the engine's start-up log (provided)."""
@@ -99,10 +130,10 @@ class ShortestPrefillFirst(PriorityPolicy):
 
     def rank(self, seq: Sequence) -> tuple[int, int, int]:
         """Sort key, most urgent first: higher effective priority, then fewer uncomputed tokens, then earlier arrival."""
-        # BEGIN TASK Week 3 Day 4 Task 4: priority, then fewest tokens left to prefill, then arrival
         # TODO: (-effective priority, uncomputed tokens, arrival step)
-        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])
-        # END TASK
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 4 (book/src/week3-04-priorities.md): priority, then fewest tokens left to prefill, then arrival"
+        )
 
     def outranks(self, seq: Sequence, other: Sequence) -> bool:
         """Whether `seq` may take `other`'s blocks: by priority and arrival alone, never for being shorter.
@@ -110,10 +141,8 @@ class ShortestPrefillFirst(PriorityPolicy):
         A preempted prompt is recomputed from its start: taking a long prompt's blocks to admit a short one
         would throw its chunks away, and the next short arrival would do it again.
         """
-        # BEGIN TASK Week 3 Day 4 Task 4: length never takes blocks
         # TODO: compare PriorityPolicy's ranks (priority, then arrival), not this policy's
-        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)
-        # END TASK
+        raise NotImplementedError("Week 3 Day 4 Task 4 (book/src/week3-04-priorities.md): length never takes blocks")
 
     def describe(self) -> str:
         """One line for the engine's start-up log (provided)."""
