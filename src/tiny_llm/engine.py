@@ -247,22 +247,37 @@ class LLMEngine:
             return []
         tokens = self.run(plan)
         outputs = self.scheduler.update_from_output(plan, tokens)
-        self.finish_completed(outputs)
-        logprobs = getattr(self.runner, "logprobs", None)  # the step's, for requests that asked (a stand-in runner has none)
-        if logprobs:
-            for output in outputs:
-                if output.token is not None:
-                    output.logprobs = logprobs.get(output.request_id)
+        outputs = self.report(self.finish_completed(outputs))
         self.record(plan, outputs)
         return outputs
 
-    def finish_completed(self, outputs: list[StepOutput]) -> None:
-        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided)."""
+    def finish_completed(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided).
+
+        The scheduler's outputs are its data: the ones that end here are replaced, not changed.
+        """
+        finished = []
         for output in outputs:
             seq = self.sequences.get(output.request_id)
             if not output.finished and seq is not None and is_complete(seq):
                 self.scheduler.finish(seq, "stop")
-                output.finished, output.finish_reason = True, "stop"
+                output = replace(output, finished=True, finish_reason="stop")
+            finished.append(output)
+        return finished
+
+    def report(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """The step's outputs as the caller gets them: each token's logprobs (for requests that asked) and, on a
+        finished output, the prompt tokens the prefix cache served (provided)."""
+        logprobs = getattr(self.runner, "logprobs", None) or {}  # the step's (a stand-in runner has none)
+        reported = []
+        for output in outputs:
+            if output.token is not None and output.request_id in logprobs:
+                output = replace(output, logprobs=logprobs[output.request_id])
+            seq = self.sequences.get(output.request_id)
+            if output.finished and seq is not None:
+                output = replace(output, num_cached_tokens=seq.num_cached_tokens or 0)
+            reported.append(output)
+        return reported
 
     def run(self, plan: StepPlan) -> list[int]:
         """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided)."""
@@ -278,7 +293,7 @@ class LLMEngine:
         return tokens
 
     def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
-        """Count the step's tokens, time each new token, and let go of finished requests (provided)."""
+        """Count the step's tokens, time each new token, and let go of finished requests (after `report`) (provided)."""
         self.prompt_tokens_total += sum(chunk.num_prompt_tokens for chunk in plan.chunks)
         self.scheduled.update(chunk.seq.request_id for chunk in plan.chunks)
         for output in outputs:
@@ -287,9 +302,7 @@ class LLMEngine:
                 self.metrics.token(output.request_id)
             if output.finished:
                 self.scheduled.discard(output.request_id)
-                seq = self.sequences.pop(output.request_id, None)
-                if seq is not None:
-                    output.num_cached_tokens = seq.num_cached_tokens or 0
+                self.sequences.pop(output.request_id, None)
                 self.metrics.finish(output.request_id)
 
     def release_all(self) -> None:

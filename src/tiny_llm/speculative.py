@@ -28,7 +28,7 @@ was accepted, and blocks wholly past it go back to the pool.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -269,7 +269,6 @@ class SpeculativeRunner:
 
     def logit_rows(self, plan: StepPlan) -> mx.array:
         """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk."""
-        batch = self.runner.prepare(plan)
         rows, end = [], 0
         for chunk in plan.chunks:
             end += chunk.length
@@ -277,7 +276,7 @@ class SpeculativeRunner:
                 rows += range(end - chunk.length, end)
             elif chunk.samples:
                 rows.append(end - 1)
-        batch.sample_rows = mx.array(rows, dtype=mx.int32)
+        batch = replace(self.runner.prepare(plan), sample_rows=mx.array(rows, dtype=mx.int32))
         logits = self.runner.model(batch, self.runner.pool)
         mx.eval(logits, *self.runner.pool.arrays())
         return logits
@@ -346,7 +345,7 @@ class SpeculativeEngine(LLMEngine):
             return []
         self.propose(plan)
         logits = self.run(plan)
-        outputs = self.update(plan, logits)
+        outputs = self.report(self.update(plan, logits))
         self.record(plan, outputs)
         for output in outputs:
             if output.finished:
@@ -383,7 +382,10 @@ class SpeculativeEngine(LLMEngine):
         )
 
     def update(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
-        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided)."""
+        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided).
+
+        The step's `report` adds each ordinary token's logprobs (a verify chunk's request never asks for them).
+        """
         ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
         rows, row = {}, 0
         for chunk in plan.chunks:  # which logits rows belong to which chunk
@@ -394,9 +396,6 @@ class SpeculativeEngine(LLMEngine):
         ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
         tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
         outputs = self.scheduler.update_from_output(ordinary, tokens)
-        for output in outputs:  # as week 3's step: each ordinary token's logprobs, for the requests that asked
-            if output.token is not None:
-                output.logprobs = self.runner.logprobs.get(output.request_id)
         for chunk in plan.prefills:
             if isinstance(chunk, VerifyChunk):
                 first, last = rows[id(chunk)]
