@@ -70,12 +70,12 @@ MUTATIONS = [
     # Since the engine refactor the next three sit in provided code (engine.run, Scheduler.admit and
     # update_from_output's hook): a student no longer writes them, but the tests must still catch them.
     Mutation("failed-step-leaks", "a failed model call does not release the step's sequences", (1,), (
-        ("engine", "        try:\n            tokens = self.runner.run(plan)\n        except BaseException:\n"
+        ("engine", "        try:\n            result = self.runner.run(plan)\n        except BaseException:\n"
                    "            self.release_all()  # a failed step must not leak the blocks of the sequences it held\n"
                    "            raise\n",
-         "        tokens = self.runner.run(plan)\n"),)),
+         "        result = self.runner.run(plan)\n"),)),
     Mutation("no-observe-step", "the engine never feeds observe_step to the budget policy", (1,), (
-        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,\n"
+        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, plan.num_decoding, self.clock() - start,\n"
                    "                                                 plan.prefill_offset)\n",
          ""),)),
     Mutation("prefix-hooks-never-called", "the prefix-cache hooks never called at admission and after a step", (3,), (

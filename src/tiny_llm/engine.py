@@ -4,6 +4,8 @@
     tokens = self.run(plan)                             # one model call, one new token per sampling sequence
     outputs = scheduler.update_from_output(plan, tokens)  # progress, new tokens, finished sequences, freed blocks
 
+Day 4.1's engine keeps this step: it adds guesses to the plan (`plan_step`) and verifies them (`update`).
+
 The scheduler owns every sequence's state; the engine keeps the requests by id, the metrics and the
 log. Every knob is one field of `EngineConfig`. The engine is single-threaded: a server calls
 `add_request`, `step` and `abort` from one thread.
@@ -242,14 +244,21 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """One step: plan, run (one model call), update. Returns a StepOutput per sequence that got a token or finished (provided)."""
         self.maybe_log()
-        plan = self.scheduler.schedule()
+        plan = self.plan_step()
         if plan.is_empty:
             return []
-        tokens = self.run(plan)
-        outputs = self.scheduler.update_from_output(plan, tokens)
-        outputs = self.report(self.finish_completed(outputs))
+        result = self.run(plan)
+        outputs = self.report(self.finish_completed(self.update(plan, result)))
         self.record(plan, outputs)
         return outputs
+
+    def plan_step(self) -> StepPlan:
+        """The step's plan: the scheduler's (day 4.1's engine adds guesses to it) (provided)."""
+        return self.scheduler.schedule()
+
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
+        """Apply the runner's result: the scheduler moves every planned sequence forward (provided)."""
+        return self.scheduler.update_from_output(plan, tokens)
 
     def finish_completed(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided).
@@ -279,18 +288,22 @@ class LLMEngine:
             reported.append(output)
         return reported
 
-    def run(self, plan: StepPlan) -> list[int]:
-        """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided)."""
+    def run(self, plan: StepPlan):
+        """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided).
+
+        The runner's result: week 3's runner samples a token per sampling chunk; day 4.1's returns the logits
+        rows its engine's `update` verifies. A verify chunk counts as a decode plus its guesses.
+        """
         start = self.clock()
         try:
-            tokens = self.runner.run(plan)
+            result = self.runner.run(plan)
         except BaseException:
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
-        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,
+        self.scheduler.token_budget.observe_step(plan.num_tokens, plan.num_decoding, self.clock() - start,
                                                  plan.prefill_offset)
         self.num_steps += 1
-        return tokens
+        return result
 
     def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
         """Count the step's tokens, time each new token, and let go of finished requests (after `report`) (provided)."""

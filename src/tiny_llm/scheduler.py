@@ -59,6 +59,27 @@ class ScheduledChunk:
 
 
 @dataclass
+class VerifyChunk(ScheduledChunk):
+    """A decoding sequence's newest token followed by `draft`: `1 + len(draft)` tokens, every row sampled (day 4.1).
+
+    To the model it is a prefill chunk at the sequence's offset; the draft tokens are not part of the
+    sequence (yet): only the accepted ones will be.
+    """
+
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The newest token, then the guesses."""
+        return self.seq.token_ids[self.start : self.start + 1] + self.draft
+
+    @property
+    def samples(self) -> bool:
+        """Always: its rows are what the guesses are checked against."""
+        return True
+
+
+@dataclass
 class StepPlan:
     """One step: decode chunks (one token each) first, then prefill chunks; and who was preempted to make room."""
 
@@ -75,6 +96,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         """Tokens this step runs: what the budget bounds."""
         return sum(chunk.length for chunk in self.chunks)
+
+    @property
+    def num_decoding(self) -> int:
+        """Sequences decoding this step: a decode chunk each, or a verify chunk (a decode and its guesses, day 4.1)."""
+        return len(self.decodes) + sum(isinstance(chunk, VerifyChunk) for chunk in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -192,6 +218,18 @@ class Scheduler:
         """Plan the next chunk of `seq`'s uncomputed tokens: as many as the budget and the free blocks allow."""
         # TODO: length = min(budget, uncomputed, room in free blocks); allocate; append a ScheduledChunk; return length
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan one prefill chunk")
+
+    def verify_guesses(self, plan: StepPlan, chunk: ScheduledChunk, draft: list[int]) -> None:
+        """Turn `chunk`, a planned decode, into a `VerifyChunk` of its newest token and `draft` (day 4.1) (provided).
+
+        The guesses' positions get their blocks now (the caller cut the draft to what the held and free
+        blocks cover: speculation never preempts); the chunk moves to the end of the prefills, where the
+        model runs multi-token chunks.
+        """
+        seq = chunk.seq
+        self.block_manager.allocate(seq, seq.num_tokens + len(draft))
+        plan.decodes.remove(chunk)
+        plan.prefills.append(VerifyChunk(seq, chunk.start, 1 + len(draft), draft))
 
     def admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Admit waiting `seq` with its first chunk; return the chunk's length, 0 if it must keep waiting (provided).

@@ -19,47 +19,27 @@ was accepted, and blocks wholly past it go back to the pool.
   followed them there. No second model: it shines when the output copies from the prompt.
 - `DraftModelProposer`: a smaller model with the same tokenizer, greedy, with its own KV cache.
 - `accept_greedy`, `accept_sampled`: the two acceptance rules.
-- `SpeculativeEngine`: week 3's engine, with proposals planned into the step's leftover budget and
-  verified in the same model call. Speculation backs off by itself: only the tokens the decodes and
-  prefills leave in the budget are proposed, a sequence guesses about one more token than it has been
-  getting accepted, and one whose guesses keep failing stops guessing (it tries one now and then).
+- `SpeculativeEngine`: week 3's engine and its step, with proposals planned into the step's leftover
+  budget (the scheduler places them: `Scheduler.verify_guesses`) and verified in the same model call.
+  Speculation backs off by itself: only the tokens the decodes and prefills leave in the budget are
+  proposed, a sequence guesses about one more token than it has been getting accepted, and one whose
+  guesses keep failing stops guessing (it tries one now and then).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .engine import EngineConfig, LLMEngine
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
-from .scheduler import ScheduledChunk, StepOutput, StepPlan
+from .scheduler import StepOutput, StepPlan, VerifyChunk
 from .sequence import Sequence
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-
-
-@dataclass
-class VerifyChunk(ScheduledChunk):
-    """A decoding sequence's newest token followed by `draft`: `1 + len(draft)` tokens, every row sampled.
-
-    To the model it is a prefill chunk at the sequence's offset; the draft tokens are not part of the
-    sequence (yet): only the accepted ones will be.
-    """
-
-    draft: list[int] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The newest token, then the guesses."""
-        return self.seq.token_ids[self.start : self.start + 1] + self.draft
-
-    @property
-    def samples(self) -> bool:
-        """Always: its rows are what the guesses are checked against."""
-        return True
 
 
 # ---------------------------------------------------------------- proposers
@@ -267,8 +247,10 @@ class SpeculativeRunner:
         self.runner = runner
         self.logprobs: dict[object, TokenLogprobs] = {}  # the last step's, by request id (requests that asked)
 
-    def logit_rows(self, plan: StepPlan) -> mx.array:
-        """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk."""
+    def run(self, plan: StepPlan) -> mx.array:
+        """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk.
+
+        The engine's `update` picks the tokens from them (week 3's runner samples them itself)."""
         rows, end = [], 0
         for chunk in plan.chunks:
             end += chunk.length
@@ -337,46 +319,20 @@ class SpeculativeEngine(LLMEngine):
             self.log(f"request {seq.request_id!r} decodes without speculation: {reason}")
         return seq
 
-    def step(self) -> list[StepOutput]:
-        """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
-        self.maybe_log()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        self.propose(plan)
-        logits = self.run(plan)
-        outputs = self.report(self.update(plan, logits))
-        self.record(plan, outputs)
-        for output in outputs:
-            if output.finished:
-                self.forget(output.request_id)
-        return outputs
-
-    def run(self, plan: StepPlan) -> mx.array:
-        """One model call, every verify row sampled; timed for the budget policy (a verify chunk counts as a decode
-        plus its guesses); a failure releases every sequence (provided)."""
-        start = self.clock()
-        try:
-            logits = self.runner.logit_rows(plan)
-        except BaseException:
-            self.release_all()  # a failed step must not leak the blocks of the sequences it held
-            raise
-        num_decoding = len(plan.decodes) + sum(isinstance(c, VerifyChunk) for c in plan.prefills)
-        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start,
-                                                 plan.prefill_offset)
-        self.num_steps += 1
-        return logits
-
-    def step_budget(self, plan: StepPlan) -> int:
-        """The step's token budget as the scheduler computed it (provided)."""
-        return self.scheduler.step_budget(len(plan.decodes))
+    def plan_step(self) -> StepPlan:
+        """Week 3's plan, then guesses for its decodes in the budget it leaves (`propose`) (provided)."""
+        plan = super().plan_step()
+        if not plan.is_empty:
+            self.propose(plan)
+        return plan
 
     def propose(self, plan: StepPlan) -> None:
         """Turn decodes into verify chunks with the budget the plan leaves, the free blocks and `max_tokens`."""
         # TODO: room = step budget - planned tokens; for each decode (while room is left) that can speculate:
         # TODO: most = min(num_speculative_tokens, room, tokens it may still emit - 1); k = the tracker's
         # TODO: num_guesses(request id, most); ask the proposer for k; cut the draft to what the held and free
-        # TODO: blocks cover; allocate; swap the decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
+        # TODO: blocks cover; self.scheduler.verify_guesses(plan, chunk, draft) (provided: it allocates their blocks and
+        # TODO: puts a VerifyChunk in the decode's place); room -= len(draft)
         raise NotImplementedError(
             "Week 4 Day 1 Task 4 (book/src/week4-01-speculative-decoding.md): plan proposals into the step"
         )
@@ -423,6 +379,13 @@ class SpeculativeEngine(LLMEngine):
         raise NotImplementedError(
             "Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back"
         )
+
+    def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
+        """Week 3's `record`; a finished request's speculation state is forgotten (provided)."""
+        super().record(plan, outputs)
+        for output in outputs:
+            if output.finished:
+                self.forget(output.request_id)
 
     def abort(self, request_id) -> None:
         """End a request now and forget its speculation state (provided)."""
