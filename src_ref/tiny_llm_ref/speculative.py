@@ -393,20 +393,21 @@ class SpeculativeEngine(LLMEngine):
 
         The step's `report` adds each ordinary token's logprobs (a verify chunk's request never asks for them).
         """
-        ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
-        rows, row = {}, 0
-        for chunk in plan.chunks:  # which logits rows belong to which chunk
-            count = chunk.length if isinstance(chunk, VerifyChunk) else int(chunk.samples)
-            rows[id(chunk)] = (row, row + count)
-            row += count
-        sampling = [c for c in ordinary.chunks if c.samples]
-        ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
-        tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
-        outputs = self.scheduler.update_from_output(ordinary, tokens)
-        for chunk in plan.prefills:
+        sampled, verified, row = [], [], 0
+        for chunk in plan.chunks:  # the runner's rows, in plan order: 1 + k per verify chunk, 1 per other sampling chunk
             if isinstance(chunk, VerifyChunk):
-                first, last = rows[id(chunk)]
-                outputs += self.apply_verification(chunk, self.verify(chunk, logits[first:last]))
+                verified.append((chunk, logits[row : row + chunk.length]))
+                row += chunk.length
+            elif chunk.samples:
+                sampled.append((chunk.seq, row))
+                row += 1
+        rows = mx.array([r for _, r in sampled], dtype=mx.int32)
+        tokens = self.runner.sample(logits[rows], [seq for seq, _ in sampled])
+        # Week 3's update on the plan without its verify chunks (a new plan: the scheduler's stays as it made it).
+        ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
+        outputs = self.scheduler.update_from_output(ordinary, tokens)
+        for chunk, chunk_logits in verified:
+            outputs += self.apply_verification(chunk, self.verify(chunk, chunk_logits))
         return outputs
 
     def verify(self, chunk: VerifyChunk, logits: mx.array) -> list[int]:
