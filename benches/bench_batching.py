@@ -8,7 +8,7 @@
     pdm run bench-batching --rounds 5          # each figure the median of 5 alternated runs (default 3)
 
 The same workload (every request arrives at the start, greedy, the same token budget) runs through
-day 2.6's scheduler (Qwen2ModelWeek2 + batch.Scheduler), week 3's engine (LLMEngine with at most
+day 2.6's scheduler (Qwen2ModelWeek2 + batch.SlotScheduler), week 3's engine (LLMEngine with at most
 `batch` sequences running, one model call per step) and mlx-lm's BatchGenerator on the same weights,
 at each batch size, in the same process, mlx-lm between our two, `--rounds` times (the order reversed
 every other round); each figure is the median round's, since one run of a few seconds moves by a

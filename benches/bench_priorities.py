@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         args.batch_tokens, args.interactive = 256, 6
     lab.check_positive(PROG, args, "batch", "batch_tokens", "batch_output", "interactive", "interactive_tokens",
                        "interactive_output", "budget")
-    bench = lab.start(args, ("engine", "priority_scheduler", "qwen2_week3"))
+    bench = lab.start(args, ("engine", "order_policy", "qwen2_week3"))
     model = bench.week3_model()
     runs = {}
     for label, policy, with_batch in lab.progress(PLANS, "runs"):

@@ -126,7 +126,7 @@ def step_costs(bench, model, lengths: list[int], offset: int = 150, repeats: int
             else:
                 plan.prefills.append(speculative.VerifyChunk(seq, offset, n, seq.token_ids[offset + 1 : offset + n]))
             start = time.perf_counter()
-            mx.eval(runner_.logit_rows(plan))
+            mx.eval(runner_.run(plan))
             times[n].append(time.perf_counter() - start)
     base = statistics.median(times[1])
     return {str(n): {"median_s": statistics.median(t), "vs_decode": statistics.median(t) / base} for n, t in times.items()}

@@ -13,7 +13,7 @@ Workloads (random prompt token ids, greedy, every request runs to its token budg
   mixed: 20% long prompts, 80% short ones, Poisson arrivals (mean gap 1 s), a fixed seed.
 Engines, each on the same weights, run one after the other, mlx-lm and ours alternating so that a
 busy machine slows both alike: mlx-lm's BatchGenerator at prefill_step_size 64, 256 and 2048; day
-2.7's Scheduler (prefill_step 256); week 3's LLMEngine at a few fixed token budgets and with the
+2.7's SlotScheduler (prefill_step 256); week 3's LLMEngine at a few fixed token budgets and with the
 adaptive budget and day 3.4's shortest-prefill-first order (the recommended engine). The mixed
 workload runs mlx-lm at 64 and 256, the recommended engine, and the same adaptive engine first come,
 first served (day 3.1's order: shorts queue behind a long prompt's chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated),

@@ -6,7 +6,7 @@ counters (`counters()`: preemptions, prefix-cache hit rate, model tokens run, ..
 and releases what it holds (`close()`).
 
 - `MlxLm`: mlx-lm's `BatchGenerator` (the peer), on mlx-lm's own model.
-- `Day27`: day 2.7's `batch.Scheduler` of a selection (student or reference), on its week-2 model.
+- `Day27`: day 2.7's `batch.SlotScheduler` of a selection (student or reference), on its week-2 model.
 - `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget, adaptive or not, policy, ...).
 - `Speculative`: day 4.1's `SpeculativeEngine` of a selection (a `Week3` with guesses and their counters).
 - `TensorParallel`: day 4.4's `TensorParallelEngine` of a selection on rank 0 (the other ranks follow it).
@@ -106,11 +106,11 @@ class TensorParallel(Week3):
 
 
 class Day27(Adapter):
-    """Day 2.7's `batch.Scheduler` of `selection` (decode slots, chunked prefill of `prefill_step` tokens)."""
+    """Day 2.7's `batch.SlotScheduler` of `selection` (decode slots, chunked prefill of `prefill_step` tokens)."""
 
     def __init__(self, selection, model, tokenizer, *, batch_size: int, max_seq_len: int, prefill_step: int,
                  policy=None):
-        self.scheduler = selection.batch.Scheduler(model, tokenizer, max_seq_len=max_seq_len, batch_size=batch_size,
+        self.scheduler = selection.batch.SlotScheduler(model, tokenizer, max_seq_len=max_seq_len, batch_size=batch_size,
                                                    prefill_step=prefill_step, policy=policy, log=lambda line: None)
         self.requests = {}  # unfinished ones, by index
 

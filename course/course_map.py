@@ -59,7 +59,7 @@ DAYS: list[Day] = [
         {1: 10, 2: 5, 3: 10, 4: 40}, compare="engine"),
     Day(3, 3, "Prefix caching", "week3-03-prefix-caching.md", ("prefix_cache",), {1: 5, 2: 10, 3: 10, 4: 5, 5: 45},
         compare="engine"),
-    Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("priority_scheduler", "scheduler", "engine"),
+    Day(3, 4, "Priorities and preemption", "week3-04-priorities.md", ("order_policy", "scheduler", "engine"),
         {1: 5, 2: 10, 3: 10, 4: 10, 5: 40}, compare="engine"),
     Day(3, 5, "Serving it", "week3-05-serving.md", ("server", "text_stream"), {1: 5, 2: 5, 3: 5, 4: 10, 5: 40}),
     Day(4, 1, "Speculative decoding", "week4-01-speculative-decoding.md", ("speculative",), {1: 5, 2: 5, 3: 10, 4: 10, 5: 10, 6: 60},

@@ -50,7 +50,7 @@ MUTATIONS = [
              "        self.schedule_prefills(plan, budget)\n"),
     Mutation("a prefix-cache hit never recorded", (3,), "prefix_cache",
              "        self.hit_tokens += cached_tokens\n", ""),
-    Mutation("priorities ignored in the ranking", (4,), "priority_scheduler",
+    Mutation("priorities ignored in the ranking", (4,), "order_policy",
              "        return (-self.effective_priority(seq), self.arrival_step[seq])\n",
              "        return (0, self.arrival_step[seq])\n"),
     Mutation("no token of the target's own when every guess is accepted", (1,), "speculative",

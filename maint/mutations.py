@@ -92,12 +92,12 @@ MUTATIONS = [
     # Since the engine refactor the next three sit in provided code (engine.run, Scheduler.admit and
     # update_from_output's hook): a student no longer writes them, but the tests must still catch them.
     Mutation("failed-step-leaks", "a failed model call does not release the step's sequences", (1,), (
-        ("engine", "        try:\n            tokens = self.runner.run(plan)\n        except BaseException:\n"
+        ("engine", "        try:\n            result = self.runner.run(plan)\n        except BaseException:\n"
                    "            self.release_all()  # a failed step must not leak the blocks of the sequences it held\n"
                    "            raise\n",
-         "        tokens = self.runner.run(plan)\n"),)),
+         "        result = self.runner.run(plan)\n"),)),
     Mutation("no-observe-step", "the engine never feeds observe_step to the budget policy", (1,), (
-        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,\n"
+        ("engine", "        self.scheduler.token_budget.observe_step(plan.num_tokens, plan.num_decoding, self.clock() - start,\n"
                    "                                                 plan.prefill_offset)\n",
          ""),)),
     Mutation("prefix-hooks-never-called", "the prefix-cache hooks never called at admission and after a step", (3,), (
@@ -144,23 +144,23 @@ MUTATIONS = [
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n"
                       "            self.preempt(self.running[-1], plan)\n", ""),)),
     Mutation("shortest-first-ignores-length", "shortest prefill first ranked by priority and arrival only", (4,), (
-        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+        ("order_policy", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
          "        return (-self.effective_priority(seq), 0, self.arrival_step[seq])\n"),)),
     Mutation("shortest-first-by-prompt-length", "shortest prefill first by the whole prompt's length, not what is left",
              (4,), (
-        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+        ("order_policy", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
          "        return (-self.effective_priority(seq), seq.num_tokens, self.arrival_step[seq])\n"),)),
     Mutation("shortest-first-before-priority", "length ranked before priority", (4,), (
-        ("priority_scheduler", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
+        ("order_policy", "        return (-self.effective_priority(seq), seq.num_uncomputed_tokens, self.arrival_step[seq])\n",
          "        return (seq.num_uncomputed_tokens, -self.effective_priority(seq), self.arrival_step[seq])\n"),)),
     Mutation("shorter-takes-blocks", "a shorter prompt outranks a longer one and preempts it", (4,), (
-        ("priority_scheduler", "        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)\n",
+        ("order_policy", "        return PriorityPolicy.rank(self, seq) < PriorityPolicy.rank(self, other)\n",
          "        return self.rank(seq) < self.rank(other)\n"),)),
     Mutation("no-aging", "priorities never age: a low priority waits as long as anything more urgent arrives", (4,), (
-        ("priority_scheduler", "        return seq.priority + waited // self.aging_steps\n",
+        ("order_policy", "        return seq.priority + waited // self.aging_steps\n",
          "        return seq.priority\n"),)),
     Mutation("aging-alike", "every request ages by the steps since the engine started, so none gains on another", (4,), (
-        ("priority_scheduler", "        waited = self.num_steps - self.arrival_step[seq]\n",
+        ("order_policy", "        waited = self.num_steps - self.arrival_step[seq]\n",
          "        waited = self.num_steps\n"),)),
     Mutation("room-one-victim", "room for an urgent request made with at most one preemption", (4,), (
         ("scheduler", "        while self.running and self.order.outranks(seq, self.running[-1]) and not self.can_admit(seq):\n",
@@ -171,7 +171,7 @@ MUTATIONS = [
          "        return chunk_blocks - len(seq.block_table) <= self.block_manager.num_free_blocks\n"),)),
     Mutation("later-jumps-queue", "most urgent first by a reversed sort of (priority, arrival): the later arrival first "
              "among equals", (4,), (
-        ("priority_scheduler", "        return sorted(seqs, key=self.rank)\n",
+        ("order_policy", "        return sorted(seqs, key=self.rank)\n",
          "        return sorted(seqs, key=lambda seq: (self.effective_priority(seq), self.arrival_step[seq]), reverse=True)\n"),)),
     Mutation("waiting-before-partway", "waiting sequences ranked before part-way prompts among equals", (4,), (
         ("scheduler", "        for seq in self.order.order(partway + list(self.waiting)):\n",

@@ -120,7 +120,7 @@ def set_up(args, selection: selector.Selection, live: bool, log_lines: list[str]
     policy = None
     if args.adaptive is not None:  # not a truthiness test: --adaptive 0 is an error, not "fixed"
         policy = selection.chunk_policy.AdaptiveChunkPolicy(target_itl=args.adaptive)
-    scheduler = selection.batch.Scheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+    scheduler = selection.batch.SlotScheduler(model, tokenizer, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                                 prefill_step=args.prefill_step, policy=policy,
                                 log=log_lines.append if live else None, log_interval=2.0)
     for prompt in args.prompt or PROMPTS:

@@ -203,13 +203,13 @@ def batch_settings(kind, tokenizer, prompts, args) -> tuple[int, int]:
 
 
 def generate_batch(kind, package, model, tokenizer, prompts, args, ref):
-    """The prompts through one Scheduler, as batch_generate runs it: per prompt (token ids, text, seconds); the schedule."""
+    """The prompts through one SlotScheduler, as batch_generate runs it: per prompt (token ids, text, seconds); the schedule."""
     step, max_seq_len = batch_settings(kind, tokenizer, prompts, args)
     times = []
     for _ in range(max(1, args.repeat)):
         logged = CallLog(model)
         metrics = ref.metrics.MetricsRecorder()  # the reference's recorder times both sides
-        scheduler = package.batch.Scheduler(logged, tokenizer, max_seq_len=max_seq_len, batch_size=args.batch_size,
+        scheduler = package.batch.SlotScheduler(logged, tokenizer, max_seq_len=max_seq_len, batch_size=args.batch_size,
                                             prefill_step=step, metrics=metrics, log=lambda line: None)
         started = time.perf_counter()
         for idx, prompt in enumerate(prompts):

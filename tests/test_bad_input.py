@@ -1,6 +1,6 @@
 """Bad input never crashes the process and never gives a quietly wrong answer (the serving path of weeks 1-2).
 
-- A table of bad calls to every entry point (`Request`, `Scheduler`, `batch_generate`, the chunk
+- A table of bad calls to every entry point (`Request`, `SlotScheduler`, `batch_generate`, the chunk
   policies, the generate functions, `make_sampler`): each raises the stated error type, naming the
   argument, before any model call (a counting wrapper around the embedded model says so).
 - Property tests (hypothesis): random valid workloads give what one-request-at-a-time generation
@@ -124,21 +124,21 @@ ROWS = [
     ("max_seq_len None", TypeError, "max_seq_len", lambda m, t: ref.batch.batch_generate(m, t, ["a"], max_seq_len=None)),
     ("max_seq_len 1", ValueError, "max_seq_len", lambda m, t: ref.batch.batch_generate(m, t, ["a"], max_seq_len=1)),
     ("max_seq_len beyond context", ValueError, "max_position_embeddings",
-     lambda m, t: ref.batch.Scheduler(m, t, max_seq_len=CONTEXT + 1)),
+     lambda m, t: ref.batch.SlotScheduler(m, t, max_seq_len=CONTEXT + 1)),
     ("Request max_seq_len beyond context", ValueError, "max_position_embeddings",
      lambda m, t: ref.batch.Request(m, t, "a", max_seq_len=CONTEXT + 1)),
     ("prompt fills max_seq_len", ValueError, "no room",
      lambda m, t: ref.batch.batch_generate(m, t, [[1, 2, 3]], max_seq_len=3)),
     ("Request prefill_max_step 2.5", TypeError, "prefill_max_step", lambda m, t: ref.batch.Request(m, t, "a", 2.5)),
     ("Request prompt_idx -1", ValueError, "prompt_idx", lambda m, t: ref.batch.Request(m, t, "a", prompt_idx=-1)),
-    ("Scheduler log_interval nan", ValueError, "log_interval",
-     lambda m, t: ref.batch.Scheduler(m, t, log_interval=math.nan)),
+    ("SlotScheduler log_interval nan", ValueError, "log_interval",
+     lambda m, t: ref.batch.SlotScheduler(m, t, log_interval=math.nan)),
     ("add_request max_tokens 2.5", TypeError, "max_tokens",
-     lambda m, t: ref.batch.Scheduler(m, t).add_request("a", max_tokens=2.5)),
+     lambda m, t: ref.batch.SlotScheduler(m, t).add_request("a", max_tokens=2.5)),
     ("add_request max_tokens 0", ValueError, "max_tokens",
-     lambda m, t: ref.batch.Scheduler(m, t).add_request("a", max_tokens=0)),
+     lambda m, t: ref.batch.SlotScheduler(m, t).add_request("a", max_tokens=0)),
     ("add_request prompt_idx a str", TypeError, "prompt_idx",
-     lambda m, t: ref.batch.Scheduler(m, t).add_request("a", prompt_idx="0")),
+     lambda m, t: ref.batch.SlotScheduler(m, t).add_request("a", prompt_idx="0")),
     # chunk policies: checked where they are made, and where they answer
     ("policy answers 0", ValueError, "ChunkAnswer",
      lambda m, t: ref.batch.batch_generate(m, t, ["abc"], policy=ChunkAnswer(0))),
@@ -261,7 +261,7 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token():
 
 def test_add_request_changes_nothing_when_it_raises():
     model = FakeModel()
-    scheduler = ref.batch.Scheduler(model, FakeTokenizer(), max_seq_len=16, batch_size=2, prefill_step=4)
+    scheduler = ref.batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=16, batch_size=2, prefill_step=4)
     scheduler.add_request("abc", prompt_idx=0)
     before = (list(scheduler.queue), scheduler.next_prompt_idx, dict(scheduler.metrics.requests))
     for bad in (dict(prompt="xyz", prompt_idx=0), dict(prompt="", prompt_idx=1), dict(prompt="xyz", max_tokens=0),
@@ -288,7 +288,7 @@ RUN = dict(max_seq_len=12, batch_size=2, prefill_step=3)
 
 
 def run(model, tokenizer):
-    scheduler = ref.batch.Scheduler(model, tokenizer, **RUN)
+    scheduler = ref.batch.SlotScheduler(model, tokenizer, **RUN)
     requests = [scheduler.add_request(p) for p in PROMPTS]
     while scheduler.has_work():
         scheduler.step()
@@ -311,7 +311,7 @@ def test_a_layer_error_leaves_nothing_behind_and_a_later_run_is_identical(tiny, 
     real_layer = model.layers[layer]
     model.layers[layer] = FailingLayer(real_layer, fail_at)
     try:
-        scheduler = ref.batch.Scheduler(model, tokenizer, **RUN)
+        scheduler = ref.batch.SlotScheduler(model, tokenizer, **RUN)
         requests = [scheduler.add_request(p) for p in PROMPTS]
         with pytest.raises(ModelFailure):
             while scheduler.has_work():
@@ -351,7 +351,7 @@ fake_prompt = st.lists(st.integers(0, 38), min_size=1, max_size=12)
        prefill_step=st.integers(1, 8), extra=st.integers(1, 10))
 def test_property_random_workloads_equal_one_at_a_time(prompts, batch_size, prefill_step, extra):
     max_seq_len = max(len(p) for p in prompts) + extra
-    scheduler = ref.batch.Scheduler(FakeModel(), FakeTokenizer(), max_seq_len=max_seq_len, batch_size=batch_size,
+    scheduler = ref.batch.SlotScheduler(FakeModel(), FakeTokenizer(), max_seq_len=max_seq_len, batch_size=batch_size,
                                     prefill_step=prefill_step)
     for prompt in prompts:
         scheduler.add_request(prompt)
@@ -405,7 +405,7 @@ def test_skeleton_has_the_same_checks():
                                                                               "generate")}
     model = FakeModel()
     cases = [
-        (TypeError, lambda: skeleton["batch"].Scheduler(model, FakeTokenizer(), batch_size=2.0)),
+        (TypeError, lambda: skeleton["batch"].SlotScheduler(model, FakeTokenizer(), batch_size=2.0)),
         (ValueError, lambda: skeleton["batch"].Request(model, FakeTokenizer(), [40])),
         (TypeError, lambda: skeleton["batch"].batch_generate(model, FakeTokenizer(), "Hello")),
         (ValueError, lambda: skeleton["chunk_policy"].AdaptiveChunkPolicy(target_itl=math.nan)),

@@ -152,7 +152,7 @@ def test_pipelined_loop_gives_the_same_answer(ours, answers):
 
 def test_request_stops_at_im_end(ours, answers):
     model, tokenizer = ours
-    scheduler = reference().batch.Scheduler(model, tokenizer, max_seq_len=128, batch_size=2, prefill_step=16)
+    scheduler = reference().batch.SlotScheduler(model, tokenizer, max_seq_len=128, batch_size=2, prefill_step=16)
     scheduler.add_request(chat_prompt(tokenizer, QUESTION))
     while scheduler.has_work():
         scheduler.step()

@@ -24,7 +24,7 @@ def resolve(root, qualname):
 
 
 def code_file(function) -> str:
-    """The file of a function's own code, through decorators (`Scheduler.step` is wrapped by validation.py)."""
+    """The file of a function's own code, through decorators (`SlotScheduler.step` is wrapped by validation.py)."""
     return Path(inspect.unwrap(function).__code__.co_filename).resolve().as_posix()
 
 

@@ -71,8 +71,8 @@ def oracle_texts(real):
 
 
 def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
-    """Drive a Scheduler to the end (what batch_generate does); `check(scheduler)` after every step."""
-    scheduler = batch.Scheduler(model, tokenizer, **settings)
+    """Drive a SlotScheduler to the end (what batch_generate does); `check(scheduler)` after every step."""
+    scheduler = batch.SlotScheduler(model, tokenizer, **settings)
     for idx, prompt in enumerate(prompts):
         scheduler.add_request(prompt, idx)
     while scheduler.has_work():
@@ -248,7 +248,7 @@ def test_task_3_model_error_releases_every_slot_and_cache(batch, fail_on_call):
 
 def test_task_3_release_all_after_an_error(batch):
     model = FakeModel(fail_on_call=6)
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=24, batch_size=2, prefill_step=4)
+    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=24, batch_size=2, prefill_step=4)
     requests = [scheduler.add_request(p) for p in fake_prompts(5)]
     with pytest.raises(ModelFailure):
         while scheduler.has_work():

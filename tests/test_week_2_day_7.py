@@ -88,8 +88,8 @@ def oracle_tokens(real):
 
 
 def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
-    """Drive a Scheduler to the end, as batch_generate does; `check(scheduler)` after every step."""
-    scheduler = batch.Scheduler(model, tokenizer, **settings)
+    """Drive a SlotScheduler to the end, as batch_generate does; `check(scheduler)` after every step."""
+    scheduler = batch.SlotScheduler(model, tokenizer, **settings)
     for idx, prompt in enumerate(prompts):
         scheduler.add_request(prompt, idx)
     while scheduler.has_work():
@@ -316,9 +316,9 @@ STATS_LINE = re.compile(
 
 
 def scheduler_at(batch, clock, lines, **settings):
-    """A Scheduler on the fake model whose log goes to `lines`; nothing runs until the test says so."""
+    """A SlotScheduler on the fake model whose log goes to `lines`; nothing runs until the test says so."""
     settings = {"max_seq_len": 32, "batch_size": 2, "prefill_step": 4, "log_interval": 1.0, **settings}
-    return batch.Scheduler(FakeModel(), FakeTokenizer(), clock=clock, log=lines.append, **settings)
+    return batch.SlotScheduler(FakeModel(), FakeTokenizer(), clock=clock, log=lines.append, **settings)
 
 
 def test_task_4_start_up_line_says_whether_chunking_is_on(batch):
@@ -375,7 +375,7 @@ def test_task_4_no_stats_line_inside_the_interval(batch):
 def test_task_5_each_iteration_runs_one_chunk_then_one_decode_step(batch):
     model, tokenizer = FakeModel(eos=False), FakeTokenizer()
     short, long = prompt_of(3, 1), prompt_of(10, 2)
-    scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    scheduler = batch.SlotScheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
     scheduler.add_request(short)
     scheduler.add_request(long)
     kinds = []
@@ -431,7 +431,7 @@ def test_task_5_first_token_eos_finishes_without_a_decode_step(batch):
 def test_task_5_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_call):
     """A chunk that raises propagates out of step(); release_all then frees every slot and cache."""
     model, tokenizer = FakeModel(eos=False, fail_on_call=fail_on_call), FakeTokenizer()
-    scheduler = batch.Scheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    scheduler = batch.SlotScheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
     requests = [scheduler.add_request(prompt_of(3, 1)), scheduler.add_request(prompt_of(12, 2))]
     with pytest.raises(ModelFailure):
         for _ in range(10):
@@ -446,7 +446,7 @@ def test_task_5_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_
 def test_task_5_stats_count_chunks_decode_steps_and_interleaving(batch):
     clock = FakeClock()
     model = FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
+    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
     scheduler.add_request(prompt_of(3, 1), max_tokens=8)
     scheduler.add_request(prompt_of(10, 2), max_tokens=2)
     while scheduler.has_work():
@@ -468,7 +468,7 @@ def test_task_5_logs_the_set_up_then_periodic_stats(batch):
     clock = FakeClock()
     model = FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
     lines = []
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
+    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
                                 log=lines.append, log_interval=1.0)
     for i in range(3):
         scheduler.add_request(prompt_of(8, i), max_tokens=6)
@@ -555,7 +555,7 @@ def test_task_6_adaptive_policy_holds_the_latency_target(batch):
     clock = FakeClock()
     model = FakeModel(eos=False, clock=clock, prefill_cost=(0.010, 0.001), decode_cost=0.020)
     policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.1, min_chunk=4, max_chunk=1024, initial_chunk=16)
-    scheduler = batch.Scheduler(model, FakeTokenizer(), max_seq_len=2000, batch_size=2, prefill_step=16,
+    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=2000, batch_size=2, prefill_step=16,
                                 policy=policy, clock=clock)
     scheduler.add_request(eos_free_prompt(4, 60), max_tokens=60)
     scheduler.step()  # the short request prefills (nobody decoding: full size) and starts decoding

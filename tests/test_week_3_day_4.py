@@ -30,7 +30,7 @@ def make_scheduler(sol, num_blocks=64, block_size=4, budget=32, max_num_seqs=4, 
                    policy="PriorityPolicy"):
     """Day 3.1's one planner of `sol` with its priority policy (or `policy`, another of its order policies) plugged in."""
     bm = ref.block_manager.BlockManager(num_blocks, block_size)
-    order = getattr(sol.priority_scheduler, policy)(aging_steps=aging_steps)
+    order = getattr(sol.order_policy, policy)(aging_steps=aging_steps)
     return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
 
 
@@ -57,8 +57,8 @@ def engine_factory(model32, monkeypatch):
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
 
     def make(sol, **kwargs):
-        monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.priority_scheduler.PriorityPolicy)
-        monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.priority_scheduler.ShortestPrefillFirst)
+        monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.order_policy.PriorityPolicy)
+        monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.order_policy.ShortestPrefillFirst)
         now = [0]
         options = dict(token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64, scheduling_policy="priority")
         options.update(kwargs)
@@ -89,7 +89,7 @@ def run_steps(engine, arrivals, max_steps=400):
 
 def test_task_1_rank_orders_by_priority_then_arrival():
     sol = TASKS[1]
-    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
+    policy = sol.order_policy.PriorityPolicy(aging_steps=1000)
     low, high, high_later = seq("low", 4, 0), seq("high", 4, 5), seq("high2", 4, 5)
     for x in (low, high):
         policy.add(x)
@@ -101,7 +101,7 @@ def test_task_1_rank_orders_by_priority_then_arrival():
 
 def test_task_1_priorities_age():
     sol = TASKS[1]
-    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=10)
+    policy = sol.order_policy.PriorityPolicy(aging_steps=10)
     old = seq("old", 4, priority=0)
     policy.add(old)
     policy.num_steps = 25
@@ -112,7 +112,7 @@ def test_task_1_priorities_age():
     policy.num_steps = 45
     assert policy.effective_priority(old) == 4 and policy.effective_priority(young) == 4
     with pytest.raises(ValueError, match="aging_steps"):
-        sol.priority_scheduler.PriorityPolicy(aging_steps=0)
+        sol.order_policy.PriorityPolicy(aging_steps=0)
 
 
 # ---------------------------------------------------------------- Task 2: the plan follows priority
@@ -120,7 +120,7 @@ def test_task_1_priorities_age():
 
 def test_task_2_order_and_outranks():
     sol = TASKS[2]
-    policy = sol.priority_scheduler.PriorityPolicy(aging_steps=1000)
+    policy = sol.order_policy.PriorityPolicy(aging_steps=1000)
     a, b, c = seq("a", 4, 1), seq("b", 4, 3), seq("c", 4, 1, seed=1)
     for x in (a, b, c):
         policy.add(x)
@@ -275,7 +275,7 @@ def test_task_3_aging_bounds_starvation(engine_factory):
 
 def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
     sol = TASKS[4]
-    policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
+    policy = sol.order_policy.ShortestPrefillFirst(aging_steps=1000)
     long, partway, short, twin = seq("long", 100), seq("partway", 100, seed=1), seq("short", 20, seed=2), seq("twin", 20, seed=3)
     urgent_long = seq("urgent long", 200, priority=1, seed=4)
     for x in (long, partway, short, twin, urgent_long):  # one step apart: arrival order is the last key
@@ -289,7 +289,7 @@ def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
 
 def test_task_4_length_never_outranks():
     sol = TASKS[4]
-    policy = sol.priority_scheduler.ShortestPrefillFirst(aging_steps=1000)
+    policy = sol.order_policy.ShortestPrefillFirst(aging_steps=1000)
     long, short, urgent = seq("long", 100), seq("short", 4, seed=1), seq("urgent", 100, priority=1, seed=2)
     for x in (long, short, urgent):
         policy.add(x)

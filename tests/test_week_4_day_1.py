@@ -59,7 +59,7 @@ def fake_greedy(prompt: list[int], max_tokens: int, logits_of=fake_logits) -> tu
 
 
 class FakeSpeculativeRunner:
-    """`logit_rows` and `sample`, what SpeculativeEngine calls of its runner, without a model.
+    """`run` and `sample`, what SpeculativeEngine calls of its runner, without a model.
 
     `logits_of(history)` gives a row's logits. The pool is simulated slot by slot, each slot holding the
     (position, token) last written there (a block shared through the prefix cache holds the same for
@@ -81,7 +81,7 @@ class FakeSpeculativeRunner:
             f"{seq.request_id!r} position {position} has no block (table {table})"
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def logit_rows(self, plan):
+    def run(self, plan):
         self.plans.append(plan)
         # Every chunk's fields at once (while grading, the plan lives in the submission's process: one round trip).
         chunks = plan.chunks
@@ -497,7 +497,7 @@ def test_task_4_proposals_fill_only_the_leftover_budget():
     # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
     assert plan.num_tokens == 8 and proposer.calls == []
     assert all(not is_verify_class(class_of(c), sol) for c in plan.chunks)
-    engine.record(plan, engine.update(plan, engine.runner.logit_rows(plan)))
+    engine.record(plan, engine.update(plan, engine.runner.run(plan)))
     run_to_end(engine)
 
 

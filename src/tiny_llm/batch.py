@@ -4,7 +4,7 @@ A request moves through three places:
 
     queue ──> prefill (one request at a time, one chunk per iteration) ──> a decode slot ──> finished
 
-Each iteration of the scheduler (`Scheduler.step`) does two pieces of work:
+Each iteration of the scheduler (`SlotScheduler.step`) does two pieces of work:
 
 1. one prefill chunk (at most `prefill_step` prompt tokens) of the request being prefilled;
 2. one decode step: one new token for every request in a decode slot, in one batched model call.
@@ -212,13 +212,15 @@ class SchedulerStats:
         return {**vars(self), "avg_chunk_time": self.avg_chunk_time, "interleave_ratio": self.interleave_ratio}
 
 
-class Scheduler:
+class SlotScheduler:
     """Continuous batching with chunked prefill, driven one iteration at a time; requests may arrive at any time.
 
     `add_request` queues a prompt; `step` runs one iteration; `has_work` says whether anything is
     left. Finished requests collect in `finished`. `slots[b]` is the request decoding in row b of the
     batch (None: idle), `prefilling` the request being prefilled (or prefilled and waiting for a
     slot), `queue` the requests not started. Token times go to `metrics` (a MetricsRecorder).
+
+    Named for its decode slots: week 3's `Scheduler` (scheduler.py) plans token-budget steps instead.
     """
 
     def __init__(
@@ -421,7 +423,7 @@ def batch_generate(
     propagates. No prompts: an empty list.
     """
     prompts = check_prompts(prompts)
-    # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
+    # TODO: a SlotScheduler; add_request every prompt; step while has_work (release_all on error); sorted results
     raise NotImplementedError(
         "Week 2 Day 6 Task 3 (book/src/week2-06-continuous-batching.md): the continuous batching loop"
     )

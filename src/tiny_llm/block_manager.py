@@ -87,6 +87,29 @@ class BlockManager:
             "Week 3 Day 2 Task 1 (book/src/week3-02-paged-kv-cache.md): give a sequence's blocks back"
         )
 
+    # The block manager alone writes block tables: the prefix cache (day 3.3) grows them with `append`, day 4.1's
+    # rejected guesses shrink them with `truncate`; everybody else only reads `seq.block_table`.
+
+    def append(self, seq: Sequence, blocks: list[int]) -> None:
+        """Add `blocks` (already taken from the pool) to the end of `seq`'s table (provided)."""
+        seq.block_table.extend(blocks)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks of `seq` that hold positions 0 .. num_tokens-1; give the rest back with `release` (provided)."""
+        keep = blocks_for(num_tokens, self.block_size)
+        tail = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        self.release(tail)
+
+    def detach(self, seq: Sequence) -> list[int]:
+        """Empty `seq`'s table; return the blocks it held, for the caller to `release` (provided)."""
+        blocks, seq.block_table = seq.block_table, []
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        """Put blocks nobody holds any more back on the free list (provided; day 3.3 counts references instead)."""
+        self.free_blocks.extend(blocks)
+
     # Day 3.3's prefix cache (prefix_cache.py) overrides these three hooks; without it they do nothing.
 
     def reuse_cached_prefix(self, seq: Sequence) -> int:

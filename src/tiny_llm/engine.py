@@ -4,6 +4,8 @@
     tokens = self.run(plan)                             # one model call, one new token per sampling sequence
     outputs = scheduler.update_from_output(plan, tokens)  # progress, new tokens, finished sequences, freed blocks
 
+Day 4.1's engine keeps this step: it adds guesses to the plan (`plan_step`) and verifies them (`update`).
+
 The scheduler owns every sequence's state; the engine keeps the requests by id, the metrics and the
 log. Every knob is one field of `EngineConfig`. The engine is single-threaded: a server calls
 `add_request`, `step` and `abort` from one thread.
@@ -19,10 +21,10 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
+from .order_policy import DEFAULT_AGING_STEPS, FirstComeFirstServed, PriorityPolicy, ShortestPrefillFirst
 from .prefix_cache import PrefixCachingBlockManager
-from .priority_scheduler import DEFAULT_AGING_STEPS, PriorityPolicy, ShortestPrefillFirst
 from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
-from .scheduler import FirstComeFirstServed, Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
+from .scheduler import Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
 from .sequence import SamplingParams, Sequence
 from .structured import is_complete
 from .token_budget import AdaptiveTokenBudget, FixedTokenBudget
@@ -233,43 +235,69 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """One step: plan, run (one model call), update. Returns a StepOutput per sequence that got a token or finished (provided)."""
         self.maybe_log()
-        plan = self.scheduler.schedule()
+        plan = self.plan_step()
         if plan.is_empty:
             return []
-        tokens = self.run(plan)
-        outputs = self.scheduler.update_from_output(plan, tokens)
-        self.finish_completed(outputs)
-        logprobs = getattr(self.runner, "logprobs", None)  # the step's, for requests that asked (a stand-in runner has none)
-        if logprobs:
-            for output in outputs:
-                if output.token is not None:
-                    output.logprobs = logprobs.get(output.request_id)
+        result = self.run(plan)
+        outputs = self.report(self.finish_completed(self.update(plan, result)))
         self.record(plan, outputs)
         return outputs
 
-    def finish_completed(self, outputs: list[StepOutput]) -> None:
-        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided)."""
+    def plan_step(self) -> StepPlan:
+        """The step's plan: the scheduler's (day 4.1's engine adds guesses to it) (provided)."""
+        return self.scheduler.schedule()
+
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
+        """Apply the runner's result: the scheduler moves every planned sequence forward (provided)."""
+        return self.scheduler.update_from_output(plan, tokens)
+
+    def finish_completed(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided).
+
+        The scheduler's outputs are its data: the ones that end here are replaced, not changed.
+        """
+        finished = []
         for output in outputs:
             seq = self.sequences.get(output.request_id)
             if not output.finished and seq is not None and is_complete(seq):
                 self.scheduler.finish(seq, "stop")
-                output.finished, output.finish_reason = True, "stop"
+                output = replace(output, finished=True, finish_reason="stop")
+            finished.append(output)
+        return finished
 
-    def run(self, plan: StepPlan) -> list[int]:
-        """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided)."""
+    def report(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """The step's outputs as the caller gets them: each token's logprobs (for requests that asked) and, on a
+        finished output, the prompt tokens the prefix cache served (provided)."""
+        logprobs = getattr(self.runner, "logprobs", None) or {}  # the step's (a stand-in runner has none)
+        reported = []
+        for output in outputs:
+            if output.token is not None and output.request_id in logprobs:
+                output = replace(output, logprobs=logprobs[output.request_id])
+            seq = self.sequences.get(output.request_id)
+            if output.finished and seq is not None:
+                output = replace(output, num_cached_tokens=seq.num_cached_tokens or 0)
+            reported.append(output)
+        return reported
+
+    def run(self, plan: StepPlan):
+        """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided).
+
+        The runner's result: week 3's runner samples a token per sampling chunk; day 4.1's returns the logits
+        rows its engine's `update` verifies. A verify chunk counts as a decode plus its guesses.
+        """
         start = self.clock()
         try:
-            tokens = self.runner.run(plan)
+            result = self.runner.run(plan)
         except BaseException:
             self.release_all()  # a failed step must not leak the blocks of the sequences it held
             raise
-        self.scheduler.token_budget.observe_step(plan.num_tokens, len(plan.decodes), self.clock() - start,
+        self.scheduler.token_budget.observe_step(plan.num_tokens, plan.num_decoding, self.clock() - start,
                                                  plan.prefill_offset)
         self.num_steps += 1
-        return tokens
+        return result
 
     def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
-        """Count the step's tokens, time each new token, and let go of finished requests (provided)."""
+        """Count the step's tokens, time each new token, and let go of finished requests (after `report`) (provided)."""
         self.prompt_tokens_total += sum(chunk.num_prompt_tokens for chunk in plan.chunks)
         self.scheduled.update(chunk.seq.request_id for chunk in plan.chunks)
         for output in outputs:
@@ -278,9 +306,7 @@ class LLMEngine:
                 self.metrics.token(output.request_id)
             if output.finished:
                 self.scheduled.discard(output.request_id)
-                seq = self.sequences.pop(output.request_id, None)
-                if seq is not None:
-                    output.num_cached_tokens = seq.num_cached_tokens or 0
+                self.sequences.pop(output.request_id, None)
                 self.metrics.finish(output.request_id)
 
     def release_all(self) -> None:

@@ -44,8 +44,20 @@ def flash_attention(
     future are skipped), or an additive array that broadcasts to `B.. x H_q x L x S`, read a tile at a
     time. Returns `B.. x H_q x L x D` in query's dtype.
     """
-    # TODO: for each query tile: running max, running sum and output over the key tiles, rescaled when the max grows;
-    # TODO: skip key tiles in the causal future; mx.eval each query tile's output
+    # TODO: the grouped layout of q, k, v (and an array mask); for each query tile: attend_query_tile, then
+    # TODO: mx.eval its output; concatenate the tiles
+    raise NotImplementedError(
+        "Week 2 Day 4 Task 2 (book/src/week2-04-flash-attention.md): tiled attention with an online softmax"
+    )
+
+
+def attend_query_tile(q_tile: mx.array, k: mx.array, v: mx.array, q_start: int, l: int, factor: float,
+                      mask: mx.array | str | None, tile_kv: int) -> mx.array:
+    """Query rows `q_start ..` (of `l`) against the key tiles they can see: `... x rows x D`, float32.
+
+    `q_tile`, `k`, `v` and an array `mask` are in `flash_attention`'s grouped layout (S keys in `k`).
+    """
+    # TODO: running max, running sum and output over the key tiles, rescaled when the max grows; skip causal-future tiles
     raise NotImplementedError(
         "Week 2 Day 4 Task 2 (book/src/week2-04-flash-attention.md): tiled attention with an online softmax"
     )

@@ -69,6 +69,8 @@ class PrefixCachingBlockManager(BlockManager):
         Walk the names of its full blocks while they are cached, leaving at least the last token to
         compute; take each hit (off the free list if nobody holds it) and count one more reference.
         """
+        # TODO: nothing if it holds blocks; walk names[:usable] while cached: take each hit off the free list if
+        # TODO: nobody holds it, count a reference; self.append(seq, hits); remember its names; return the tokens
         raise NotImplementedError(
             "Week 3 Day 3 Task 3 (book/src/week3-03-prefix-caching.md): share the cached blocks of the leading full blocks"
         )
@@ -81,6 +83,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` with fresh blocks from the front of the free list, evicting their names."""
+        # TODO: RuntimeError if too few free blocks; else pop each from the front, evict its name, 1 reference;
+        # TODO: self.append(seq, blocks) (the block manager writes the table)
         raise NotImplementedError(
             "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): take fresh blocks from the front of the free list, evicting their names"
         )
@@ -102,11 +106,19 @@ class PrefixCachingBlockManager(BlockManager):
         )
 
     def free(self, seq: Sequence) -> None:
-        """Drop one reference to each block of `seq`; a block nobody holds goes back on the free list.
+        """Drop one reference to each block of `seq` (`release`), empty its table and forget its names."""
+        # TODO: self.release(self.detach(seq)); drop seq's names
+        raise NotImplementedError(
+            "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): give a sequence's blocks back and forget its names"
+        )
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`; a block nobody holds goes back on the free list.
 
         Named blocks go to the back (most recently used; a sequence's first blocks last, as they are the
-        most shared), unnamed ones to the front, to be taken first.
+        most shared), unnamed ones to the front, to be taken first. `free` and day 4.1's `truncate` call it.
         """
+        # TODO: last block first: one reference less; at 0 it goes on the free list, to the front if it has no name
         raise NotImplementedError(
             "Week 3 Day 3 Task 2 (book/src/week3-03-prefix-caching.md): drop one reference per block; free unreferenced blocks, named ones at the back"
         )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_for
+from .order_policy import FirstComeFirstServed
 from .sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
@@ -58,6 +59,27 @@ class ScheduledChunk:
 
 
 @dataclass
+class VerifyChunk(ScheduledChunk):
+    """A decoding sequence's newest token followed by `draft`: `1 + len(draft)` tokens, every row sampled (day 4.1).
+
+    To the model it is a prefill chunk at the sequence's offset; the draft tokens are not part of the
+    sequence (yet): only the accepted ones will be.
+    """
+
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The newest token, then the guesses."""
+        return self.seq.token_ids[self.start : self.start + 1] + self.draft
+
+    @property
+    def samples(self) -> bool:
+        """Always: its rows are what the guesses are checked against."""
+        return True
+
+
+@dataclass
 class StepPlan:
     """One step: decode chunks (one token each) first, then prefill chunks; and who was preempted to make room."""
 
@@ -74,6 +96,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         """Tokens this step runs: what the budget bounds."""
         return sum(chunk.length for chunk in self.chunks)
+
+    @property
+    def num_decoding(self) -> int:
+        """Sequences decoding this step: a decode chunk each, or a verify chunk (a decode and its guesses, day 4.1)."""
+        return len(self.decodes) + sum(isinstance(chunk, VerifyChunk) for chunk in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -104,34 +131,6 @@ class StepOutput:
     finish_reason: str | None  # one of FINISH_REASONS once finished
     logprobs: object = None  # the token's TokenLogprobs, for a request that asked (set by the engine)
     num_cached_tokens: int | None = None  # on the finished output: prompt tokens the prefix cache served
-
-
-class FirstComeFirstServed:
-    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
-
-    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
-    """
-
-    def add(self, seq: Sequence) -> None:
-        """A sequence arrived."""
-
-    def next_step(self) -> None:
-        """A step is being planned."""
-
-    def forget(self, seq: Sequence) -> None:
-        """A sequence finished."""
-
-    def order(self, seqs) -> list[Sequence]:
-        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
-        return list(seqs)
-
-    def outranks(self, seq: Sequence, other: Sequence) -> bool:
-        """Whether `seq` may take `other`'s blocks: never, among equals."""
-        return False
-
-    def describe(self) -> str:
-        """One line for the engine's start-up log."""
-        return "first come, first served"
 
 
 class Scheduler:
@@ -220,6 +219,18 @@ class Scheduler:
         # TODO: length = min(budget, uncomputed, room in free blocks); allocate; append a ScheduledChunk; return length
         raise NotImplementedError("Week 3 Day 1 Task 2 (book/src/week3-01-token-budget.md): plan one prefill chunk")
 
+    def verify_guesses(self, plan: StepPlan, chunk: ScheduledChunk, draft: list[int]) -> None:
+        """Turn `chunk`, a planned decode, into a `VerifyChunk` of its newest token and `draft` (day 4.1) (provided).
+
+        The guesses' positions get their blocks now (the caller cut the draft to what the held and free
+        blocks cover: speculation never preempts); the chunk moves to the end of the prefills, where the
+        model runs multi-token chunks.
+        """
+        seq = chunk.seq
+        self.block_manager.allocate(seq, seq.num_tokens + len(draft))
+        plan.decodes.remove(chunk)
+        plan.prefills.append(VerifyChunk(seq, chunk.start, 1 + len(draft), draft))
+
     def admit(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Admit waiting `seq` with its first chunk; return the chunk's length, 0 if it must keep waiting (provided).
 
@@ -296,16 +307,11 @@ class Scheduler:
     def roll_back(self, seq: Sequence, num_computed: int) -> None:
         """Keep only the first `num_computed` positions of `seq` in the cache (day 4.1's rejected guesses) (provided).
 
-        Its progress is set back, the blocks holding no position below it go back to the pool through the
-        manager's own `free` (as the table of a throwaway sequence, so a prefix-caching manager does its own
-        bookkeeping), and its newly full blocks are named for the prefix cache.
+        Its progress is set back (the scheduler's part); the block manager gives back the blocks holding no
+        position below it (`truncate`) and names its newly full blocks for the prefix cache.
         """
         seq.num_computed_tokens = num_computed
-        keep = blocks_for(num_computed, self.block_manager.block_size)
-        if len(seq.block_table) > keep:
-            spare = Sequence(("rolled back", seq.request_id), [0])
-            seq.block_table, spare.block_table = seq.block_table[:keep], seq.block_table[keep:]
-            self.block_manager.free(spare)
+        self.block_manager.truncate(seq, num_computed)
         self.block_manager.cache_computed_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

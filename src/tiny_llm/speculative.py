@@ -19,16 +19,17 @@ was accepted, and blocks wholly past it go back to the pool.
   followed them there. No second model: it shines when the output copies from the prompt.
 - `DraftModelProposer`: a smaller model with the same tokenizer, greedy, with its own KV cache.
 - `accept_greedy`, `accept_sampled`: the two acceptance rules.
-- `SpeculativeEngine`: week 3's engine, with proposals planned into the step's leftover budget and
-  verified in the same model call. Speculation backs off by itself: only the tokens the decodes and
-  prefills leave in the budget are proposed, a sequence guesses about one more token than it has been
-  getting accepted, and one whose guesses keep failing stops guessing (it tries one now and then).
+- `SpeculativeEngine`: week 3's engine and its step, with proposals planned into the step's leftover
+  budget (the scheduler places them: `Scheduler.verify_guesses`) and verified in the same model call.
+  Speculation backs off by itself: only the tokens the decodes and prefills leave in the budget are
+  proposed, a sequence guesses about one more token than it has been getting accepted, and one whose
+  guesses keep failing stops guessing (it tries one now and then).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -36,32 +37,11 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .engine import EngineConfig, LLMEngine
 from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .sampler import seed_draw
-from .scheduler import ScheduledChunk, StepOutput, StepPlan
+from .scheduler import ScheduledChunk, StepOutput, StepPlan, VerifyChunk
 from .sequence import Sequence
 from .validation import check_int
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-
-
-@dataclass
-class VerifyChunk(ScheduledChunk):
-    """A decoding sequence's newest token followed by `draft`: `1 + len(draft)` tokens, every row sampled.
-
-    To the model it is a prefill chunk at the sequence's offset; the draft tokens are not part of the
-    sequence (yet): only the accepted ones will be.
-    """
-
-    draft: list[int] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The newest token, then the guesses."""
-        return self.seq.token_ids[self.start : self.start + 1] + self.draft
-
-    @property
-    def samples(self) -> bool:
-        """Always: its rows are what the guesses are checked against."""
-        return True
 
 
 # ---------------------------------------------------------------- proposers
@@ -269,9 +249,10 @@ class SpeculativeRunner:
         self.runner = runner
         self.logprobs: dict[object, TokenLogprobs] = {}  # the last step's, by request id (requests that asked)
 
-    def logit_rows(self, plan: StepPlan) -> mx.array:
-        """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk."""
-        batch = self.runner.prepare(plan)
+    def run(self, plan: StepPlan) -> mx.array:
+        """One model call; the logits of every sampled row in plan order: 1 row per sampling chunk, 1 + k per verify chunk.
+
+        The engine's `update` picks the tokens from them (week 3's runner samples them itself)."""
         rows, end = [], 0
         for chunk in plan.chunks:
             end += chunk.length
@@ -279,7 +260,7 @@ class SpeculativeRunner:
                 rows += range(end - chunk.length, end)
             elif chunk.samples:
                 rows.append(end - 1)
-        batch.sample_rows = mx.array(rows, dtype=mx.int32)
+        batch = replace(self.runner.prepare(plan), sample_rows=mx.array(rows, dtype=mx.int32))
         logits = self.runner.model(batch, self.runner.pool)
         mx.eval(logits, *self.runner.pool.arrays())
         return logits
@@ -338,69 +319,44 @@ class SpeculativeEngine(LLMEngine):
             self.log(f"request {seq.request_id!r} decodes without speculation: {reason}")
         return seq
 
-    def step(self) -> list[StepOutput]:
-        """Plan (week 3's scheduler), add proposals in the leftover budget, run once, accept, update (provided)."""
-        self.maybe_log()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        self.propose(plan)
-        logits = self.run(plan)
-        outputs = self.update(plan, logits)
-        self.record(plan, outputs)
-        for output in outputs:
-            if output.finished:
-                self.forget(output.request_id)
-        return outputs
-
-    def run(self, plan: StepPlan) -> mx.array:
-        """One model call, every verify row sampled; timed for the budget policy (a verify chunk counts as a decode
-        plus its guesses); a failure releases every sequence (provided)."""
-        start = self.clock()
-        try:
-            logits = self.runner.logit_rows(plan)
-        except BaseException:
-            self.release_all()  # a failed step must not leak the blocks of the sequences it held
-            raise
-        num_decoding = len(plan.decodes) + sum(isinstance(c, VerifyChunk) for c in plan.prefills)
-        self.scheduler.token_budget.observe_step(plan.num_tokens, num_decoding, self.clock() - start,
-                                                 plan.prefill_offset)
-        self.num_steps += 1
-        return logits
-
-    def step_budget(self, plan: StepPlan) -> int:
-        """The step's token budget as the scheduler computed it (provided)."""
-        return self.scheduler.step_budget(len(plan.decodes))
+    def plan_step(self) -> StepPlan:
+        """Week 3's plan, then guesses for its decodes in the budget it leaves (`propose`) (provided)."""
+        plan = super().plan_step()
+        if not plan.is_empty:
+            self.propose(plan)
+        return plan
 
     def propose(self, plan: StepPlan) -> None:
         """Turn decodes into verify chunks with the budget the plan leaves, the free blocks and `max_tokens`."""
         # TODO: room = step budget - planned tokens; for each decode (while room is left) that can speculate:
         # TODO: most = min(num_speculative_tokens, room, tokens it may still emit - 1); k = the tracker's
         # TODO: num_guesses(request id, most); ask the proposer for k; cut the draft to what the held and free
-        # TODO: blocks cover; allocate; swap the decode for a VerifyChunk at the end of plan.prefills; room -= len(draft)
+        # TODO: blocks cover; self.scheduler.verify_guesses(plan, chunk, draft) (provided: it allocates their blocks and
+        # TODO: puts a VerifyChunk in the decode's place); room -= len(draft)
         raise NotImplementedError(
             "Week 4 Day 1 Task 4 (book/src/week4-01-speculative-decoding.md): plan proposals into the step"
         )
 
     def update(self, plan: StepPlan, logits: mx.array) -> list[StepOutput]:
-        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided)."""
-        ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
-        rows, row = {}, 0
-        for chunk in plan.chunks:  # which logits rows belong to which chunk
-            count = chunk.length if isinstance(chunk, VerifyChunk) else int(chunk.samples)
-            rows[id(chunk)] = (row, row + count)
-            row += count
-        sampling = [c for c in ordinary.chunks if c.samples]
-        ordinary_rows = mx.array([rows[id(c)][0] for c in sampling], dtype=mx.int32)
-        tokens = self.runner.sample(logits[ordinary_rows], [c.seq for c in sampling])
-        outputs = self.scheduler.update_from_output(ordinary, tokens)
-        for output in outputs:  # as week 3's step: each ordinary token's logprobs, for the requests that asked
-            if output.token is not None:
-                output.logprobs = self.runner.logprobs.get(output.request_id)
-        for chunk in plan.prefills:
+        """Ordinary chunks as in week 3 (its sampling and `update_from_output`), then each verify chunk's tokens (provided).
+
+        The step's `report` adds each ordinary token's logprobs (a verify chunk's request never asks for them).
+        """
+        sampled, verified, row = [], [], 0
+        for chunk in plan.chunks:  # the runner's rows, in plan order: 1 + k per verify chunk, 1 per other sampling chunk
             if isinstance(chunk, VerifyChunk):
-                first, last = rows[id(chunk)]
-                outputs += self.apply_verification(chunk, self.verify(chunk, logits[first:last]))
+                verified.append((chunk, logits[row : row + chunk.length]))
+                row += chunk.length
+            elif chunk.samples:
+                sampled.append((chunk.seq, row))
+                row += 1
+        rows = mx.array([r for _, r in sampled], dtype=mx.int32)
+        tokens = self.runner.sample(logits[rows], [seq for seq, _ in sampled])
+        # Week 3's update on the plan without its verify chunks (a new plan: the scheduler's stays as it made it).
+        ordinary = StepPlan(decodes=plan.decodes, prefills=[c for c in plan.prefills if not isinstance(c, VerifyChunk)])
+        outputs = self.scheduler.update_from_output(ordinary, tokens)
+        for chunk, chunk_logits in verified:
+            outputs += self.apply_verification(chunk, self.verify(chunk, chunk_logits))
         return outputs
 
     def verify(self, chunk: VerifyChunk, logits: mx.array) -> list[int]:
@@ -423,6 +379,13 @@ class SpeculativeEngine(LLMEngine):
         raise NotImplementedError(
             "Week 4 Day 1 Task 5 (book/src/week4-01-speculative-decoding.md): accept, count, roll back"
         )
+
+    def record(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
+        """Week 3's `record`; a finished request's speculation state is forgotten (provided)."""
+        super().record(plan, outputs)
+        for output in outputs:
+            if output.finished:
+                self.forget(output.request_id)
 
     def abort(self, request_id) -> None:
         """End a request now and forget its speculation state (provided)."""

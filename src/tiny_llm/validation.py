@@ -1,6 +1,6 @@
 """Argument checks for the serving path (provided: not a task).
 
-Every entry point (`Request`, `Scheduler`, `batch_generate`, the chunk policies, the generate
+Every entry point (`Request`, `SlotScheduler`, `batch_generate`, the chunk policies, the generate
 functions, `make_sampler`) calls these before it runs the model, so bad input is a ValueError or a
 TypeError that names the argument, the value and what is allowed, instead of a crash deep inside
 MLX (a token id past the embedding table reads memory that is not there) or a quietly wrong answer.
@@ -165,7 +165,7 @@ def check_generate(prompt, max_tokens, sampler, on_text) -> None:
 
 
 def refuse_after_failure(step):
-    """Wrap `Scheduler.step`: after a step raised, refuse to step again until `release_all()`.
+    """Wrap `SlotScheduler.step`: after a step raised, refuse to step again until `release_all()`.
 
     A step that failed halfway may have put a token into some layers' caches and not others; another
     step would compute on that state and give a quietly wrong answer.
@@ -185,7 +185,7 @@ def refuse_after_failure(step):
 
 
 def clear_failure(release_all):
-    """Wrap `Scheduler.release_all`: once everything is released, the scheduler may step again."""
+    """Wrap `SlotScheduler.release_all`: once everything is released, the scheduler may step again."""
 
     @functools.wraps(release_all)
     def releasing(scheduler, *args, **kwargs):

@@ -4,7 +4,7 @@ A request moves through three places:
 
     queue ──> prefill (one request at a time, one chunk per iteration) ──> a decode slot ──> finished
 
-Each iteration of the scheduler (`Scheduler.step`) does two pieces of work:
+Each iteration of the scheduler (`SlotScheduler.step`) does two pieces of work:
 
 1. one prefill chunk (at most `prefill_step` prompt tokens) of the request being prefilled;
 2. one decode step: one new token for every request in a decode slot, in one batched model call.
@@ -256,13 +256,15 @@ class SchedulerStats:
         return {**vars(self), "avg_chunk_time": self.avg_chunk_time, "interleave_ratio": self.interleave_ratio}
 
 
-class Scheduler:
+class SlotScheduler:
     """Continuous batching with chunked prefill, driven one iteration at a time; requests may arrive at any time.
 
     `add_request` queues a prompt; `step` runs one iteration; `has_work` says whether anything is
     left. Finished requests collect in `finished`. `slots[b]` is the request decoding in row b of the
     batch (None: idle), `prefilling` the request being prefilled (or prefilled and waiting for a
     slot), `queue` the requests not started. Token times go to `metrics` (a MetricsRecorder).
+
+    Named for its decode slots: week 3's `Scheduler` (scheduler.py) plans token-budget steps instead.
     """
 
     def __init__(
@@ -557,8 +559,8 @@ def batch_generate(
     """
     prompts = check_prompts(prompts)
     # BEGIN TASK Week 2 Day 6 Task 3: the continuous batching loop
-    # TODO: a Scheduler; add_request every prompt; step while has_work (release_all on error); sorted results
-    scheduler = Scheduler(model, tokenizer, max_seq_len, batch_size, prefill_step, policy=policy, metrics=metrics, log=log)
+    # TODO: a SlotScheduler; add_request every prompt; step while has_work (release_all on error); sorted results
+    scheduler = SlotScheduler(model, tokenizer, max_seq_len, batch_size, prefill_step, policy=policy, metrics=metrics, log=log)
     for prompt_idx, prompt in enumerate(prompts):
         scheduler.add_request(prompt, prompt_idx)  # validates every prompt before the model runs
     try:

@@ -49,8 +49,8 @@ def flash_attention(
     time. Returns `B.. x H_q x L x D` in query's dtype.
     """
     # BEGIN TASK Week 2 Day 4 Task 2: tiled attention with an online softmax
-    # TODO: for each query tile: running max, running sum and output over the key tiles, rescaled when the max grows;
-    # TODO: skip key tiles in the causal future; mx.eval each query tile's output
+    # TODO: the grouped layout of q, k, v (and an array mask); for each query tile: attend_query_tile, then
+    # TODO: mx.eval its output; concatenate the tiles
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"the only mask name is 'causal', not {mask!r}")
     if tile_q < 1 or tile_kv < 1:
@@ -60,7 +60,6 @@ def flash_attention(
     if h_q % h != 0:
         raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h})")
     n_rep = h_q // h
-    causal = isinstance(mask, str)
     factor = scale if scale is not None else 1.0 / math.sqrt(d)
 
     # The grouped layout of day 1.3: n query heads per key/value head, which broadcasts over them.
@@ -72,37 +71,50 @@ def flash_attention(
 
     out_tiles = []
     for q_start in range(0, l, tile_q):
-        q_end = min(q_start + tile_q, l)
-        q_tile = q[..., q_start:q_end, :]
-        rows = q_end - q_start
-        running_max = mx.full((*q_tile.shape[:-1], 1), -mx.inf, dtype=mx.float32)
-        running_sum = mx.zeros((*q_tile.shape[:-1], 1), dtype=mx.float32)
-        acc = mx.zeros(q_tile.shape, dtype=mx.float32)
-        # With the causal mask, this tile's last query (absolute position S - L + q_end - 1) sees no
-        # key beyond it: the key tiles after that are all -inf, so they are not computed at all.
-        k_stop = min(s, s - l + q_end) if causal else s
-        for k_start in range(0, k_stop, tile_kv):
-            k_end = min(k_start + tile_kv, k_stop)
-            scores = (q_tile @ k[..., k_start:k_end, :].swapaxes(-2, -1)).astype(mx.float32) * factor
-            if causal:
-                scores = scores + tile_causal_mask(q_start, rows, k_start, k_end - k_start, l, s)
-            elif mask is not None:
-                scores = scores + mask[..., q_start:q_end, k_start:k_end].astype(mx.float32)
-            new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
-            # A row that has met only masked keys so far has a maximum of -inf: subtract 0 instead,
-            # so exp() gives 0 for those keys rather than exp(-inf - -inf) = nan.
-            shift = mx.where(new_max == -mx.inf, 0.0, new_max)
-            weights = mx.exp(scores - shift)  # unnormalized softmax of this tile
-            # Everything summed so far was scaled by exp(-old max); rescale it to exp(-new max).
-            rescale = mx.exp(running_max - shift)
-            running_sum = running_sum * rescale + weights.sum(axis=-1, keepdims=True)
-            acc = acc * rescale + weights @ v[..., k_start:k_end, :].astype(mx.float32)
-            running_max = new_max
-        out_tiles.append(acc / running_sum)
+        q_tile = q[..., q_start : min(q_start + tile_q, l), :]
+        out_tiles.append(attend_query_tile(q_tile, k, v, q_start, l, factor, mask, tile_kv))
         # MLX is lazy: left alone, it would schedule every tile of every query tile as one graph and
         # could hold most of their score blocks at once. Computing each query tile here frees its
         # blocks before the next tile's are made, which is what bounds the memory.
         mx.eval(out_tiles[-1])
     out = mx.concatenate(out_tiles, axis=-2).astype(query.dtype)
     return out.reshape(*batch, h_q, l, d)
+    # END TASK
+
+
+def attend_query_tile(q_tile: mx.array, k: mx.array, v: mx.array, q_start: int, l: int, factor: float,
+                      mask: mx.array | str | None, tile_kv: int) -> mx.array:
+    """Query rows `q_start ..` (of `l`) against the key tiles they can see: `... x rows x D`, float32.
+
+    `q_tile`, `k`, `v` and an array `mask` are in `flash_attention`'s grouped layout (S keys in `k`).
+    """
+    # BEGIN TASK Week 2 Day 4 Task 2: tiled attention with an online softmax
+    # TODO: running max, running sum and output over the key tiles, rescaled when the max grows; skip causal-future tiles
+    rows, s = q_tile.shape[-2], k.shape[-2]
+    q_end = q_start + rows
+    causal = isinstance(mask, str)
+    running_max = mx.full((*q_tile.shape[:-1], 1), -mx.inf, dtype=mx.float32)
+    running_sum = mx.zeros((*q_tile.shape[:-1], 1), dtype=mx.float32)
+    acc = mx.zeros(q_tile.shape, dtype=mx.float32)
+    # With the causal mask, this tile's last query (absolute position S - L + q_end - 1) sees no
+    # key beyond it: the key tiles after that are all -inf, so they are not computed at all.
+    k_stop = min(s, s - l + q_end) if causal else s
+    for k_start in range(0, k_stop, tile_kv):
+        k_end = min(k_start + tile_kv, k_stop)
+        scores = (q_tile @ k[..., k_start:k_end, :].swapaxes(-2, -1)).astype(mx.float32) * factor
+        if causal:
+            scores = scores + tile_causal_mask(q_start, rows, k_start, k_end - k_start, l, s)
+        elif mask is not None:
+            scores = scores + mask[..., q_start:q_end, k_start:k_end].astype(mx.float32)
+        new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
+        # A row that has met only masked keys so far has a maximum of -inf: subtract 0 instead,
+        # so exp() gives 0 for those keys rather than exp(-inf - -inf) = nan.
+        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
+        weights = mx.exp(scores - shift)  # unnormalized softmax of this tile
+        # Everything summed so far was scaled by exp(-old max); rescale it to exp(-new max).
+        rescale = mx.exp(running_max - shift)
+        running_sum = running_sum * rescale + weights.sum(axis=-1, keepdims=True)
+        acc = acc * rescale + weights @ v[..., k_start:k_end, :].astype(mx.float32)
+        running_max = new_max
+    return acc / running_sum
     # END TASK

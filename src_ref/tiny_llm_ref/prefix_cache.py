@@ -75,10 +75,13 @@ class PrefixCachingBlockManager(BlockManager):
         compute; take each hit (off the free list if nobody holds it) and count one more reference.
         """
         # BEGIN TASK Week 3 Day 3 Task 3: share the cached blocks of the leading full blocks
+        # TODO: nothing if it holds blocks; walk names[:usable] while cached: take each hit off the free list if
+        # TODO: nobody holds it, count a reference; self.append(seq, hits); remember its names; return the tokens
         if seq.block_table:
             return 0
         names = prefix_block_hashes(seq.token_ids, self.block_size)
         usable = (seq.num_tokens - 1) // self.block_size
+        hits = []
         for name in names[:usable]:
             block = self.cached_blocks.get(name)
             if block is None:
@@ -86,9 +89,10 @@ class PrefixCachingBlockManager(BlockManager):
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
-            seq.block_table.append(block)
-        self.seq_names[seq] = names[: len(seq.block_table)]
-        return len(seq.block_table) * self.block_size
+            hits.append(block)
+        self.append(seq, hits)  # the block manager writes the table
+        self.seq_names[seq] = names[: len(hits)]
+        return len(hits) * self.block_size
         # END TASK
 
     def record_lookup(self, seq: Sequence, cached_tokens: int) -> None:
@@ -101,14 +105,18 @@ class PrefixCachingBlockManager(BlockManager):
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq.block_table` with fresh blocks from the front of the free list, evicting their names."""
         # BEGIN TASK Week 3 Day 3 Task 2: take fresh blocks from the front of the free list, evicting their names
+        # TODO: RuntimeError if too few free blocks; else pop each from the front, evict its name, 1 reference;
+        # TODO: self.append(seq, blocks) (the block manager writes the table)
         needed = self.blocks_needed(seq, num_tokens)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"{needed} blocks needed for {seq.request_id!r}, {self.num_free_blocks} free")
+        blocks = []
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
             self.evict(block)
             self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            blocks.append(block)
+        self.append(seq, blocks)
         # END TASK
 
     def evict(self, block: int) -> None:
@@ -143,21 +151,28 @@ class PrefixCachingBlockManager(BlockManager):
         # END TASK
 
     def free(self, seq: Sequence) -> None:
-        """Drop one reference to each block of `seq`; a block nobody holds goes back on the free list.
+        """Drop one reference to each block of `seq` (`release`), empty its table and forget its names."""
+        # BEGIN TASK Week 3 Day 3 Task 2: give a sequence's blocks back and forget its names
+        # TODO: self.release(self.detach(seq)); drop seq's names
+        self.release(self.detach(seq))
+        self.seq_names.pop(seq, None)
+        # END TASK
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`; a block nobody holds goes back on the free list.
 
         Named blocks go to the back (most recently used; a sequence's first blocks last, as they are the
-        most shared), unnamed ones to the front, to be taken first.
+        most shared), unnamed ones to the front, to be taken first. `free` and day 4.1's `truncate` call it.
         """
         # BEGIN TASK Week 3 Day 3 Task 2: drop one reference per block; free unreferenced blocks, named ones at the back
-        for block in reversed(seq.block_table):
+        # TODO: last block first: one reference less; at 0 it goes on the free list, to the front if it has no name
+        for block in reversed(blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] > 0:
                 continue
             self.free_blocks[block] = None
             if block not in self.block_names:
                 self.free_blocks.move_to_end(block, last=False)
-        seq.block_table = []
-        self.seq_names.pop(seq, None)
         # END TASK
 
     @property

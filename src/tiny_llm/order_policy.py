@@ -1,4 +1,10 @@
-"""Priorities: the planner serves important requests first, and takes blocks back from unimportant ones.
+"""Order policies: which sequences the planner serves first, and whose blocks it may take back.
+
+The scheduler (scheduler.py) plans; an order policy only ranks. `FirstComeFirstServed` is day 3.1's
+(provided); `PriorityPolicy` and `ShortestPrefillFirst` are day 3.4's. (This module was
+`priority_scheduler.py`: it never held a scheduler.)
+
+Priorities: the planner serves important requests first, and takes blocks back from unimportant ones.
 
 Day 3.1's planner is first come, first served: a chat user who arrives behind a queue of long batch
 jobs waits for all of them. Here every request carries a `priority` (an int; *larger is more
@@ -32,6 +38,34 @@ from .sequence import Sequence
 from .validation import check_int
 
 DEFAULT_AGING_STEPS = 256  # steps of waiting that raise a sequence's effective priority by one
+
+
+class FirstComeFirstServed:
+    """Day 3.1's order: queues in arrival order, the newest admission preempted first, nobody outranks anybody (provided).
+
+    The scheduler tells its order policy about arrivals, steps and endings, and asks it two things; day 3.4's `PriorityPolicy` answers them by priority.
+    """
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence arrived."""
+
+    def next_step(self) -> None:
+        """A step is being planned."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished."""
+
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first: as they are (running in admission order, waiting in queue order)."""
+        return list(seqs)
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks: never, among equals."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return "first come, first served"
 
 
 class PriorityPolicy:
