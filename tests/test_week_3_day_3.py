@@ -47,8 +47,8 @@ def engines(week3_model, monkeypatch, manager_class):
 
     def make(enable_prefix_caching=True, **kwargs):
         options = dict(PLAIN_ENGINE, token_budget=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
-        options.update(kwargs)
-        config = sol.engine.EngineConfig(enable_prefix_caching=enable_prefix_caching, **options)
+        options.update(kwargs, enable_prefix_caching=enable_prefix_caching)
+        config = sol.engine.EngineConfig(**options)
         return sol.engine.LLMEngine(model, tokenizer, config)
 
     return make
