@@ -21,7 +21,9 @@ recommended engine, day 3.1's adaptive budget with shortest prefill first (what 
 adds), and day 3.1's adaptive engine first come, first served (shorts queue behind a long prompt's
 chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated), the long
 prompt's TTFT, output tokens/s (output tokens over first arrival to last finish), goodput (the share
-of all requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot: benches/runner.py's `meets_targets`),
+of all requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot: benches/runner.py's `meets_targets`; by
+default 10 and 2.5 plain decode steps, a decode step being mlx-lm's lowest short ITL p50 in the same run,
+so the targets scale with the machine and its load as the engine's own do),
 the ratios against mlx-lm's best (lowest ITL p99 among its step sizes; highest throughput; lowest
 short TTFT p50; highest goodput), and whether the greedy tokens are mlx-lm's. `--frontier` adds runs
 of the recommended engine on the mixed workload at other target pairs (ITL target in decode steps :
@@ -63,11 +65,12 @@ def build_parser():
     parser.add_argument("--long-after-tokens", type=int, metavar="N",
                         help="instead: once every short request has N tokens (the same moment on a slow or busy machine)")
     parser.add_argument("--budgets", default="32,64,256", help="week 3's fixed token budgets (comma-separated)")
-    parser.add_argument("--slo-ttft", type=float, default=3.0,
-                        help="goodput: a request's first token within this many seconds (default 3)")
-    parser.add_argument("--slo-tpot", type=float, default=0.4,
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                        help="goodput: a request's first token within this many seconds (default: 10 plain decode "
+                             "steps of this run, EngineConfig's TTFT target)")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
                         help="goodput: and its time per output token after the first within this many seconds "
-                             "(default 0.4)")
+                             "(default: 2.5 plain decode steps of this run, EngineConfig's ITL target)")
     parser.add_argument("--frontier", default="", metavar="ITL:TTFT,...",
                         help="also run the recommended engine on the mixed workload with these target pairs, each "
                              "in decode-only steps (EngineConfig's decode_multiple:ttft_multiple), and plot TTFT p50 "
@@ -140,6 +143,13 @@ def add_ratios(rows: list[dict], outputs: dict) -> dict:
             "ttft_p50_ratio_vs_mlx_lm_best": ours["short_ttft_p50_s"] / best_ttft,
             "goodput": ours["goodput"], "mlx_lm_best_goodput": best_goodput,
             "goodput_vs_mlx_lm_best": ours["goodput"] / best_goodput if best_goodput else None}
+
+
+def targets(args, rows: list[dict]) -> dict:
+    """The goodput targets in seconds: --slo-ttft/--slo-tpot, or 10 and 2.5 plain decode steps of this run (mlx-lm's
+    lowest short ITL p50: its decode steps carry no prefill most of the time)."""
+    decode = min(r["short_itl_p50_s"] for r in rows if r["label"].startswith("mlx-lm"))
+    return {"ttft_s": args.slo_ttft or 10 * decode, "tpot_s": args.slo_tpot or 2.5 * decode, "decode_step_s": decode}
 
 
 def parse_pairs(text: str) -> list[tuple[float, float]]:
@@ -240,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             made += frontier_configs(bench, model3, args.frontier)
         for label, make in lab.progress(made, f"{name} runs"):
             runs[label] = runner.run(make(), arrivals, label, clock=clock)
-        rows = sorted(({**runner.summarize(r), "goodput": runner.goodput_share(r, args.slo_ttft, args.slo_tpot)}
-                       for r in runs.values()), key=lambda r: (not r["label"].startswith("mlx"), r["label"]))
+        rows = sorted((runner.summarize(r) for r in runs.values()),
+                      key=lambda r: (not r["label"].startswith("mlx"), r["label"]))
+        slo = targets(args, rows)
+        for row in rows:
+            row["goodput"] = runner.goodput_share(runs[row["label"]], slo["ttft_s"], slo["tpot_s"])
         ratios = add_ratios(rows, {label: r.outputs for label, r in runs.items()})
         longs = sum(a.kind == "long" for a in arrivals)
         lab.print_table(f"{name}: {len(arrivals) - longs} short requests ({args.short_tokens} + {args.short_output} "
@@ -255,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
               f"short TTFT p50 {ratios['ttft_p50_ratio_vs_mlx_lm_best']:.2f}x (goal "
               f"{goals['ttft_p50_ratio_vs_mlx_lm_best']}); goodput {ratios['goodput']:.0%} against mlx-lm's best "
               f"{ratios['mlx_lm_best_goodput']:.0%}" + (f" ({goodput:.2f}x)" if goodput else "")
-              + f" (TTFT <= {args.slo_ttft:g} s and TPOT <= {args.slo_tpot:g} s)")
-        results[name] = {"rows": rows, "ratios": ratios,
+              + f" (TTFT <= {slo['ttft_s']:.2f} s and TPOT <= {slo['tpot_s']:.2f} s)")
+        results[name] = {"rows": rows, "ratios": ratios, "slo": slo,
                          "token_times": {label: runner.token_times(r) for label, r in runs.items()}}
         goal_ratios[name] = {key: ratios[key] for key in goals}
         if name == "hol":
@@ -264,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "mixed" and args.frontier:
             plot_frontier(bench.figure_path("frontier"), bench.machine, rows)
             plots.append(bench.figure_path("frontier"))
-    results.update(goal_ratios=goal_ratios, goals={name: GOALS[name] for name in goal_ratios},
-                   slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot})
+    results.update(goal_ratios=goal_ratios, goals={name: GOALS[name] for name in goal_ratios})
     return bench.save(results, plots)
 
 
