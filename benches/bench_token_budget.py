@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return lab.user_error(PROG, "--clock cpu needs --long-after-tokens (arrival times in wall seconds would mean nothing)")
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     args.mlx_steps = [int(s) for s in args.mlx_steps.split(",") if s]
+    if any(value is not None and not value > 0 for value in (args.slo_ttft, args.slo_tpot)):
+        return lab.user_error(PROG, "--slo-ttft and --slo-tpot must be seconds > 0")
     try:
         args.frontier = parse_pairs(args.frontier)
     except ValueError:
