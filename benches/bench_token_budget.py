@@ -76,7 +76,9 @@ def build_parser():
                              "in decode-only steps (EngineConfig's decode_multiple:ttft_multiple), and plot TTFT p50 "
                              "against ITL p99 beside mlx-lm's steps (default: none)")
     parser.add_argument("--mlx-steps", default="64,256,2048", help="mlx-lm's prefill_step_size values")
-    parser.add_argument("--skip", default="", help="'mixed', 'hol' (workloads) or 'day27' (engine), comma-separated")
+    parser.add_argument("--skip", default="",
+                        help="'mixed', 'hol' (workloads), 'day27' or 'adaptive' (day 3.1's budget beside the "
+                             "recommended engine on the mixed workload), comma-separated")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",
                         help="'cpu': time in this process's CPU seconds (all threads), which other processes on a "
                              "busy shared machine do not inflate; use with --long-after-tokens")
@@ -113,6 +115,8 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
         return lambda: Week3(selection, model3, tokenizer, clock=clock, **config)
 
     ours = [(RECOMMENDED, engine())]
+    if workload == "mixed" and "adaptive" in args.skip:
+        return runner.alternate(mlx[:2], ours)
     if workload == "mixed":
         # Day 3.1's budget beside it, with day 3.4's order and without: what each of the two adds under mixed traffic.
         return runner.alternate(mlx[:2], ours + [
