@@ -14,8 +14,9 @@ Workloads (prompts are random words; every request streams /v1/completions at te
   shared-prefix  every prompt starts with the same long prefix (a system prompt, a document) and ends
                  with a short question of its own: a prefix cache skips the shared part's prefill.
 For each server and workload: TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99, request and
-token throughput, and goodput (requests per second meeting the SLO: TTFT <= --slo-ttft and
-TPOT <= --slo-tpot). ITL is the gap between two streamed chunks that carry text; TPOT is
+token throughput, and goodput: the requests meeting both targets (TTFT <= --slo-ttft and
+TPOT <= --slo-tpot; benches/runner.py's `meets_targets`, as in every lab), as a share of all requests
+and per second. ITL is the gap between two streamed chunks that carry text; TPOT is
 (e2e - TTFT) / (output tokens - 1), output tokens as the server's `usage` reports them.
 
 --launch starts our server (`pdm run serve`) and `mlx_lm.server` on the same model and machine, runs
@@ -40,7 +41,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from benches.runner import percentile  # day 2.2's, the reference's: linear interpolation, as numpy
+from benches.runner import meets_targets, percentile  # day 2.2's percentile: linear interpolation, as numpy
 from course import selector
 from course.user_errors import OneLineParser
 
@@ -233,8 +234,7 @@ def distribution(values: list[float]) -> dict:
 def summarize(results: list[Result], duration: float, args) -> dict:
     done = [r for r in results if r.error is None and r.end is not None]
     shorts = [r for r in done if r.kind != "long"] or done
-    good = [r for r in done if r.ttft is not None and r.ttft <= args.slo_ttft
-            and (r.tpot is None or r.tpot <= args.slo_tpot)]
+    good = [r for r in done if meets_targets(r.ttft, r.tpot, args.slo_ttft, args.slo_tpot)]
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens or 0 for r in done)
     return {
@@ -252,6 +252,7 @@ def summarize(results: list[Result], duration: float, args) -> dict:
         "output_throughput": output / duration,
         "total_token_throughput": (output + prompt) / duration,
         "goodput": len(good) / duration,
+        "goodput_share": len(good) / len(results) if results else None,
         "output_tokens": output, "prompt_tokens": prompt,
         "timelines": [{"kind": r.kind, "start": r.start, "chunks": r.chunk_times} for r in done],
     }
@@ -261,7 +262,7 @@ def fmt(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def print_summary(server: str, workload: str, s: dict) -> None:
+def print_summary(server: str, workload: str, s: dict, args) -> None:
     print(f"\n[{server}] {workload}: {s['completed']}/{s['requests']} requests in {s['duration_s']:.1f} s"
           + (f", errors: {s['errors'][:2]}" if s["errors"] else ""))
     print(f"  {'seconds':<14}{'p50':>9}{'p90':>9}{'p99':>9}")
@@ -269,7 +270,9 @@ def print_summary(server: str, workload: str, s: dict) -> None:
         d = s[key]
         print(f"  {key:<14}{fmt(d['p50'], 3):>9}{fmt(d['p90'], 3):>9}{fmt(d['p99'], 3):>9}")
     print(f"  throughput: {s['request_throughput']:.3f} req/s, output {s['output_throughput']:.2f} tok/s, "
-          f"prompt+output {s['total_token_throughput']:.1f} tok/s; goodput {s['goodput']:.3f} req/s")
+          f"prompt+output {s['total_token_throughput']:.1f} tok/s; goodput {s['goodput']:.3f} req/s "
+          f"({fmt(s['goodput_share'] and 100 * s['goodput_share'], 0)}% of requests met TTFT <= {args.slo_ttft:g} s "
+          f"and TPOT <= {args.slo_tpot:g} s)")
 
 
 def ratio(ours, theirs):
@@ -285,6 +288,7 @@ def compare(workload: str, ours: dict, theirs: dict) -> dict:
         "TPOT p50": ratio(ours["tpot"]["p50"], theirs["tpot"]["p50"]),
         "output tok/s": ratio(ours["output_throughput"], theirs["output_throughput"]),
         "goodput": ratio(ours["goodput"], theirs["goodput"]),
+        "goodput share": ratio(ours["goodput_share"], theirs["goodput_share"]),
     }
     print(f"\n{workload}: ours / mlx_lm.server (below 1 is better for latencies, above 1 for throughput)")
     for name, value in rows.items():
@@ -411,7 +415,7 @@ def measure(servers: dict[str, tuple[str, str | None]], args) -> dict[str, dict]
                 pooled[name] = (pooled[name][0] + results, pooled[name][1] + duration)
         for name, (results, duration) in pooled.items():
             summaries[name][workload] = summarize(results, duration, args)
-            print_summary(name, workload, summaries[name][workload])
+            print_summary(name, workload, summaries[name][workload], args)
     return summaries
 
 

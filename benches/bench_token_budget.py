@@ -6,6 +6,7 @@
     pdm run bench-token-budget --model embedded  # the tiny embedded model (seconds; the figures mean nothing)
     pdm run bench-token-budget --skip mixed      # only the head-of-line workload
     pdm run bench-token-budget --solution student   # your week-3 engine (and day 2.7), the reference for what is unwritten
+    pdm run bench-token-budget --skip hol --frontier 1.5:5,2.5:10,4:20   # the mixed workload at more target pairs
 
 Workloads (random prompt token ids, greedy, every request runs to its token budget):
   hol:   4 short requests (64 prompt + 64 output tokens) at t=0; a 1,536-token prompt (16 output
@@ -13,14 +14,23 @@ Workloads (random prompt token ids, greedy, every request runs to its token budg
   mixed: 20% long prompts, 80% short ones, Poisson arrivals (mean gap 1 s), a fixed seed.
 Engines, each on the same weights, run one after the other, mlx-lm and ours alternating so that a
 busy machine slows both alike: mlx-lm's BatchGenerator at prefill_step_size 64, 256 and 2048; day
-2.7's SlotScheduler (prefill_step 256); week 3's LLMEngine at a few fixed token budgets and with the
-adaptive budget and day 3.4's shortest-prefill-first order (the recommended engine). The mixed
-workload runs mlx-lm at 64 and 256, the recommended engine, and the same adaptive engine first come,
-first served (day 3.1's order: shorts queue behind a long prompt's chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated),
-the long prompt's TTFT, output tokens/s (output tokens over first arrival to last finish), and the
-ratios against mlx-lm's best (lowest ITL p99 among its step sizes; highest throughput), and whether
-the greedy tokens are mlx-lm's. Results: benches/results/week3_hol.json (--out) with every token's
-timestamp, and the plots week3_hol_itl.png and week3_hol_sweep.png beside it.
+2.7's SlotScheduler (prefill_step 256); week 3's LLMEngine at its defaults (`EngineConfig()`: the goodput
+budget, shortest prefill first, prefix caching; the recommended engine, the one `pdm run serve`
+starts) and at a few fixed token budgets. The mixed workload runs mlx-lm at 64 and 256, the
+recommended engine, day 3.1's adaptive budget with shortest prefill first (what the goodput budget
+adds), and day 3.1's adaptive engine first come, first served (shorts queue behind a long prompt's
+chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated), the long
+prompt's TTFT, output tokens/s (output tokens over first arrival to last finish), goodput (the share
+of all requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot: benches/runner.py's `meets_targets`; by
+default 10 and 2.5 plain decode steps, a decode step being mlx-lm's lowest short ITL p50 in the same run,
+so the targets scale with the machine and its load as the engine's own do),
+the ratios against mlx-lm's best (lowest ITL p99 among its step sizes; highest throughput; lowest
+short TTFT p50; highest goodput), and whether the greedy tokens are mlx-lm's. `--frontier` adds runs
+of the recommended engine on the mixed workload at other target pairs (ITL target in decode steps :
+TTFT target in decode steps): the trade between the two, beside mlx-lm's steps. Results:
+benches/results/week3_hol.json (--out) with every token's timestamp and the six goal ratios
+(`goal_ratios`), and the plots week3_hol_itl.png, week3_hol_sweep.png and, with --frontier,
+week3_hol_frontier.png beside it.
 """
 
 from course import fast_mlx
@@ -28,15 +38,21 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import Day27, MlxLm, Week3  # noqa: E402
+from benches.engines import PLAIN, Day27, MlxLm, Week3  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
-RECOMMENDED = "week3 adaptive"
-RECOMMENDED_POLICY = "shortest_prefill_first"  # day 3.4: a short prompt is not queued behind a long one's chunks
+RECOMMENDED = "week3 defaults"  # EngineConfig's defaults: the engine `pdm run serve` starts
+GOALS = {  # issue 36: the recommended engine against mlx-lm's best, per workload
+    "hol": {"itl_p99_ratio_vs_mlx_lm_best": "<= 0.5", "throughput_ratio_vs_mlx_lm_best": ">= 1.1",
+            "ttft_p50_ratio_vs_mlx_lm_best": "<= 1.0", "goodput_vs_mlx_lm_best": "> 1"},
+    "mixed": {"itl_p99_ratio_vs_mlx_lm_best": "<= 0.5", "throughput_ratio_vs_mlx_lm_best": ">= 1.05",
+              "ttft_p50_ratio_vs_mlx_lm_best": "<= 0.8", "goodput_vs_mlx_lm_best": "> 1"},
+}
 COLUMNS = [lab.Column("engine", "label", "{}"), lab.Column("ITL p50", "short_itl_p50_s", "{:.3f}"),
            lab.Column("ITL p99", "short_itl_p99_s", "{:.3f}"), lab.Column("TTFT p50", "short_ttft_p50_s"),
            lab.Column("long TTFT", "long_ttft_mean_s"), lab.Column("out tok/s", "output_tokens_per_s"),
+           lab.Column("goodput", "goodput", "{:.0%}"),
            lab.Column("ITL p99 vs mlx best", "itl_p99_vs_mlx_lm_best"),
            lab.Column("tok/s vs mlx best", "throughput_vs_mlx_lm_best"),
            lab.Column("tokens = mlx-lm's", "same_tokens_as_mlx_lm", "{}")]
@@ -49,10 +65,20 @@ def build_parser():
     parser.add_argument("--long-after-tokens", type=int, metavar="N",
                         help="instead: once every short request has N tokens (the same moment on a slow or busy machine)")
     parser.add_argument("--budgets", default="32,64,256", help="week 3's fixed token budgets (comma-separated)")
-    parser.add_argument("--decode-multiple", type=float, default=2.0,
-                        help="the adaptive budget's target: this many plain decode steps per step (default 2)")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                        help="goodput: a request's first token within this many seconds (default: 10 plain decode "
+                             "steps of this run, EngineConfig's TTFT target)")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
+                        help="goodput: and its time per output token after the first within this many seconds "
+                             "(default: 2.5 plain decode steps of this run, EngineConfig's ITL target)")
+    parser.add_argument("--frontier", default="", metavar="ITL:TTFT,...",
+                        help="also run the recommended engine on the mixed workload with these target pairs, each "
+                             "in decode-only steps (EngineConfig's decode_multiple:ttft_multiple), and plot TTFT p50 "
+                             "against ITL p99 beside mlx-lm's steps (default: none)")
     parser.add_argument("--mlx-steps", default="64,256,2048", help="mlx-lm's prefill_step_size values")
-    parser.add_argument("--skip", default="", help="'mixed', 'hol' (workloads) or 'day27' (engine), comma-separated")
+    parser.add_argument("--skip", default="",
+                        help="'mixed', 'hol' (workloads), 'day27' or 'adaptive' (day 3.1's budget beside the "
+                             "recommended engine on the mixed workload), comma-separated")
     parser.add_argument("--clock", choices=sorted(runner.CLOCKS), default="wall",
                         help="'cpu': time in this process's CPU seconds (all threads), which other processes on a "
                              "busy shared machine do not inflate; use with --long-after-tokens")
@@ -81,19 +107,22 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
     args, tokenizer, selection = bench.args, bench.tokenizer, bench.selection
     max_seq_len = max(len(a.prompt) + a.max_tokens for a in arrivals) + 1
     mlx = [(f"mlx-lm step {s}", lambda s=s: MlxLm(bench.mlx_model, tokenizer, prefill_step=s)) for s in args.mlx_steps]
-    # The adaptive budget times its steps on the lab's clock (--clock cpu: CPU seconds, not inflated by a busy machine).
+    # Budgets that follow step times time them on the lab's clock (--clock cpu: CPU seconds, not inflated by a busy
+    # machine).
     clock = runner.CLOCKS[args.clock]
 
-    def adaptive(policy):
-        return lambda: Week3(selection, model3, tokenizer, clock=clock, token_budget=2048, adaptive_budget=True,
-                             decode_multiple=args.decode_multiple, max_num_seqs=8, scheduling_policy=policy)
+    def engine(**config):
+        return lambda: Week3(selection, model3, tokenizer, clock=clock, **config)
 
-    ours = [(RECOMMENDED, adaptive(RECOMMENDED_POLICY))]
+    ours = [(RECOMMENDED, engine())]
+    if workload == "mixed" and "adaptive" in args.skip:
+        return runner.alternate(mlx[:2], ours)
     if workload == "mixed":
-        # Day 3.1's order beside it: what shortest-prefill-first changes when shorts arrive behind a long prompt.
-        return runner.alternate(mlx[:2], ours + [("week3 adaptive fcfs", adaptive("fcfs"))])
-    ours += [(f"week3 budget {b}", lambda b=b: Week3(selection, model3, tokenizer, token_budget=b, max_num_seqs=8))
-             for b in args.budgets]
+        # Day 3.1's budget beside it, with day 3.4's order and without: what each of the two adds under mixed traffic.
+        return runner.alternate(mlx[:2], ours + [
+            ("week3 adaptive spf", engine(budget_policy="adaptive", scheduling_policy="shortest_prefill_first")),
+            ("week3 adaptive fcfs", engine(**dict(PLAIN, budget_policy="adaptive")))])
+    ours += [(f"week3 budget {b}", engine(**PLAIN, token_budget=b, max_num_seqs=8)) for b in args.budgets]
     if "day27" not in args.skip:
         ours.append(("day2.7 step 256", lambda: Day27(selection, model2, tokenizer, batch_size=5,
                                                       max_seq_len=max_seq_len, prefill_step=256)))
@@ -106,6 +135,7 @@ def add_ratios(rows: list[dict], outputs: dict) -> dict:
     best_itl = min(mlx_rows, key=lambda r: r["short_itl_p99_s"])
     best_tps = max(mlx_rows, key=lambda r: r["output_tokens_per_s"])
     best_ttft = min(r["short_ttft_p50_s"] for r in mlx_rows)
+    best_goodput = max(r["goodput"] for r in mlx_rows)
     for row in rows:
         row["itl_p99_vs_mlx_lm_best"] = row["short_itl_p99_s"] / best_itl["short_itl_p99_s"]
         row["throughput_vs_mlx_lm_best"] = row["output_tokens_per_s"] / best_tps["output_tokens_per_s"]
@@ -114,7 +144,49 @@ def add_ratios(rows: list[dict], outputs: dict) -> dict:
     return {"engine": RECOMMENDED, "mlx_lm_best_itl": best_itl["label"], "mlx_lm_best_throughput": best_tps["label"],
             "itl_p99_ratio_vs_mlx_lm_best": ours["itl_p99_vs_mlx_lm_best"],
             "throughput_ratio_vs_mlx_lm_best": ours["throughput_vs_mlx_lm_best"],
-            "ttft_p50_ratio_vs_mlx_lm_best": ours["short_ttft_p50_s"] / best_ttft}
+            "ttft_p50_ratio_vs_mlx_lm_best": ours["short_ttft_p50_s"] / best_ttft,
+            "goodput": ours["goodput"], "mlx_lm_best_goodput": best_goodput,
+            "goodput_vs_mlx_lm_best": ours["goodput"] / best_goodput if best_goodput else None}
+
+
+def targets(args, rows: list[dict]) -> dict:
+    """The goodput targets in seconds: --slo-ttft/--slo-tpot, or 10 and 2.5 plain decode steps of this run (mlx-lm's
+    lowest short ITL p50: its decode steps carry no prefill most of the time)."""
+    decode = min(r["short_itl_p50_s"] for r in rows if r["label"].startswith("mlx-lm"))
+    return {"ttft_s": args.slo_ttft or 10 * decode, "tpot_s": args.slo_tpot or 2.5 * decode, "decode_step_s": decode}
+
+
+def parse_pairs(text: str) -> list[tuple[float, float]]:
+    """'1.5:5,2.5:10' -> [(1.5, 5.0), (2.5, 10.0)]: (ITL target, TTFT target) in decode-only steps."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        itl, _, ttft = item.partition(":")
+        pairs.append((float(itl), float(ttft)))
+    return pairs
+
+
+def frontier_configs(bench, model3, pairs) -> list:
+    """(label, make_adapter) of the recommended engine at each target pair (the frontier's points)."""
+    clock = runner.CLOCKS[bench.args.clock]
+    return [(f"week3 targets {itl:g}:{ttft:g}", lambda itl=itl, ttft=ttft: Week3(
+        bench.selection, model3, bench.tokenizer, clock=clock, decode_multiple=itl, ttft_multiple=ttft))
+        for itl, ttft in pairs]
+
+
+def plot_frontier(path, machine: str, rows: list[dict]) -> None:
+    """Shorts' TTFT p50 against their ITL p99: a point per target pair of ours, mlx-lm's steps on the same axes."""
+    with lab.figure(path, machine, figsize=(7, 4.5)) as (fig, ax):
+        for row in rows:
+            mlx = row["label"].startswith("mlx-lm")
+            if not (mlx or row["label"].startswith("week3 targets") or row["label"] == RECOMMENDED):
+                continue
+            marker, color = ("s", "C1") if mlx else ("o", "C0" if row["label"] != RECOMMENDED else "C2")
+            ax.plot(row["short_itl_p99_s"], row["short_ttft_p50_s"], marker, color=color)
+            ax.annotate(row["label"].replace("week3 targets ", "").replace("mlx-lm ", ""),
+                        (row["short_itl_p99_s"], row["short_ttft_p50_s"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        ax.set(xscale="log", yscale="log", xlabel="short requests' ITL p99 (s)", ylabel="short requests' TTFT p50 (s)",
+               title="mixed workload: the two targets' trade (ours: ITL:TTFT targets in decode steps)")
 
 
 def plot(bench, runs: dict, rows: list[dict], ratios: dict) -> list:
@@ -158,7 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         return lab.user_error(PROG, "--clock cpu needs --long-after-tokens (arrival times in wall seconds would mean nothing)")
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     args.mlx_steps = [int(s) for s in args.mlx_steps.split(",") if s]
-    bench = lab.start(args, ("engine", "token_budget", "qwen2_week3", "batch", "qwen2_week2"))
+    if any(value is not None and not value > 0 for value in (args.slo_ttft, args.slo_tpot)):
+        return lab.user_error(PROG, "--slo-ttft and --slo-tpot must be seconds > 0")
+    try:
+        args.frontier = parse_pairs(args.frontier)
+    except ValueError:
+        return lab.user_error(PROG, f"--frontier wants ITL:TTFT pairs of numbers, e.g. 1.5:5,2.5:10; got {args.frontier!r}")
+    if any(itl <= 1 or ttft <= 0 for itl, ttft in args.frontier):
+        return lab.user_error(PROG, "--frontier: an ITL target must be more than 1 decode step, a TTFT target more than 0")
+    bench = lab.start(args, ("engine", "token_budget", "scheduler", "order_policy", "qwen2_week3", "batch",
+                             "qwen2_week2"))
     clock = runner.CLOCKS[args.clock]
     model2, model3 = bench.week2_model(), bench.week3_model()
     # Warm-up: first-call costs must not land on whichever engine runs first.
@@ -166,29 +247,43 @@ def main(argv: list[str] | None = None) -> int:
     runner.run(Week3(bench.selection, model3, bench.tokenizer, token_budget=64), warm, "warm")
     runner.run(MlxLm(bench.mlx_model, bench.tokenizer, prefill_step=64), warm, "warm")
 
-    results = {}
+    results, goal_ratios = {}, {}
     plots = []
     for name, arrivals in build_workloads(args).items():
         runs = {}
-        for label, make in lab.progress(configs(bench, model2, model3, arrivals, name), f"{name} runs"):
+        made = configs(bench, model2, model3, arrivals, name)
+        if name == "mixed":
+            made += frontier_configs(bench, model3, args.frontier)
+        for label, make in lab.progress(made, f"{name} runs"):
             runs[label] = runner.run(make(), arrivals, label, clock=clock)
         rows = sorted((runner.summarize(r) for r in runs.values()),
                       key=lambda r: (not r["label"].startswith("mlx"), r["label"]))
+        slo = targets(args, rows)
+        for row in rows:
+            row["goodput"] = runner.goodput_share(runs[row["label"]], slo["ttft_s"], slo["tpot_s"])
         ratios = add_ratios(rows, {label: r.outputs for label, r in runs.items()})
         longs = sum(a.kind == "long" for a in arrivals)
         lab.print_table(f"{name}: {len(arrivals) - longs} short requests ({args.short_tokens} + {args.short_output} "
                         f"tokens), {longs} long ({args.long_tokens} + {args.long_output})", COLUMNS, rows,
                         caption="short requests' ITL and TTFT (s); output tokens/s over the whole run")
+        goals = GOALS[name]
+        goodput = ratios["goodput_vs_mlx_lm_best"]
         print(f"{RECOMMENDED} on {name}: ITL p99 {ratios['itl_p99_ratio_vs_mlx_lm_best']:.2f}x mlx-lm's best "
-              f"(goal <= 0.5), throughput {ratios['throughput_ratio_vs_mlx_lm_best']:.2f}x (goal >= 1.1), "
-              f"short TTFT p50 {ratios['ttft_p50_ratio_vs_mlx_lm_best']:.2f}x (goal <= 1.0)")
-        results[name] = {"rows": rows, "ratios": ratios,
+              f"(goal {goals['itl_p99_ratio_vs_mlx_lm_best']}), throughput "
+              f"{ratios['throughput_ratio_vs_mlx_lm_best']:.2f}x (goal {goals['throughput_ratio_vs_mlx_lm_best']}), "
+              f"short TTFT p50 {ratios['ttft_p50_ratio_vs_mlx_lm_best']:.2f}x (goal "
+              f"{goals['ttft_p50_ratio_vs_mlx_lm_best']}); goodput {ratios['goodput']:.0%} against mlx-lm's best "
+              f"{ratios['mlx_lm_best_goodput']:.0%}" + (f" ({goodput:.2f}x)" if goodput else "")
+              + f" (TTFT <= {slo['ttft_s']:.2f} s and TPOT <= {slo['tpot_s']:.2f} s)")
+        results[name] = {"rows": rows, "ratios": ratios, "slo": slo,
                          "token_times": {label: runner.token_times(r) for label, r in runs.items()}}
+        goal_ratios[name] = {key: ratios[key] for key in goals}
         if name == "hol":
-            results.update({k: v for k, v in ratios.items() if k.endswith("_vs_mlx_lm_best")})
-            plots = plot(bench, runs, rows, ratios)
-    results["targets"] = {"itl_p99_ratio_vs_mlx_lm_best": "<= 0.5", "throughput_ratio_vs_mlx_lm_best": ">= 1.1",
-                          "ttft_p50_ratio_vs_mlx_lm_best": "<= 1.0"}
+            plots += plot(bench, runs, rows, ratios)
+        if name == "mixed" and args.frontier:
+            plot_frontier(bench.figure_path("frontier"), bench.machine, rows)
+            plots.append(bench.figure_path("frontier"))
+    results.update(goal_ratios=goal_ratios, goals={name: GOALS[name] for name in goal_ratios})
     return bench.save(results, plots)
 
 

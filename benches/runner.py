@@ -159,6 +159,20 @@ def summarize(run_: Run) -> dict:
     return row
 
 
+def meets_targets(ttft: float | None, tpot: float | None, slo_ttft: float, slo_tpot: float) -> bool:
+    """Whether one request kept both promises (DistServe's goodput; vLLM's `--goodput ttft:.. tpot:..`): its first
+    token within `slo_ttft` seconds, and its time per output token after that (day 2.2's TPOT) within `slo_tpot`.
+    A request with one output token has no TPOT to miss. Every lab's goodput uses this."""
+    return ttft is not None and ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
+
+
+def goodput_share(run_: Run, slo_ttft: float, slo_tpot: float) -> float:
+    """The share of the run's requests that finished and met both targets (`meets_targets`), 0..1."""
+    good = [r for r in run_.metrics.requests.values() if r.finish is not None
+            and meets_targets(r.ttft, r.tpot, slo_ttft, slo_tpot)]
+    return len(good) / len(run_.arrivals)
+
+
 def token_times(run_: Run) -> dict:
     """Every request's kind and token times (seconds since the start), for the JSON and the plots."""
     return {str(i): {"kind": run_.arrivals[i].kind, "arrival_s": r.arrival - run_.start,

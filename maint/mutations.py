@@ -176,6 +176,16 @@ MUTATIONS = [
     Mutation("waiting-before-partway", "waiting sequences ranked before part-way prompts among equals", (4,), (
         ("scheduler", "        for seq in self.order.order(partway + list(self.waiting)):\n",
          "        for seq in self.order.order(list(self.waiting) + partway):\n"),)),
+    # Day 3.4's goodput budget (token_budget.py): the targets' roles swapped; the queue's age never read.
+    Mutation("goodput-targets-swapped", "the TTFT target used as the step's ceiling and the ITL target as the wait's scale",
+             (4,), (
+        ("token_budget", "        ttft = self.ttft_target()\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n",
+         "        ttft = self.target()\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n"),
+        ("token_budget", "        return base + (self.target() - base) * (1 + urgency) / 2\n",
+         "        return base + (self.ttft_target() - base) * (1 + urgency) / 2\n"),)),
+    Mutation("goodput-ignores-age", "every step takes the whole room below the ITL target, however long anyone waited",
+             (4,), (
+        ("token_budget", "        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n", "        urgency = 1.0\n"),)),
     # Day 3.5: the server. The first and last live in provided code (`Completion.tokens`, the handler's token loop);
     # the stop string and the detokenizer are in text_stream.py.
     Mutation("finish-reason-always-stop", "every finished request reported with finish reason 'stop'", (5,), (

@@ -2,7 +2,8 @@
 
 Both engines get the same requests at the same steps, on the embedded model, with a KV pool too
 small for all of them (so admission waits and preemption happen), day 3.1's adaptive token budget,
-and from day 3.3 on the prefix cache (the prompts share a system prompt), from day 3.4 on priorities.
+and from day 3.3 on the prefix cache (the prompts share a system prompt), from day 3.4 on priorities and
+the goodput budget.
 The budget's clock is virtual: every model call advances it by a fixed cost per token, so the
 adaptive budget sees the same step times on both sides and on any machine, and the two runs are
 deterministic. After every step each side notes its plan (decode tokens, prefill chunks, the
@@ -50,12 +51,11 @@ def workload() -> list[Request]:
 
 def knobs(day: int) -> dict:
     """The engine's settings (`EngineConfig` fields) on day 3.`day`: what that day adds is switched on."""
-    settings = {"token_budget": MAX_BUDGET, "adaptive_budget": True, "max_num_seqs": MAX_NUM_SEQS,
-                "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}
-    if day >= 3:
-        settings["enable_prefix_caching"] = True
+    settings = {"token_budget": MAX_BUDGET, "budget_policy": "adaptive", "max_num_seqs": MAX_NUM_SEQS,
+                "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "enable_prefix_caching": day >= 3,
+                "scheduling_policy": "fcfs"}
     if day >= 4:
-        settings.update(scheduling_policy="priority", aging_steps=6)
+        settings.update(scheduling_policy="priority", aging_steps=6, budget_policy="goodput")
     return settings
 
 
@@ -254,7 +254,7 @@ def compare_engines(args, day_entry, explain_failure) -> int:
     settings = ", ".join(f"{k}={v}" for k, v in knobs(day).items())
     print(f"week 3 day {day}: {day_entry.title}. Yours: src/tiny_llm; reference: src_ref/tiny_llm_ref.\n"
           f"workload: {len(workload())} requests sharing a {SYSTEM_TOKENS}-token system prompt, arriving over the "
-          f"first steps; {settings}; adaptive token budget on a virtual clock; model {args.model}\n")
+          f"first steps; {settings}; the budget on a virtual clock; model {args.model}\n")
     theirs = drive(ref, mlx_model, tokenizer, day)
     if theirs.error is not None:
         raise theirs.error  # the reference must run this workload: a bug in the course, not in your code

@@ -2,7 +2,7 @@
 
 Both sides get the same requests at the same steps on the embedded model, on week 3's machinery
 (scripts/compare_week3.py): a KV pool too small for all of them (admission waits, preemption), day
-3.1's adaptive token budget on a virtual clock (each model call costs the same on both sides and on
+3.4's goodput token budget on a virtual clock (each model call costs the same on both sides and on
 any machine, so both runs are deterministic), the prefix cache and priorities on.
 
 - Day 4.1: `SpeculativeEngine` with back-off, greedy and seeded temperature requests, the model as
@@ -33,7 +33,7 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24  # the speculative run's pool: 96 tokens, about h
 MAX_NUM_SEQS, MAX_BUDGET = 4, 48
 QUANTIZED_BLOCKS = 20  # the quantized runs' pool, in blocks the memory budget must buy
 STEP_LIMIT = 500  # far more than the workload needs: a side still running after it is stuck
-KNOBS = {"token_budget": MAX_BUDGET, "adaptive_budget": True, "max_num_seqs": MAX_NUM_SEQS, "block_size": BLOCK_SIZE,
+KNOBS = {"token_budget": MAX_BUDGET, "budget_policy": "goodput", "max_num_seqs": MAX_NUM_SEQS, "block_size": BLOCK_SIZE,
          "enable_prefix_caching": True, "scheduling_policy": "priority"}
 
 
@@ -249,7 +249,7 @@ def compare_week4(args, day_entry, explain_failure) -> int:
             f"8-bit and 4-bit pools sized by kv_cache_bytes to {QUANTIZED_BLOCKS} blocks")
     print(f"week 4 day {day}: {day_entry.title}. Yours: src/tiny_llm; reference: src_ref/tiny_llm_ref.\n"
           f"workload: {len(workload())} requests with repeated phrases arriving over the first steps (two seeded at "
-          f"temperature 0.8); {pool}; {settings}; adaptive token budget on a virtual clock; model {args.model}\n")
+          f"temperature 0.8); {pool}; {settings}; goodput token budget on a virtual clock; model {args.model}\n")
     problems = 0
     for config in (list(PROPOSERS) if day == 1 else [8, 4]):
         theirs = drive(ref, mlx_model, tokenizer, day, config)

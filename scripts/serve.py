@@ -3,10 +3,14 @@
     pdm run serve                                   # reference solution, embedded model, port 8000
     pdm run serve --model bench-0.5b --port 8123
     pdm run serve --solution student                # your src/tiny_llm (server and engine)
-    pdm run serve --max-num-batched-tokens 128 --max-num-seqs 8 --block-size 16 --num-blocks 512
-    pdm run serve --target-itl 0.2 --scheduling-policy priority --api-key sesame --log-level warning
+    pdm run serve --token-budget 128 --max-num-seqs 8 --block-size 16 --num-blocks 512
+    pdm run serve --target-itl 0.2 --target-ttft 2 --scheduling-policy priority --api-key sesame --log-level warning
+    pdm run serve --budget-policy fixed --scheduling-policy fcfs   # day 3.1's plain engine
     pdm run serve --tensor-parallel 2               # day 4.4: two ranks on this machine (mlx.launch), HTTP on rank 0
     pdm run serve --hostfile hosts.json             # day 4.4: one rank per host of mlx.launch's hostfile
+
+The engine's knobs default to `EngineConfig`'s defaults (src_ref/tiny_llm_ref/engine.py), the configuration
+the week-3 lab recommends (`pdm run bench-token-budget`): each --help line below names the default.
 
 Then, from another shell:
 
@@ -17,6 +21,7 @@ Then, from another shell:
 """
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -41,21 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the id clients send as \"model\" (default: the --model argument)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
-                        help="the token budget of one engine step (default 256)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="most sequences running at once (default 16)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: 8192 tokens' worth)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse cached prompt blocks (day 3.3; on by default, as vLLM)")
-    parser.add_argument("--adaptive-budget", action="store_true",
-                        help="day 3.1's adaptive token budget, up to --max-num-batched-tokens (default: fixed)")
-    parser.add_argument("--target-itl", type=float, default=None, metavar="SECONDS",
-                        help="the adaptive budget's inter-token latency target (implies --adaptive-budget)")
-    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority", "shortest_prefill_first"), default="fcfs",
-                        help="fcfs; priority: requests' `priority` field, larger first (day 3.4; vLLM's is lower "
-                             "first); shortest_prefill_first: priority, then the fewest prompt tokens left, so a short "
-                             "prompt passes a long one's chunks (day 3.4)")
+    add_engine_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most tokens (prompt + output) of one request (default: what the KV pool and model hold)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
@@ -72,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="on Ctrl-C or SIGTERM, seconds to let running requests finish before they are "
                              "aborted (default 5)")
-    parser.add_argument("--log-interval", type=float, default=5.0,
-                        help="seconds between the engine's throughput lines (default 5)")
+    parser.add_argument("--log-interval", type=float, default=None, metavar="SECONDS",
+                        help="seconds between the engine's throughput lines (default "
+                             f"{engine_defaults()['log_interval']:g})")
     parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                         help="day 4.4: run the model on N ranks of this machine, started with mlx.launch; the HTTP "
                              "server on rank 0 (default 1: one process; with --hostfile, one rank per host)")
@@ -82,6 +74,54 @@ def build_parser() -> argparse.ArgumentParser:
                              "same repository path, environment and model on each); rank 0 on the first host")
     parser.add_argument("--as-rank", action="store_true", help=argparse.SUPPRESS)  # set by the launch itself
     return parser
+
+
+def engine_defaults() -> dict:
+    """`EngineConfig`'s defaults, by field name: the one place they are stated is the reference's engine.py."""
+    fast_mlx.setup()  # before the reference's engine imports mlx.core
+    config = selector.reference().engine.EngineConfig
+    return {field.name: field.default for field in dataclasses.fields(config)}
+
+
+def add_engine_arguments(parser) -> None:
+    """The engine's knobs; left out, each is `EngineConfig`'s default (what the labs recommend), named in its help."""
+    default = engine_defaults()
+    parser.add_argument("--token-budget", "--max-num-batched-tokens", dest="token_budget", type=int, default=None,
+                        metavar="TOKENS",
+                        help="the most tokens one engine step runs, decodes and prefill chunks together (vLLM's "
+                             "--max-num-batched-tokens); the cap of every budget policy (default "
+                             f"{default['token_budget']}: with nobody streaming, a long prompt prefills in chunks "
+                             "this big)")
+    parser.add_argument("--budget-policy", choices=("fixed", "adaptive", "goodput"), default=None,
+                        help=f"how many of those tokens a step may run (default {default['budget_policy']}: day "
+                             "3.4's budget, sized from measured step times to keep both --target-itl and "
+                             "--target-ttft); adaptive: day 3.1's, every step held to --target-itl; fixed: always "
+                             "--token-budget")
+    parser.add_argument("--target-itl", type=float, default=None, metavar="SECONDS",
+                        help="the inter-token latency promised to streaming requests: no step is planned longer "
+                             f"(default: {default['decode_multiple']:g} decode-only steps, as measured; adaptive "
+                             "and goodput budgets)")
+    parser.add_argument("--target-ttft", type=float, default=None, metavar="SECONDS",
+                        help="the time to first token aimed for: as the longest-waiting request nears it, prefill "
+                             f"gets more of each step (default: {default['ttft_multiple']:g} decode-only steps, as "
+                             "measured; goodput budget)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"most sequences running at once, prefilling or decoding (default "
+                             f"{default['max_num_seqs']}: more share each step's weight reads, each costs KV blocks)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help=f"KV-cache block size in tokens (default {default['block_size']}: vLLM's; the prefix "
+                             "cache shares whole blocks)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV-cache blocks (default: 8192 tokens' worth)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse cached prompt blocks (day 3.3; default "
+                             f"{'on' if default['enable_prefix_caching'] else 'off'}, as vLLM: shared system "
+                             "prompts are prefilled once)")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority", "shortest_prefill_first"), default=None,
+                        help=f"the order of the waiting and running (default {default['scheduling_policy']}: "
+                             "priority, then the fewest prompt tokens left, so a short prompt passes a long one's "
+                             "chunks; day 3.4); priority: requests' `priority` field, larger first (vLLM's is lower "
+                             "first); fcfs: first come, first served")
 
 
 def server_options(args) -> dict:
@@ -111,8 +151,8 @@ def check_port(parser, host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_blocks", "target_itl", "max_model_len",
-                 "max_body_bytes", "max_pending_requests", "keepalive"):
+    for name in ("token_budget", "max_num_seqs", "block_size", "num_blocks", "target_itl", "target_ttft",
+                 "max_model_len", "max_body_bytes", "max_pending_requests", "keepalive", "log_interval"):
         positive(parser, name, getattr(args, name))
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
@@ -310,13 +350,14 @@ def make_engine(args, selection, model, tokenizer, log):
     return selection.engine.LLMEngine(model, tokenizer, engine_config(args, selection), log=log)
 
 
+ENGINE_KNOBS = ("token_budget", "budget_policy", "target_itl", "target_ttft", "max_num_seqs", "block_size",
+                "num_blocks", "enable_prefix_caching", "scheduling_policy", "log_interval")
+
+
 def engine_config(args, selection):
-    """Every knob of the command line as an `EngineConfig`."""
-    return selection.engine.EngineConfig(
-        token_budget=args.max_num_batched_tokens, adaptive_budget=args.adaptive_budget or args.target_itl is not None,
-        target_itl=args.target_itl, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        num_blocks=args.num_blocks, log_interval=args.log_interval, enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy)
+    """The knobs given on the command line as an `EngineConfig`; every other knob keeps its default."""
+    given = {name: vars(args)[name] for name in ENGINE_KNOBS if vars(args)[name] is not None}
+    return selection.engine.EngineConfig(**given)
 
 
 if __name__ == "__main__":

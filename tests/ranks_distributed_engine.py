@@ -49,7 +49,7 @@ STACK_OPTIONS = week3_stack.engine_options(4)  # prefix caching and priorities o
 
 def engine_config(sol):
     """The one configuration of every engine here (rank 0's, the others' pools, the single-process oracle)."""
-    return sol.engine.EngineConfig(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14)
+    return sol.engine.EngineConfig(**week3_stack.PLAIN_ENGINE, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14)
 
 
 def run_engine(engine, sol) -> dict:

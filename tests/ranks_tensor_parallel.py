@@ -93,7 +93,8 @@ def check_model(sol, group, full, mlx_model, tokenizer, die_rank: int | None) ->
 
 def make_engine(sol, model, tokenizer):
     """The week-3 engine on `model` (the one place this file builds one)."""
-    config = sol.engine.EngineConfig(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=32)
+    config = sol.engine.EngineConfig(**week3_stack.PLAIN_ENGINE, token_budget=16, max_num_seqs=4, block_size=4,
+                                     num_blocks=32)
     return sol.engine.LLMEngine(model, tokenizer, config)
 
 

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from tests.harness import reference
 from tests.scheduler_fakes import FakeModel, FakeTokenizer, ModelFailure, expected_tokens
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
+from tests.week3_fakes import PLAIN_ENGINE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ref = reference()
@@ -571,7 +572,7 @@ def week3(model32):
 
 
 def edge_engine(week3, **config):
-    settings_ = {"token_budget": 64, "max_num_seqs": 16, "block_size": 8, **config}
+    settings_ = {**PLAIN_ENGINE, "token_budget": 64, "max_num_seqs": 16, "block_size": 8, **config}
     return ref.engine.LLMEngine(week3[0], week3[1], ref.engine.EngineConfig(**settings_))
 
 

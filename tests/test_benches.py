@@ -57,6 +57,22 @@ def test_runner_feeds_every_arrival_and_counts_every_token():
     assert row["output_tokens"] == 5 and row["short_itl_p50_s"] is not None and row["long_itl_p50_s"] is not None
 
 
+def test_goodput_counts_the_requests_that_meet_both_targets():
+    assert runner.meets_targets(1.0, 0.2, slo_ttft=1.0, slo_tpot=0.2)  # on the line is in
+    assert not runner.meets_targets(1.1, 0.1, slo_ttft=1.0, slo_tpot=0.2)  # a late first token
+    assert not runner.meets_targets(0.5, 0.3, slo_ttft=1.0, slo_tpot=0.2)  # a slow stream
+    assert runner.meets_targets(0.5, None, slo_ttft=1.0, slo_tpot=0.2)  # one output token: no TPOT to miss
+    assert not runner.meets_targets(None, None, slo_ttft=1.0, slo_tpot=0.2)  # no first token at all
+    # Ticks: every clock read is a second. The short request's token gaps are 2-3 s, the long one's first token late.
+    arrivals = [workloads.Arrival("short", [1, 2], 3), workloads.Arrival("long", [1] * 8, 2, after_tokens=2)]
+    run = runner.run(Echo(), arrivals, "echo", clock=Ticks())
+    ttfts = {i: r.ttft for i, r in run.metrics.requests.items()}
+    tpots = {i: r.tpot for i, r in run.metrics.requests.items()}
+    assert runner.goodput_share(run, slo_ttft=max(ttfts.values()), slo_tpot=max(tpots.values())) == 1.0
+    assert runner.goodput_share(run, slo_ttft=min(ttfts.values()) - 0.5, slo_tpot=100) == 0.0
+    assert runner.goodput_share(run, slo_ttft=100, slo_tpot=min(tpots.values())) == 0.5
+
+
 def test_runner_fails_with_a_message_instead_of_looping_forever():
     class Stuck(Echo):
         def step(self):

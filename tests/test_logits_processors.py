@@ -4,6 +4,7 @@ against hand-computed numbers, and log-probabilities against mlx-lm's model (boo
 import pytest
 
 from tests.harness import reference
+from tests.week3_fakes import PLAIN_ENGINE
 from tests.sampling_oracles import penalized, raw_logprobs
 
 ref = reference()
@@ -58,7 +59,8 @@ def test_sampling_params_refuse_out_of_range(field, value):
 def test_sampled_logprobs_are_the_raw_distribution(model32):
     """A sampled request's log-probabilities are the model's own (before temperature, top-k and penalties)."""
     week3_model = ref.qwen2_week3.Qwen2ModelWeek3(model32[0])
-    engine = ref.engine.LLMEngine(week3_model, model32[1], ref.engine.EngineConfig(token_budget=64, block_size=8))
+    engine = ref.engine.LLMEngine(week3_model, model32[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                                      block_size=8))
     prompt = model32[1].encode("Once upon a time", add_special_tokens=False)
     sampling = ref.sequence.SamplingParams(temperature=1.8, top_k=20, seed=5, max_tokens=6, logprobs=2,
                                            presence_penalty=1.0)

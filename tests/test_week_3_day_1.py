@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 
 from tests.harness import reference, solution, stack
-from tests.week3_fakes import (EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy,
-                                run_until_done)
+from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected,
+                                mlx_lm_greedy, run_until_done)
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=1)
@@ -38,7 +38,7 @@ def real(model32):
 
 
 def fake_engine(engine_module, **kwargs):
-    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), engine_module.EngineConfig(**kwargs))
+    engine = engine_module.LLMEngine(FakeWeek3Model(), FakeTokenizer(), engine_module.EngineConfig(**{**PLAIN_ENGINE, **kwargs}))
     engine.runner = FakeRunner(engine)
     return engine
 
@@ -98,6 +98,18 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
             sol.token_budget.AdaptiveTokenBudget(**bad)
 
 
+def test_task_1_budget_fills_the_step_time_the_policy_allows():
+    """`budget` sizes the step for `step_seconds(waited)`: day 3.4's goodput budget moves that time with the queue's
+    age (its `step_seconds` is the reference's here), and the same budget code must follow it."""
+    policy = sol.token_budget.GoodputTokenBudget(target_ttft=2.0, target_itl=0.75, max_num_batched_tokens=512,
+                                                 min_tokens=1, initial_tokens=32, smoothing=1.0)
+    policy.observe_step(4, 4, 0.25)
+    policy.observe_step(68, 4, 1.25)  # 1/64 s a prefill token
+    assert policy.budget(4, 0, 0.0) == 4 + 16  # nobody waits: half the 0.5 s of room above a decode step
+    assert policy.budget(4, 0, 5.0) == 4 + 32  # past the TTFT target: all of it
+    assert policy.budget(0, 0, 5.0) == 512  # nobody decodes: nobody waits on the step
+
+
 def test_task_1_cost_grows_with_the_offset():
     # Hand-made steps of a machine where a prefill token costs 0.01 s + 0.00001 s per key before it.
     policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.5, max_num_batched_tokens=512, min_tokens=8,
@@ -142,7 +154,7 @@ def test_task_1_the_engine_shrinks_late_chunks():
     # step plus, per prefill token, 0.004 s and 0.000005 s per key before it. The reference's engine
     # and scheduler run the policy under test, so this passes once Task 1 is written.
     now = [0.0]
-    config = ref.engine.EngineConfig(token_budget=256, max_num_seqs=8)
+    config = ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=256, max_num_seqs=8)
     engine = ref.engine.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
     engine.scheduler.token_budget = sol.token_budget.AdaptiveTokenBudget(
         target_itl=0.5, max_num_batched_tokens=256, min_tokens=16, initial_tokens=64)
@@ -357,7 +369,8 @@ def test_task_5_outputs_equal_one_at_a_time_mlx_lm(engine_module, real, budget, 
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (3, 17, 9, 30)]
     expected = [mlx_lm_greedy(mlx_model, p, 6, tokenizer.eos_token_ids) for p in prompts]
     engine = engine_module.LLMEngine(model, tokenizer,
-                                     engine_module.EngineConfig(token_budget=budget, max_num_seqs=4, block_size=4))
+                                     engine_module.EngineConfig(**PLAIN_ENGINE, token_budget=budget, max_num_seqs=4,
+                                                                block_size=4))
     indices = list(range(len(prompts)))[::-1] if order == "reverse" else list(range(len(prompts)))
     seqs = {}
     for i in indices:
@@ -413,7 +426,8 @@ def test_task_5_ignore_eos_runs_past_eos(engine_module):
 def test_task_4_sampled_and_greedy_rows_see_the_logits_processing(engine_module, real):
     """A logit_bias of 100 on one token makes it every token, greedy or sampled: `sample` picks from the processed logits."""
     model, _, tokenizer = real
-    engine = engine_module.LLMEngine(model, tokenizer, engine_module.EngineConfig(token_budget=64, block_size=4))
+    engine = engine_module.LLMEngine(model, tokenizer, engine_module.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                                        block_size=4))
     forced = {1234: 100.0}
     seqs = [engine.add_request([5, 6, 7], ref.sequence.SamplingParams(max_tokens=4, logit_bias=forced, **extra))
             for extra in ({}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.7, "top_p": 0.5})]

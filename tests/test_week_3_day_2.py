@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.harness import reference, solution, stack
-from tests.week3_fakes import EOS, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected, mlx_lm_greedy
+from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected,
+                                mlx_lm_greedy)
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=2)
@@ -33,7 +34,7 @@ def scheduler_module():
 def make_engine(model, tokenizer, scheduler_module, **kwargs):
     """The reference engine on the block manager and scheduler under test."""
     log = kwargs.pop("log", None)
-    config = ref.engine.EngineConfig(**{"block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
+    config = ref.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
     engine = ref.engine.LLMEngine(model, tokenizer, config, log=log)
     engine.block_manager = sol.block_manager.BlockManager(config.pool_blocks, config.block_size)
     old = engine.scheduler

@@ -17,7 +17,7 @@ import random
 import pytest
 
 from tests.harness import reference, solution, stack
-from tests.week3_fakes import run_until_done
+from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 from tests.week3_stack import check_stack
 
 TASKS = {n: solution(week=3, day=3, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
@@ -47,9 +47,9 @@ def engines(sol, week3_model, monkeypatch):
     model, tokenizer = week3_model
 
     def make(enable_prefix_caching=True, **kwargs):
-        options = dict(token_budget=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
-        options.update(kwargs)
-        config = sol.engine.EngineConfig(enable_prefix_caching=enable_prefix_caching, **options)
+        options = dict(PLAIN_ENGINE, token_budget=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
+        options.update(kwargs, enable_prefix_caching=enable_prefix_caching)
+        config = sol.engine.EngineConfig(**options)
         return sol.engine.LLMEngine(model, tokenizer, config)
 
     return make
@@ -306,8 +306,8 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
         now[0] += 1.0  # every reading one second later: a log line at every step
         return now[0]
 
-    config = sol.engine.EngineConfig(token_budget=64, block_size=BLOCK, num_blocks=32, enable_prefix_caching=True,
-                                     log_interval=1.0)
+    config = sol.engine.EngineConfig(**{**PLAIN_ENGINE, "enable_prefix_caching": True}, token_budget=64, block_size=BLOCK,
+                                     num_blocks=32, log_interval=1.0)
     engine = sol.engine.LLMEngine(model, tokenizer, config, clock=clock, log=lines.append)
     prompt = tokens(2 * BLOCK + 1, 90)
     run(engine, [prompt, prompt], max_tokens=2, one_at_a_time=True)

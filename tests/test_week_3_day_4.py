@@ -6,8 +6,8 @@ recompute changes when a token comes, never which); every block is back in the p
 Each task's tests take the student's code for that task alone (`solution(week=3, day=4, task=N)`): Task 2's
 planner runs the reference's aging (Task 1) and preemption (Task 3), Task 3's the reference's order, so a bug
 in one task never costs another task's points. Task 4's shortest-prefill-first order is tested alone and in
-day 3.1's planner; Task 5 runs the student's days 3.1-3.4 together with priorities and caching on, and with
-shortest prefill first (tests/week3_stack.py).
+day 3.1's planner; Task 5's goodput budget on hand-made step times and a fake clock; Task 6 runs the student's days 3.1-3.4 together with priorities and caching on, with
+shortest prefill first, and with the goodput budget on the stack's virtual clock (tests/week3_stack.py).
 """
 
 import random
@@ -15,9 +15,10 @@ import random
 import pytest
 
 from tests.harness import reference, solution, stack
+from tests.week3_fakes import PLAIN_ENGINE
 from tests.week3_stack import check_stack
 
-TASKS = {n: solution(week=3, day=4, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
+TASKS = {n: solution(week=3, day=4, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 
@@ -60,7 +61,8 @@ def engine_factory(model32, monkeypatch):
         monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.order_policy.PriorityPolicy)
         monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.order_policy.ShortestPrefillFirst)
         now = [0]
-        options = dict(token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64, scheduling_policy="priority")
+        options = dict(PLAIN_ENGINE, token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64,
+                       scheduling_policy="priority")
         options.update(kwargs)
         engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**options), clock=lambda: now[0])
         STEP_CLOCKS[id(engine)] = now  # the test advances the clock by one per step (kept here: the engine is
@@ -328,9 +330,66 @@ def test_task_4_shorts_stream_early_same_tokens(engine_factory):
     assert engine.block_manager.num_free_blocks == 64 and engine.num_preemptions == 0
 
 
-# ---------------------------------------------------------------- Task 5: your stack so far
+# ---------------------------------------------------------------- Task 5: the goodput budget
 
 
-def test_task_5_your_stack_so_far():
+def measured_goodput_budget(**targets):
+    """The solution's goodput budget after two hand-made steps: a decode step costs 0.25 s, a prefill token 1/64 s
+    (numbers a float holds exactly, so every budget is a whole number of tokens)."""
+    policy = TASKS[5].token_budget.GoodputTokenBudget(max_num_batched_tokens=512, min_tokens=1, initial_tokens=32,
+                                                 smoothing=1.0, **targets)
+    policy.observe_step(4, 4, 0.25)
+    policy.observe_step(68, 4, 1.25)
+    return policy
+
+
+def test_task_5_step_time_rises_with_the_oldest_wait_up_to_the_itl_target():
+    policy = measured_goodput_budget(target_ttft=2.0, target_itl=0.75)
+    # 0.5 s of room above a decode step: half of it while nobody has waited, all of it at the 2 s TTFT target.
+    for waited, seconds in ((0.0, 0.5), (1.0, 0.625), (2.0, 0.75), (60.0, 0.75)):
+        assert policy.step_seconds(waited) == pytest.approx(seconds), \
+            f"the oldest request waited {waited} s (TTFT target 2 s, ITL target 0.75 s, decode step 0.25 s): a step " \
+            f"may take {seconds} s, got {policy.step_seconds(waited)}"
+    times = [policy.step_seconds(w / 10) for w in range(40)]
+    assert times == sorted(times) and max(times) <= 0.75 + 1e-12, "the longer the wait, the longer the step, never " \
+                                                                   "past the ITL target"
+    assert [policy.budget(4, 0, w) for w in (0.0, 1.0, 2.0, 100.0)] == [4 + 16, 4 + 24, 4 + 32, 4 + 32]
+
+
+def test_task_5_targets_in_decode_steps():
+    # No targets in seconds: the ITL target is 3 decode steps (0.75 s), the TTFT target 8 (2 s).
+    policy = measured_goodput_budget(target_ttft=None, ttft_multiple=8.0, target_itl=None, decode_multiple=3.0)
+    assert [policy.step_seconds(w) for w in (0.0, 1.0, 3.0)] == pytest.approx([0.5, 0.625, 0.75])
+    # A long TTFT target and a tight ITL target are not the same as the other way round.
+    tight_itl = measured_goodput_budget(target_ttft=4.0, target_itl=0.5)
+    assert [tight_itl.budget(4, 0, w) for w in (0.0, 2.0, 4.0, 9.0)] == [4 + 8, 4 + 12, 4 + 16, 4 + 16]
+    for bad in (dict(target_ttft=0.0), dict(target_ttft=-1.0), dict(ttft_multiple=0.0)):
+        with pytest.raises(ValueError):
+            TASKS[5].token_budget.GoodputTokenBudget(**bad)
+
+
+def test_task_5_the_planner_hears_the_oldest_wait():
+    """Day 3.1's planner with the solution's goodput budget and a fake clock: the step's budget follows the age of
+    the oldest request still without its first token, and no other."""
+    now = [0.0]
+    policy = measured_goodput_budget(target_ttft=2.0, target_itl=0.75)
+    scheduler = ref.scheduler.Scheduler(ref.block_manager.BlockManager(64, 4), policy, 4, clock=lambda: now[0])
+    assert scheduler.step_budget(4) == 4 + 16  # nobody waits
+    streamed = ref.sequence.Sequence("preempted", tokens(8, 0), arrival_time=0.0)
+    streamed.output_token_ids.append(7)  # preempted after its first token: its TTFT is behind it
+    scheduler.add(streamed)
+    now[0] = 10.0
+    assert scheduler.step_budget(4) == 4 + 16, "a request that already streamed is not waiting for a first token"
+    scheduler.add(ref.sequence.Sequence("young", tokens(8, 1), arrival_time=9.0))
+    scheduler.add(ref.sequence.Sequence("old", tokens(8, 2), arrival_time=8.0))
+    assert scheduler.step_budget(4) == 4 + 32, "the oldest request has waited 2 s: the whole room"
+    now[0] = 9.0
+    assert scheduler.step_budget(4) == 4 + 24, "the oldest request has waited 1 s: three quarters of the room"
+
+
+# ---------------------------------------------------------------- Task 6: your stack so far
+
+
+def test_task_6_your_stack_so_far():
     """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
     check_stack(stack(week=3, day=4), day=4)

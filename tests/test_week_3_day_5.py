@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.harness import reference, solution, stack
 from tests.sampling_oracles import penalized, raw_logprobs
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
-from tests.week3_fakes import run_until_done
+from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=5)  # Tasks 1-3: the student's pure functions
@@ -46,8 +46,8 @@ def tokenizer(model):
 
 
 def make_engine(model):
-    return ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(token_budget=64, max_num_seqs=16,
-                                                                             block_size=8))
+    return ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                             max_num_seqs=16, block_size=8))
 
 
 def in_process(model, prompt_text: str, max_tokens: int) -> str:
@@ -251,8 +251,8 @@ def test_task_4_metrics_endpoint(model, tokenizer):
 def test_task_4_latency_phases_add_up(model, tokenizer):
     """vLLM's request phases: queue, prefill and decode follow each other inside the end-to-end latency; a
     request that leaves while it waits in the engine's queue counts in none of them."""
-    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(token_budget=64, max_num_seqs=1,
-                                                                               block_size=8))
+    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                               max_num_seqs=1, block_size=8))
     step = engine.step
     engine.step = lambda: (time.sleep(0.02), step())[1]  # 400 tokens take 8 s: time to queue the second request
     app = served.server.create_app(engine, tokenizer, MODEL)
@@ -681,7 +681,7 @@ def test_task_4_several_choices(model, tokenizer):
 def test_task_4_http_extras(model, tokenizer):
     """API key, CORS, request id, GET /v1/models/{id}, OpenAI's max_tokens precedence, priorities."""
     engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(
-        token_budget=64, max_num_seqs=16, block_size=8, scheduling_policy="priority"))
+        **{**PLAIN_ENGINE, "scheduling_policy": "priority"}, token_budget=64, max_num_seqs=16, block_size=8))
     priorities = []
     add_request = engine.add_request
 
@@ -914,7 +914,7 @@ def test_task_4_ignore_eos_runs_to_max_tokens(model, tokenizer):
 def test_task_4_cached_tokens_in_usage(model, tokenizer):
     """`usage.prompt_tokens_details.cached_tokens`: 0 the first time, the shared full blocks the second."""
     engine = ref.engine.LLMEngine(model[0], tokenizer, ref.engine.EngineConfig(
-        token_budget=64, max_num_seqs=16, block_size=8, enable_prefix_caching=True))
+        **{**PLAIN_ENGINE, "enable_prefix_caching": True}, token_budget=64, max_num_seqs=16, block_size=8))
     app = served.server.create_app(engine, tokenizer, MODEL)
     prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))

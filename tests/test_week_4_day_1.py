@@ -25,7 +25,7 @@ import pytest
 from tests.chi_square import assert_distribution, chi_square_p_value
 from tests.harness import class_of, fetch, reference, solution, stack
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
-from tests.week3_fakes import FakeWeek3Model, mlx_lm_greedy
+from tests.week3_fakes import PLAIN_ENGINE, FakeWeek3Model, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
 
 TASKS = {n: solution(week=4, day=1, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
@@ -172,7 +172,7 @@ def fake_engine(sol, logits_of=fake_logits, proposer=None, num_speculative_token
                 probe_interval=8, **config):
     """`sol`'s SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
     speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
-    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), sol.engine.EngineConfig(**config),
+    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), sol.engine.EngineConfig(**{**PLAIN_ENGINE, **config}),
                                                speculation=speculation, proposer=proposer)
     engine.runner = FakeSpeculativeRunner(engine, sol, logits_of)
     return engine
@@ -703,7 +703,7 @@ def test_task_5_whole_day_on_the_embedded_model_equals_mlx_lm(real, budget, k):
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
     for name, proposer in (("draft", sol.speculative.DraftModelProposer(mlx_model)),
                            ("n-gram", sol.speculative.NgramProposer(3, 1))):
-        config = sol.engine.EngineConfig(token_budget=budget, max_num_seqs=3, block_size=4)
+        config = sol.engine.EngineConfig(**PLAIN_ENGINE, token_budget=budget, max_num_seqs=3, block_size=4)
         engine = sol.speculative.SpeculativeEngine(model, tokenizer, config, proposer=proposer,
                                                    speculation=sol.speculative.SpeculativeConfig(k))
         seqs = [engine.add_request(p, Params(max_tokens=10), request_id=i) for i, p in enumerate(prompts)]

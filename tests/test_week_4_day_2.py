@@ -22,6 +22,7 @@ import mlx.core as mx
 import pytest
 
 from tests.harness import reference, solution, stack
+from tests.week3_fakes import PLAIN_ENGINE
 from tests.week4_stack import check_quantized_stack
 
 TASKS = {n: solution(week=4, day=2, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
@@ -97,7 +98,8 @@ def prefill_logits(model, pool, tokens: list[int], block_table: list[int], block
 
 def engine_config(**knobs):
     """The tests' engine knobs: blocks of 4 tokens, 4 sequences, 16 tokens a step, and `knobs`."""
-    return ref.engine.EngineConfig(**{"block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16, **knobs})
+    return ref.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16,
+                                      **knobs})
 
 
 def make_engine(sol, model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None):

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.harness import reference, solution, stack
+from tests.week3_fakes import PLAIN_ENGINE
 
 sol = solution(week=4, day=5)
 ref = reference()
@@ -500,7 +501,7 @@ def run_engine(package, model32, requests, **config) -> tuple[dict, dict, dict]:
     """Every request through `package`'s engine: (tokens by id, finish reason by id, the Sequence by id)."""
     mlx_model, tokenizer = model32
     engine = package.engine.LLMEngine(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer,
-                                      package.engine.EngineConfig(**config))
+                                      package.engine.EngineConfig(**{**PLAIN_ENGINE, **config}))
     seqs = {rid: engine.add_request(prompt, sampling, rid) for rid, prompt, sampling in requests}
     tokens, reasons = {rid: [] for rid in seqs}, {}
     for _ in range(STEP_LIMIT):
@@ -565,7 +566,8 @@ def served(model32):
     sol.engine.generate(model, tokenizer, [[1]], sol.sequence.SamplingParams(max_tokens=1))
 
     def app():
-        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(token_budget=64, block_size=8))
+        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                                    block_size=8))
         return sol.server.create_app(engine, tokenizer, "tiny")
     return app, tokenizer
 

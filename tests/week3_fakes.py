@@ -21,6 +21,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from tests.harness import fetch
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401
 
+# EngineConfig fields for plans that depend on neither time nor prompt length: a fixed token budget, first come
+# first served, no prefix cache. The engine's defaults are the labs' recommended configuration (a budget that
+# follows measured step times, shortest prefill first, prefix caching); a test about one mechanism asks for this
+# plain engine and switches on what it tests.
+PLAIN_ENGINE = {"budget_policy": "fixed", "scheduling_policy": "fcfs", "enable_prefix_caching": False}
+
 
 class FakeWeek3Model:
     """What LLMEngine needs of a model when the runner is a FakeRunner."""

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tests.harness import reference
 from tests.serve_fakes import running_server, wait_until
-from tests.week3_fakes import run_until_done
+from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 
 VOCAB = 64
 EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
@@ -283,8 +283,9 @@ class Run:
 
 
 def engine_options(day: int) -> dict:
-    """The engine a student serves with on day D: prefix caching from 3.3, priorities from 3.4."""
-    return dict(enable_prefix_caching=day >= 3, scheduling_policy="priority" if day >= 4 else "fcfs")
+    """The engine a student serves with on day D: prefix caching from 3.3, priorities from 3.4; a fixed budget
+    (plans that do not depend on step times; `workload_adaptive_budget` and `workload_goodput_budget` time them)."""
+    return dict(PLAIN_ENGINE, enable_prefix_caching=day >= 3, scheduling_policy="priority" if day >= 4 else "fcfs")
 
 
 def make_engine(package, probe: ModelProbe, **options):
@@ -360,7 +361,7 @@ def workload_adaptive_budget(package, day):
     # The probe charges 2 ms a step and 0.25 ms a prefill token: 32 prefill tokens fit beside a decode in 10.1 ms.
     target = 0.0101
     requests = [Request("chat", tokens(4, 30), max_tokens=30), Request("long", tokens(160, 31), max_tokens=3, arrive=2)]
-    result = run(package, day, requests, adaptive_budget=True, target_itl=target, token_budget=64, num_blocks=64)
+    result = run(package, day, requests, budget_policy="adaptive", target_itl=target, token_budget=64, num_blocks=64)
     result.check_outputs()
     result.check_clean()
     mixed = [(index, call) for index, call in enumerate(result.probe.calls) if 0 < call[1] < call[0]]
@@ -372,6 +373,42 @@ def workload_adaptive_budget(package, day):
     assert first <= 2 + 10, \
         f"the 160-token prompt arriving at step 2 got its first output at step {first}: with the budget adapted " \
         f"to the measured costs (32 prefill tokens a step beside the decode) it needs 5 steps"
+
+
+def workload_goodput_budget(package, day):
+    """Day 3.4: the goodput budget through the engine: every step sized for the oldest wait, never past the ITL target."""
+    # The probe charges 2 ms a step and 0.25 ms a prefill token: the ITL target leaves 8 ms of room above a decode
+    # step (32 prefill tokens), half of it (16) while nobody waits, all of it once a request has waited 30 ms.
+    itl, ttft, base, per_token = 0.010, 0.030, 0.002, 0.00025
+    requests = [Request("chat", tokens(4, 30), max_tokens=40), Request("long", tokens(150, 31), max_tokens=3, arrive=2),
+                Request("late", tokens(60, 32), max_tokens=3, arrive=16)]
+    result = run(package, day, requests, budget_policy="goodput", target_itl=itl, target_ttft=ttft, token_budget=64,
+                 num_blocks=64)
+    result.check_outputs()
+    result.check_clean()
+    calls = result.probe.calls
+    assert len(calls) == result.step_index, "every step of this workload runs the model once"
+    starts = [sum(seconds for _, _, seconds in calls[:index]) for index in range(len(calls))]
+    first_mixed = next(index for index, (num_tokens, decodes, _) in enumerate(calls) if 0 < decodes < num_tokens)
+    checked = 0
+    for step, (num_tokens, decodes, seconds) in enumerate(calls):
+        if step <= first_mixed or not 0 < decodes < num_tokens:
+            continue  # the first mixed step measures a prefill token's cost; without decodes nobody waits on a step
+        waiting = [starts[r.arrive] for r in requests if r.arrive <= step <= result.first_output_step(r.request_id)]
+        urgency = min(1.0, (starts[step] - min(waiting)) / ttft) if waiting else 0.0
+        allowed = base + (itl - base) * (1 + urgency) / 2
+        assert seconds <= allowed + 1e-9, \
+            f"step {step}: {decodes} decode(s) and {num_tokens - decodes} prefill tokens took {seconds * 1000:.2f} ms; " \
+            f"the oldest request without a first token had waited {(urgency * ttft) * 1000:.1f} ms, so the step may " \
+            f"take {allowed * 1000:.2f} ms (half the room below the {itl * 1000:.0f} ms ITL target, rising to all of it " \
+            f"at the {ttft * 1000:.0f} ms TTFT target)"
+        ends_a_prompt = any(result.first_output_step(r.request_id) == step for r in requests)
+        if not ends_a_prompt:  # a prompt's last chunk may be shorter than the budget
+            assert seconds >= allowed - 2 * per_token - 1e-9, \
+                f"step {step}: {num_tokens - decodes} prefill tokens took {seconds * 1000:.2f} ms, more than a token " \
+                f"under the {allowed * 1000:.2f} ms this step may take"
+            checked += 1
+    assert checked >= 4, f"only {checked} steps shared a decode with a prefill chunk; the workload needs more"
 
 
 def seeded_requests() -> list[Request]:
@@ -643,7 +680,7 @@ WORKLOADS = [  # (first day it runs on, workload)
     (1, workload_pressure), (1, workload_model_failure), (1, workload_adaptive_budget), (1, workload_seeded_sampling),
     (3, workload_prefix_cache), (3, workload_prefix_chain), (3, workload_whole_block_prompts),
     (4, workload_priorities), (4, workload_shortest_prefill_first), (4, workload_starvation), (4, workload_urgent_room),
-    (4, workload_queue_order),
+    (4, workload_queue_order), (4, workload_goodput_budget),
     (5, workload_serving),
 ]
 

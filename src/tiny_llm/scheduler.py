@@ -23,6 +23,7 @@ token: sequences change state here and nowhere else (the engine only reads them)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -137,12 +138,14 @@ class Scheduler:
     """Waiting and running sequences, the block manager, the planner `schedule()` and the updater `update_from_output()`."""
 
     def __init__(self, block_manager: BlockManager, token_budget, max_num_seqs: int = 16, order=None,
-                 eos_token_ids=(), log: Callable[[str], None] | None = None):
-        """Plan steps within `token_budget` (a budget policy) for at most `max_num_seqs` running sequences (provided).
+                 eos_token_ids=(), log: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        """Plan steps within `token_budget` (a `token_budget.BudgetPolicy`) for at most `max_num_seqs` running sequences (provided).
 
         The budget policy alone owns the cap (`token_budget.max_num_batched_tokens`); every decode token
         must fit under it, so `max_num_seqs` may not exceed it. `order` is the order policy (default:
-        first come, first served); `eos_token_ids` end a sequence.
+        first come, first served); `eos_token_ids` end a sequence; `clock` (the engine's, which stamps
+        each sequence's `arrival_time`) tells the budget policy how long the queue's oldest request has waited.
         """
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -156,6 +159,7 @@ class Scheduler:
         self.order = order or FirstComeFirstServed()
         self.eos_token_ids = set(eos_token_ids)
         self.log = log or (lambda line: None)
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # most urgent first: the last one is preempted first
         self.num_preemptions = 0
@@ -174,9 +178,20 @@ class Scheduler:
     def step_budget(self, num_decoding: int) -> int:
         """The token budget of the next step: the policy's answer, never below the decode tokens (provided).
 
-        The policy hears where the next prefill chunk starts: late in a long prompt a token costs more.
+        The policy hears where the next prefill chunk starts (late in a long prompt a token costs more)
+        and how long the oldest request without a first token has waited (day 3.4's goodput budget).
         """
-        return max(self.token_budget.budget(num_decoding, self.next_prefill_offset()), num_decoding)
+        budget = self.token_budget.budget(num_decoding, self.next_prefill_offset(), self.oldest_wait())
+        return max(budget, num_decoding)
+
+    def oldest_wait(self) -> float:
+        """Seconds the longest-waiting request still without its first token has waited; 0 when none (provided).
+
+        Waiting or part-way through its prompt, its time to first token runs; a preempted sequence that
+        already streamed is no longer waiting for a first token.
+        """
+        arrivals = [seq.arrival_time for seq in (*self.waiting, *self.running) if not seq.output_token_ids]
+        return max(0.0, self.clock() - min(arrivals)) if arrivals else 0.0
 
     def next_prefill_offset(self) -> int:
         """Where the next prefill chunk would start (provided).

@@ -13,14 +13,38 @@ how fast prompts get prefilled.
   within a latency target; with nobody decoding, the full budget (nobody waits on the step). A long
   prompt is then spread over the decode steps that have to run anyway, each one filled up to the
   target, instead of stalling them; late in the prompt, where a token costs more, with fewer tokens.
+- `GoodputTokenBudget` (day 3.4): the same cost model, and the two promises a server makes: a
+  time-to-first-token target for the requests still waiting for their first token and an inter-token
+  latency target for the ones streaming. A step normally takes half the room the ITL target leaves
+  above a plain decode step; as the longest-waiting request nears its TTFT target, prefill gets more
+  of that room, all of it once the target is reached, never more.
 
-The scheduler asks `budget(num_decoding, offset)` before planning a step (`offset`: where the next
-prefill chunk starts), and the engine reports each step with
+The scheduler asks `budget(num_decoding, offset, waited)` before planning a step (`offset`: where the
+next prefill chunk starts; `waited`: how long the longest-waiting request without a first token has
+waited, in seconds), and the engine reports each step with
 `observe_step(num_tokens, num_decoding, seconds, offset)` (`offset`: where its prefill chunks started,
-the mean over their tokens).
+the mean over their tokens). `BudgetPolicy` is that contract.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
+
+
+class BudgetPolicy(Protocol):
+    """What the scheduler and the engine need of a token-budget policy (provided)."""
+
+    max_num_batched_tokens: int  # the cap: no step runs more tokens, whatever the policy answers
+
+    def budget(self, num_decoding: int, offset: int = 0, waited: float = 0.0) -> int:
+        """The next step's token budget: `num_decoding` decodes are planned, the next prefill chunk starts at
+        `offset`, and the longest-waiting request without a first token has waited `waited` seconds."""
+
+    def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
+        """A step ran `num_tokens` tokens, `num_decoding` of them decodes, in `seconds`; its prefill at `offset`."""
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
 
 
 class FixedTokenBudget:
@@ -32,7 +56,7 @@ class FixedTokenBudget:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
 
-    def budget(self, num_decoding: int, offset: int = 0) -> int:
+    def budget(self, num_decoding: int, offset: int = 0, waited: float = 0.0) -> int:
         """The token budget of the next step: always `max_num_batched_tokens`."""
         return self.max_num_batched_tokens
 
@@ -84,10 +108,12 @@ class AdaptiveTokenBudget:
         # Moving averages of (offset, seconds per prefill token, offset^2, offset * seconds per token).
         self.moments: tuple[float, float, float, float] | None = None
 
-    def budget(self, num_decoding: int, offset: int = 0) -> int:
-        """The largest budget whose predicted step time is within the target (full budget when nobody decodes)."""
+    def budget(self, num_decoding: int, offset: int = 0, waited: float = 0.0) -> int:
+        """The largest budget whose predicted step time is within the target (full budget when nobody decodes).
+
+        `waited` (how long the queue's oldest request has waited) is not this policy's concern: day 3.4's is."""
         # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens;
-        # TODO: else num_decoding + (target() - base) / seconds_per_token(offset), clamped
+        # TODO: else num_decoding + (step_seconds(waited) - base) / seconds_per_token(offset), clamped
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target"
         )
@@ -109,10 +135,14 @@ class AdaptiveTokenBudget:
         )
 
     def target(self) -> float:
-        """The step time to aim for, in seconds (provided)."""
+        """The ITL target, in seconds: `target_itl`, or `decode_multiple` decode-only steps (provided)."""
         if self.target_itl is not None:
             return self.target_itl
         return self.decode_multiple * (self.base_seconds or 0.0)
+
+    def step_seconds(self, waited: float) -> float:
+        """How long the next step may take: here always the target (provided; day 3.4's budget moves it with `waited`)."""
+        return self.target()
 
     def describe(self) -> str:
         """One line for the engine's start-up log."""
@@ -124,3 +154,54 @@ class AdaptiveTokenBudget:
     def _average(self, old: float | None, new: float) -> float:
         """Exponential moving average; the first measurement is taken as it is (provided)."""
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+
+class GoodputTokenBudget(AdaptiveTokenBudget):
+    """Day 3.4: a budget that keeps both promises, the first token's (TTFT) and the next ones' (ITL).
+
+    Goodput counts the requests that meet both targets (DistServe); a step's time is what trades them
+    (Sarathi-Serve): a longer step prefills the waiting requests faster and makes every streaming one
+    wait longer for its next token. Day 3.1's cost model (`base_seconds`, `seconds_per_token`) turns a
+    step time into a budget; this class only chooses the step time, from how long the longest-waiting
+    request without a first token has waited (`waited`):
+
+        urgency = min(1, waited / ttft_target())
+        step    = base + (itl_target - base) * (1 + urgency) / 2
+
+    The ITL target (`target()`: `target_itl` seconds, or `decode_multiple` decode-only steps) is the
+    ceiling: no step is planned longer. While every waiting request is young a step takes half the
+    room above a plain decode step, so tokens stream well inside their target; as the oldest nears
+    its TTFT target (`target_ttft` seconds, or `ttft_multiple` decode-only steps), prefill gets more
+    of the room, all of it once the target is reached, never more.
+    """
+
+    def __init__(self, target_ttft: float | None = None, ttft_multiple: float = 10.0, **adaptive):
+        """Day 3.1's knobs (`adaptive`, the ITL target among them), and the TTFT target in seconds or decode-only steps."""
+        super().__init__(**adaptive)
+        if target_ttft is not None and not target_ttft > 0:
+            raise ValueError(f"target_ttft must be > 0 seconds (or None), got {target_ttft}")
+        if not ttft_multiple > 0:
+            raise ValueError(f"ttft_multiple must be > 0, got {ttft_multiple}")
+        self.target_ttft = target_ttft
+        self.ttft_multiple = ttft_multiple
+
+    def ttft_target(self) -> float:
+        """The TTFT target, in seconds: `target_ttft`, or `ttft_multiple` decode-only steps (provided)."""
+        if self.target_ttft is not None:
+            return self.target_ttft
+        return self.ttft_multiple * (self.base_seconds or 0.0)
+
+    def step_seconds(self, waited: float) -> float:
+        """Half the room between a decode step and the ITL target, rising to all of it as `waited` reaches the TTFT target."""
+        # TODO: urgency = waited / ttft_target(), at most 1 (1 when that target is 0: nothing measured, nothing to wait for)
+        # TODO: base + (target() - base) * (1 + urgency) / 2: half the room when nobody waits, all of it at the TTFT target
+        raise NotImplementedError(
+            "Week 3 Day 4 Task 5 (book/src/week3-04-priorities.md): the step time both targets allow"
+        )
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        itl = f"{self.target_itl * 1000:.0f} ms" if self.target_itl is not None else f"{self.decode_multiple:g} decode steps"
+        ttft = f"{self.target_ttft:g} s" if self.target_ttft is not None else f"{self.ttft_multiple:g} decode steps"
+        return (f"a goodput token budget of {self.min_tokens}-{self.max_num_batched_tokens} tokens for an ITL target "
+                f"of {itl} and a TTFT target of {ttft}")
