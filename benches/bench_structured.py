@@ -20,7 +20,8 @@ Three parts, one run, the same model and tokenizer throughout:
    lexer) on the same vocabulary, in the same run: index build time (ours: the tokenizer's trie once,
    then each schema's automaton; llguidance: its tokenizer once, then each schema's grammar), mask time
    per step (ours the first time a state is met, and over every step; llguidance's every step), whether
-   the two masks agree token for token, and the masks a lazy index holds against a full one.
+   the two masks agree token for token (llguidance's widened by the non-canonical prefixes of the bytes it
+   forces, and DEL left out: its two documented differences), and the states a lazy index met against all.
 3. Throughput. A batch of constrained requests against the same batch free, decode tokens/s while the
    whole batch decodes (masks cold: a fresh constraint per request; warm: the same ones again).
 
@@ -230,6 +231,17 @@ def peer_tokenizer(tokenizer, vocab_size: int):
     return llguidance.hf.from_tokenizer(hf, vocab_size, eos_token=sorted(tokenizer.eos_token_ids))
 
 
+def peer_token_bytes(llg_tokenizer, vocab_size: int) -> dict[bytes, int]:
+    """{bytes: token} as llguidance decodes each ordinary token."""
+    return {llg_tokenizer.decode_bytes([t]): t for t in range(vocab_size) if not llg_tokenizer.is_special_token(t)}
+
+
+def same_language(ours: np.ndarray, peer: np.ndarray, del_tokens: np.ndarray) -> bool:
+    """Whether two masks agree on every token without a DEL byte (0x7F: JSON allows it in a string, as ours does;
+    llguidance refuses it)."""
+    return np.array_equal(ours[~del_tokens], peer[~del_tokens])
+
+
 def peer_grammar(schema: dict) -> str:
     """llguidance's grammar for `schema`, with whitespace as ours: at most one space between JSON tokens."""
     import llguidance
@@ -254,11 +266,11 @@ def replay_ours(structured, tokenizer, vocab_size: int, schema: dict, outputs: l
         state = constraint.start
         for token in tokens:
             cold = state not in constraint.index.masks
-            mask, seconds = timed(lambda s: np.array(constraint.index.mask(s)), state)
+            mask, seconds = timed(constraint.index.mask, state)
             if cold:
                 first.append(seconds)
             steps.append(seconds)
-            masks.append(mask)
+            masks.append(np.array(mask))
             state = constraint.next_state(state, token)
     try:
         states_all = len(constraint.automaton.explore(FULL_INDEX_LIMIT)[1])
@@ -268,8 +280,14 @@ def replay_ours(structured, tokenizer, vocab_size: int, schema: dict, outputs: l
             "states_met": len(constraint.index.masks), "states_all": states_all}
 
 
-def replay_peer(llg_tokenizer, vocab_size: int, schema: dict, outputs: list[list[int]]) -> dict:
-    """llguidance's matcher for `schema` on the same outputs: build time, each step's time and mask."""
+def replay_peer(llg_tokenizer, by_bytes: dict, vocab_size: int, schema: dict, outputs: list[list[int]]) -> dict:
+    """llguidance's matcher for `schema` on the same outputs: build time, each step's time and mask.
+
+    Where the grammar forces bytes (a key, the rest of an enum value), llguidance allows only the tokenizer's
+    own first token of them (`name`, not `n` or `na`: its documented choice), where ours allows every token whose
+    bytes fit. Each step's `masks` entry adds the tokens that are a prefix of its forced bytes (not timed): the
+    mask of the language, to compare with ours.
+    """
     import llguidance
 
     grammar, build_s = timed(peer_grammar, schema)
@@ -280,6 +298,8 @@ def replay_peer(llg_tokenizer, vocab_size: int, schema: dict, outputs: list[list
         for token in tokens:
             mask, seconds = timed(peer_mask, matcher, vocab_size)
             steps.append(seconds)
+            forced = matcher.compute_ff_bytes()
+            mask[[by_bytes[forced[:end]] for end in range(1, len(forced) + 1) if forced[:end] in by_bytes]] = True
             masks.append(mask)
             if not matcher.consume_token(token):
                 refused += 1
@@ -296,6 +316,10 @@ def mask_figures(bench, cases: list, constrained_outputs: dict) -> dict:
     llg_tokenizer, llg_tokenizer_s = timed(peer_tokenizer, tokenizer, vocab_size)
     if llg_tokenizer is None:
         print("llguidance is not installed (it is in the dev group: `pdm install`): ours alone")
+    else:
+        by_bytes = peer_token_bytes(llg_tokenizer, vocab_size)
+        del_tokens = np.zeros(vocab_size, dtype=bool)
+        del_tokens[[token for data, token in by_bytes.items() if 0x7F in data]] = True
     rows = []
     for name in lab.progress(list(dict.fromkeys(name for name, _ in cases)), "masks"):
         outputs = [constrained_outputs[i] for i, (n, _) in enumerate(cases) if n == name]
@@ -306,8 +330,8 @@ def mask_figures(bench, cases: list, constrained_outputs: dict) -> dict:
                "ours_step_ms": 1000 * statistics.mean(ours["steps"]) if ours["steps"] else None,
                "states_met": ours["states_met"], "states_all": ours["states_all"] or f">{FULL_INDEX_LIMIT}"}
         if llg_tokenizer is not None:
-            peer = replay_peer(llg_tokenizer, vocab_size, SCHEMAS[name], outputs)
-            agree = [np.array_equal(a, b) for a, b in zip(ours["masks"], peer["masks"])]
+            peer = replay_peer(llg_tokenizer, by_bytes, vocab_size, SCHEMAS[name], outputs)
+            agree = [same_language(a, b, del_tokens) for a, b in zip(ours["masks"], peer["masks"])]
             row.update(llg_build_ms=1000 * peer["build_s"], refused_by_llg=peer["refused"],
                        llg_step_ms=1000 * statistics.mean(peer["steps"]) if peer["steps"] else None,
                        llg_step_max_ms=1000 * max(peer["steps"], default=0),
