@@ -128,8 +128,9 @@ def build_parser():
 
 
 def chat(tokenizer, request: str, schema: dict) -> list[int]:
-    """The prompt: the request and the schema it must follow, in the model's chat template where it has one."""
-    content = f"{request} Answer with JSON only, following this JSON schema:\n{json.dumps(schema)}"
+    """The prompt: the schema to follow, then the request (so one schema's prompts share a prefix for the prefix
+    cache), in the model's chat template where it has one."""
+    content = f"Answer with JSON only, following this JSON schema:\n{json.dumps(schema)}\n\n{request}"
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     return tokenizer.encode(content, add_special_tokens=False)
@@ -184,7 +185,7 @@ def validity(bench, cases: list, constraints: dict, args) -> tuple[dict, dict]:
     tokenizer, selection = bench.tokenizer, bench.selection
     arrivals = [Arrival(name, chat(tokenizer, prompt.format(name), SCHEMAS[name]), args.max_tokens)
                 for name, prompt in cases]
-    config = dict(token_budget=512, max_num_seqs=16, block_size=16, num_blocks=800)
+    config = dict(token_budget=512, max_num_seqs=16, block_size=16, num_blocks=800, enable_prefix_caching=True)
     makers = {MODES[0]: lambda: Constrained(selection, bench.week3_model(), tokenizer, constraints, **config),
               MODES[1]: lambda: Constrained(selection, bench.week3_model(), tokenizer, {}, **config),
               MODES[2]: lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=16)}
