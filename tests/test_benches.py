@@ -133,6 +133,40 @@ def test_bench_kv_quant_bad_option_is_one_line(capsys, option):
     assert capsys.readouterr().err.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("option", [["--schemas", "0"], ["--prompts", "6"], ["--batch", "0"]])
+def test_bench_structured_bad_option_is_one_line(capsys, option):
+    from benches import bench_structured
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_structured.main(["--model", "embedded", *option])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_bench_structured_schemas_are_served_and_valid_schemas():
+    import jsonschema
+
+    from benches import bench_structured
+    from course import selector
+
+    structured = selector.reference().structured
+    for name, schema in bench_structured.SCHEMAS.items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        structured.compile_schema(schema)  # a keyword outside the served subset raises, naming it
+
+
+def test_bench_structured_reads_an_output_strictly_and_leniently():
+    from benches.bench_structured import verdict
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    assert verdict('{"a": 1}', schema, True) == {"parses": True, "valid": True, "valid_lenient": True, "finished": True}
+    fenced = verdict('Sure! Here it is: ```json\n{"a": 1}\n``` {"b"', schema, False)
+    assert fenced == {"parses": False, "valid": False, "valid_lenient": True, "finished": False}
+    assert verdict('{"a": "1"}', schema, True) == {"parses": True, "valid": False, "valid_lenient": False,
+                                                   "finished": True}
+    assert not any(verdict('{"a": 1', schema, False).values())
+
+
 def test_bench_serve_launches_the_chosen_solution_and_says_no_to_it_with_base_url(capsys):
     from benches import bench_serve
 

@@ -1,10 +1,10 @@
 """Week 4 Day 5: structured outputs (book/src/week4-05-structured-outputs.md).
 
-Oracles: Python's `json` (what a JSON text is, and json.dumps' ways of writing one), a small checker
-of the schema subset's meaning written here (`valid`), random schemas and their instances drawn by
-hypothesis (`schemas`, `instance`), each token's bytes walked one at a time (the mask's definition),
-mlx-lm's model with the reference's masks (a constrained greedy run, request alone), and the same
-engine without the constraint (what a constrained request's neighbours must still get).
+Oracles: Python's `json` (what a JSON text is, and json.dumps' ways of writing one), `jsonschema`
+(whether a value meets its schema), random schemas and their instances drawn by hypothesis
+(`schemas`, `instance`), each token's bytes walked one at a time (the mask's definition), mlx-lm's
+model with the reference's masks and with llguidance's (a constrained greedy run, request alone),
+and the same engine without the constraint (what a constrained request's neighbours must still get).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import json
 import random
 
+import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -117,43 +118,9 @@ def instance(draw, schema, root):
     return {"boolean": lambda: draw(st.booleans()), "null": lambda: None}[kind]()
 
 
-def same_json(a, b) -> bool:
-    """Equal as JSON values: True is not 1, 1 is 1.0."""
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return type(a) is type(b) and a == b
-    return a == b if type(a) is type(b) or {type(a), type(b)} <= {int, float} else False
-
-
-def valid(schema, value, root) -> bool:
-    """Whether `value` (as json.loads gives it) meets `schema`, the subset's meaning written out."""
-    schema = resolve(schema, root)
-    if "enum" in schema:
-        return any(same_json(value, option) for option in schema["enum"])
-    if "const" in schema:
-        return same_json(value, schema["const"])
-    if "anyOf" in schema:
-        return any(valid(option, value, root) for option in schema["anyOf"])
-    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-    return any(valid_type(kind, schema, value, root) for kind in kinds)
-
-
-def valid_type(kind, schema, value, root) -> bool:
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (isinstance(value, dict) and set(value) <= set(props) and set(schema.get("required", [])) <= set(value)
-                and all(valid(props[k], v, root) for k, v in value.items()))
-    if kind == "array":
-        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 10**9)
-                and all(valid(schema.get("items", {}), v, root) for v in value))
-    if kind == "string":
-        return isinstance(value, str) and schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 10**9)
-    if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    return value is None
+def meets(schema, value) -> bool:
+    """Whether `value` (as json.loads gives it) meets `schema`, by jsonschema (the schema's meaning, not ours)."""
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
 
 
 def writings(value) -> list[bytes]:
@@ -166,7 +133,7 @@ def writings(value) -> list[bytes]:
 def checked_text(data: bytes, schema) -> None:
     """Fail unless `data` is UTF-8 JSON that meets `schema`."""
     value = json.loads(data.decode("utf-8"))
-    assert valid(schema, value, schema), f"{data!r} does not meet {schema}"
+    assert meets(schema, value), f"{data!r} does not meet {schema}"
 
 
 def byte_walk(automaton, rng: random.Random, limit: int = 400) -> bytes | None:
@@ -221,11 +188,10 @@ def test_task_1_refuses_what_breaks_the_schema(data):
     at = data.draw(st.integers(0, len(text)))
     text[at:at] = data.draw(st.sampled_from([b"}", b"]", b",", b'"', b"0", b"x", b"\xff", b"\x80"]))
     try:
-        value = json.loads(bytes(text).decode("utf-8"))
-        meets = valid(schema, value, schema)
+        valid = meets(schema, json.loads(bytes(text).decode("utf-8")))
     except (ValueError, UnicodeDecodeError):
-        meets = False
-    if not meets:
+        valid = False
+    if not valid:
         assert not automaton.matches(bytes(text)), f"{bytes(text)!r} breaks {schema} but the automaton accepts it"
 
 
@@ -544,6 +510,81 @@ def check_constrained_engine(package, model32, **config) -> None:
 
 def test_task_3_constrained_batch_with_neighbours(model32):
     check_constrained_engine(sol, model32)
+
+
+# ---------------------------------------------------------------- Task 3 against a peer library: llguidance
+
+
+# No free string: llguidance refuses DEL (0x7F) inside a string, which JSON allows and ours does too. An enum value
+# that Qwen2 writes only in tokens that cut a character (dög), optional members, an array, anyOf, a number.
+PEER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "count", "tags"], "properties": {
+    "kind": {"enum": ["cat", "dög", "🦙"]}, "count": {"type": "integer"}, "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"enum": ["a", "bé", None]}, "maxItems": 3},
+    "size": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}
+PEER_PROMPTS = ["JSON:", "Describe a pet as JSON."]
+PEER_MAX_TOKENS = 40
+
+
+@functools.cache
+def peer_tokenizer(tokenizer, vocab_size: int):
+    """(llguidance's tokenizer, {bytes: token} as llguidance decodes each token): built once, a few seconds."""
+    import llguidance.hf
+
+    peer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, vocab_size, eos_token=sorted(tokenizer.eos_token_ids))
+    return peer, {peer.decode_bytes([t]): t for t in range(vocab_size) if not peer.is_special_token(t)}
+
+
+def peer_greedy(mlx_model, tokenizer, prompt: list[int]) -> tuple[list[int], str]:
+    """mlx-lm's model on the request alone, each step's logits masked by llguidance's matcher for PEER_SCHEMA.
+
+    Where the grammar forces bytes (after `{"` the key `kind":`), llguidance allows only the tokenizer's own
+    first token of them (`kind`, not `k`, `ki`, `kin`: a choice it documents); ours allows every token whose
+    bytes fit. So each step's peer mask is llguidance's plus the tokens that are a prefix of its forced bytes
+    (`compute_ff_bytes`): then both are the mask of one language, and greedy picks the same token.
+    """
+    import llguidance
+    import llguidance.numpy
+
+    vocab_size = mlx_model.args.vocab_size
+    peer, by_bytes = peer_tokenizer(tokenizer, vocab_size)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(PEER_SCHEMA, defaults={"whitespace_pattern": " ?"})
+    matcher = llguidance.LLMatcher(peer, grammar, log_level=0)
+    bits = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    tokens, output = list(prompt), []
+    for _ in range(PEER_MAX_TOKENS):
+        llguidance.numpy.fill_next_token_bitmask(matcher, bits)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+        forced = matcher.compute_ff_bytes()
+        for end in range(1, len(forced) + 1):
+            if forced[:end] in by_bytes:
+                allowed[by_bytes[forced[:end]]] = True
+        logits = mlx_model(mx.array([tokens]))[0, -1]
+        token = mx.argmax(mx.where(mx.array(allowed), logits, -mx.inf)).item()
+        if token in tokenizer.eos_token_ids:
+            return output, "stop"
+        assert matcher.consume_token(token), matcher.get_error()
+        output.append(token)
+        tokens.append(token)
+        if matcher.is_stopped():  # nothing may follow: the output is complete
+            return output, "stop"
+    return output, "length"
+
+
+def test_task_3_greedy_equals_llguidance(model32):
+    """Your engine's greedy constrained output is the peer library's on the same model, schema and prompts."""
+    mlx_model, tokenizer = model32
+    constraint = sol.structured.make_constraint(PEER_SCHEMA, tokenizer, mlx_model.args.vocab_size)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PEER_PROMPTS]
+    requests = [(f"json{i}", prompt, sol.sequence.SamplingParams(max_tokens=PEER_MAX_TOKENS, constraint=constraint))
+                for i, prompt in enumerate(prompts)]
+    tokens, reasons, _ = run_engine(sol, model32, requests, block_size=8, num_blocks=64, token_budget=64)
+    for (rid, prompt, _), text in zip(requests, PEER_PROMPTS):
+        expected, reason = peer_greedy(mlx_model, tokenizer, prompt)
+        assert (tokens[rid], reasons[rid]) == (expected, reason), \
+            f"after {text!r}: yours {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), llguidance's " \
+            f"{tokenizer.decode(expected)!r} ({reason})"
+        if reason == "stop":
+            checked_text(tokenizer.decode(expected).encode(), PEER_SCHEMA)
 
 
 # ---------------------------------------------------------------- Task 4: your stack so far

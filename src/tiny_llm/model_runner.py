@@ -38,8 +38,10 @@ class ModelRunner:
         sampling = [chunk for chunk in plan.chunks if chunk.samples]
         batch = self.prepare(plan)
         logits = self.model(batch, self.pool)
-        # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up.
-        mx.eval(logits, *self.pool.arrays())
+        # Evaluate the new keys and values with the logits: left lazy, the pool's writes would pile up. Started,
+        # not waited for: while the model runs (on the GPU, or MLX's CPU thread), Python builds any token mask a
+        # constrained row needs (day 4.5), off the step's critical path; sampling waits for the logits.
+        mx.async_eval(logits, *self.pool.arrays())
         seqs = [chunk.seq for chunk in sampling]
         # A request's penalties, min_p and logit_bias, then its constraint's mask (day 4.5); none asked:
         # the logits themselves, at no cost.

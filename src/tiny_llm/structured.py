@@ -8,8 +8,8 @@ Three steps, one per task:
    made the first time some walk needs it. Bounded JSON (no recursive `$ref`, nesting depth fixed)
    is a regular language, so a finite automaton is enough; a recursive schema would need a stack.
 2. `TokenIndex.mask`: for one automaton state, the tokens whose bytes all keep the automaton alive
-   (walked byte by byte: byte-level BPE tokens can split a UTF-8 character), plus the end-of-sequence
-   token when the state accepts. Built the first time a state is met and cached.
+   (walked byte by byte, down the vocabulary's trie: byte-level BPE tokens can split a UTF-8 character),
+   plus the end-of-sequence token when the state accepts. Built the first time a state is met and cached.
 3. `constraint_state` and `apply_constraints`: in week 3's step, each constrained sequence's state
    after its output so far, and one masked `mx.where` over the constrained rows before sampling.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -422,10 +423,20 @@ def gpt2_byte_decoder() -> dict[str, int]:
     return chars
 
 
-class Vocabulary:
-    """Every token's bytes, packed for a walk of the whole vocabulary at once, longest tokens first.
+class TrieLevel(NamedTuple):
+    """The nodes of the vocabulary's trie at one depth: each is a distinct prefix of the tokens, that many bytes long."""
 
-    `matrix[i, j]` is byte j of token `ids[i]`; the first `active[j]` rows are the tokens longer than j.
+    parents: np.ndarray  # per node: its prefix one byte shorter (an index into the level above; the root is 0)
+    labels: np.ndarray  # per node: its last byte
+    tokens: np.ndarray  # the tokens exactly this long ...
+    ends: np.ndarray  # ... and the node each of them ends at
+
+
+class Vocabulary:
+    """Every token's bytes as a trie stored level by level, for a walk of the whole vocabulary at once.
+
+    Tokens that share a prefix share its nodes, so a walk reads each shared prefix once: Qwen2's 151,643
+    tokens hold 976,000 bytes but only 333,000 distinct prefixes. `levels[d]` holds the prefixes d + 1 bytes long.
     A special token (no bytes) is never allowed, but an end-of-sequence one in an accepting state.
     """
 
@@ -433,15 +444,22 @@ class Vocabulary:
         self.token_bytes = list(token_bytes) + [None] * (size - len(token_bytes))
         self.eos_token_ids = sorted(eos_token_ids)
         self.size = size
-        lengths = np.array([len(data) if data else 0 for data in self.token_bytes], dtype=np.int64)
-        self.ids = np.nonzero(lengths)[0]
-        self.ids = self.ids[np.argsort(-lengths[self.ids], kind="stable")]
-        ordered = lengths[self.ids]
-        self.matrix = np.zeros((len(self.ids), int(ordered.max())), dtype=np.uint8)
-        rows = np.repeat(np.arange(len(self.ids)), ordered)
-        cols = np.arange(int(ordered.sum())) - np.repeat(np.cumsum(ordered) - ordered, ordered)
-        self.matrix[rows, cols] = np.frombuffer(b"".join(self.token_bytes[i] for i in self.ids), dtype=np.uint8)
-        self.active = [int((ordered > j).sum()) for j in range(self.matrix.shape[1])]
+        self.levels: list[TrieLevel] = []
+        above = {b"": 0}  # the level above: prefix -> node index (the root alone to start)
+        longer = [token for token, data in enumerate(self.token_bytes) if data]  # tokens that reach this level
+        while longer:
+            length = len(self.levels) + 1
+            nodes: dict[bytes, int] = {}
+            for token in longer:
+                nodes.setdefault(self.token_bytes[token][:length], len(nodes))
+            ending = [token for token in longer if len(self.token_bytes[token]) == length]
+            self.levels.append(TrieLevel(
+                parents=np.array([above[prefix[:-1]] for prefix in nodes], dtype=np.int32),
+                labels=np.array([prefix[-1] for prefix in nodes], dtype=np.uint8),
+                tokens=np.array(ending, dtype=np.int64),
+                ends=np.array([nodes[self.token_bytes[token]] for token in ending], dtype=np.int32)))
+            above = nodes
+            longer = [token for token in longer if len(self.token_bytes[token]) > length]
 
 
 @functools.lru_cache(maxsize=4)
@@ -477,9 +495,10 @@ class TokenIndex:
         return self.masks[state]
 
     def build(self, state: int) -> mx.array:
-        """The mask of `state`, walked over the whole vocabulary one byte column at a time."""
-        # TODO: every token starts at `state`; column j moves the first active[j] tokens on by their byte j
-        # TODO: (expand_all first, then table[states, bytes]); alive = not DEAD; EOS only if the state accepts
+        """The mask of `state`, walked over the vocabulary's trie one level (one byte position) at a time."""
+        # TODO: the root starts at `state`; level by level, each node's state is its parent's moved by its label
+        # TODO: (expand_all the parents' states first, then table[parent states, labels]); a token is allowed if
+        # TODO: its end node is not DEAD; stop once every node is DEAD; EOS only if the state accepts
         raise NotImplementedError(
             "Week 4 Day 5 Task 2 (book/src/week4-05-structured-outputs.md): the allowed tokens of one state"
         )
