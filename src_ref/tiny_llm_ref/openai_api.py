@@ -210,6 +210,7 @@ class CalledFunction(NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     arguments: str
+    parsed_arguments: Any = None  # what OpenAI's client adds (`parse`) and sends back; kept out of the prompt
 
 
 class ToolCall(NullMeansDefault):
@@ -232,7 +233,9 @@ class ChatMessage(NullMeansDefault):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # day 4.5
     tool_call_id: str | None = None  # day 4.5: the call a "tool" message answers
-    refusal: str | None = None  # what OpenAI's client sends back with an assistant message; kept out of the prompt
+    # What OpenAI's client sends back with an assistant message it answered (`parse` adds `parsed`); kept out of the prompt.
+    refusal: str | None = None
+    parsed: Any = None
 
     @model_validator(mode="after")
     def check_tool_fields(self):
