@@ -856,3 +856,7 @@ def test_task_3_forced_call_streams_its_arguments(vocab):
     assert finish_reason == "tool_calls"
     message, finish_reason = tool_reader("required", tokenizer, size).answer(text[:-8], "length")
     assert finish_reason == "length" and message["tool_calls"][0]["function"]["arguments"] == '{"zone": '
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    message, finish_reason = tool_reader(named, tokenizer, size).answer(text, "stop")
+    assert (message, finish_reason) == ({"role": "assistant", "content": text}, "stop"), \
+        "a named function's schema allows only its own calls"
