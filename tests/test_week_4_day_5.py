@@ -766,6 +766,7 @@ def test_task_3_server_tool_refusals(served):
 
     from tests.serve_fakes import running_server
 
+    sol.structured.compile_schema({"type": "boolean"})  # Task 1 first: the server refuses what it cannot compile
     app, _ = served
     tools = tool_specs()
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}
