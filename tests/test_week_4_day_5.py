@@ -797,8 +797,9 @@ def test_task_3_server_tool_refusals(served):
 
 def tool_reader(tool_choice, tokenizer, vocab_size: int):
     """A fresh `CallReader` of the day's server protocol for `tool_choice` over `tool_specs()`."""
-    body = sol.openai_api.ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "x"}], "tools": tool_specs(), "tool_choice": tool_choice})
+    # As the server reads a body: from its JSON text (which also crosses to a sandboxed submission as it is).
+    body = sol.openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tool_specs(), "tool_choice": tool_choice}))
     return sol.openai_api.CallReader(sol.openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
 
 
