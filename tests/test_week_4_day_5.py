@@ -4,7 +4,9 @@ Oracles: Python's `json` (what a JSON text is, and json.dumps' ways of writing o
 of the schema subset's meaning written here (`valid`), random schemas and their instances drawn by
 hypothesis (`schemas`, `instance`), each token's bytes walked one at a time (the mask's definition),
 mlx-lm's model with the reference's masks (a constrained greedy run, request alone), and the same
-engine without the constraint (what a constrained request's neighbours must still get).
+engine without the constraint (what a constrained request's neighbours must still get). Served: the
+official `openai` client and LangChain's `ChatOpenAI` (what they parse is what OpenAI's API means), and
+the same request without tools (what tool_choice "none" must answer).
 """
 
 from __future__ import annotations

@@ -257,7 +257,8 @@ class ChatMessage(NullMeansDefault):
         a call is asked for (`tools_instruction`), one a line."""
         calls = [f'{{"name": {json.dumps(call.function.name)}, "arguments": {call.function.arguments}}}'
                  for call in self.tool_calls or []]
-        return "\n".join([self.text()] * bool(self.text()) + calls)
+        text = [self.text()] if self.text() else []
+        return "\n".join(text + calls)
 
 
 class FunctionSpec(NullMeansDefault):
