@@ -280,6 +280,8 @@ class Tool(NullMeansDefault):
 
 
 class FunctionName(NullMeansDefault):
+    """The function a `NamedToolChoice` names."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
 
@@ -592,6 +594,7 @@ def call_head(text: str) -> tuple[str, int] | None:
 
 
 def skip_whitespace(text: str, at: int) -> int:
+    """The first position from `at` on that is not JSON whitespace (`len(text)` if none)."""
     while at < len(text) and text[at] in JSON_WHITESPACE:
         at += 1
     return at
