@@ -708,6 +708,7 @@ def test_task_3_server_tool_calls_with_the_openai_client(served):
             client.chat.completions.create(**request, tool_choice=named, stream=True))
         assert (streamed["name"], streamed["arguments"], finish_reason, content) \
             == (call.function.name, call.function.arguments, "tool_calls", ""), "streamed: the same call"
+        described = httpx_tokenize(url, messages, tools)
         # The round trip: the client's own message of the call, the tool's result, then an answer in text.
         sent = messages + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "It is 18 degrees."}]
         final = client.chat.completions.create(**{**request, "messages": sent, "max_tokens": 4}, tool_choice="none")
@@ -717,14 +718,19 @@ def test_task_3_server_tool_calls_with_the_openai_client(served):
     assert final.choices[0].message.content == plain.choices[0].message.content, \
         "tool_choice 'none' answers as if there were no tools"
     assert final.usage.prompt_tokens == len(prompt), "with tool_choice 'none' the prompt does not list the tools"
+    assert answer.usage.prompt_tokens == len(described), "the prompt describes the tools (as /tokenize with them)"
+    listed = tokenizer.decode(described)
+    assert all(json.dumps(tool["function"]["parameters"]) in listed for tool in tools), \
+        f"every tool's parameters are in the prompt: {listed!r}"
     text = tokenizer.decode(prompt)
     assert "It is 18 degrees." in text and call.function.arguments in text, f"the call and its result: {text!r}"
 
 
-def httpx_tokenize(url: str, messages: list) -> list[int]:
+def httpx_tokenize(url: str, messages: list, tools: list | None = None) -> list[int]:
+    """The server's prompt for `messages` (and `tools`), from /tokenize."""
     import httpx
 
-    response = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}, timeout=60)
+    response = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages, "tools": tools}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["tokens"]
 

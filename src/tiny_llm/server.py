@@ -643,7 +643,7 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         if isinstance(body, TokenizeChat):
             size = sum(len(message.text()) for message in body.messages)
             tokens = await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages,
-                                           body.add_generation_prompt, body.add_special_tokens)
+                                           body.add_generation_prompt, body.add_special_tokens, body.tools)
         else:
             tokens = await server.tokenize(len(body.prompt), text_ids, server.tokenizer, body.prompt,
                                            body.add_special_tokens)

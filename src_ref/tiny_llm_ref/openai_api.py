@@ -367,6 +367,7 @@ class TokenizeChat(NullMeansDefault):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # described in the prompt as a chat request's are (day 4.5)
 
 
 class Detokenize(NullMeansDefault):
