@@ -71,7 +71,8 @@ DAYS: list[Day] = [
     Day(4, 4, "Serving across ranks", "week4-04-serving-across-ranks.md", ("distributed_engine",), {1: 10, 2: 10, 3: 15, 4: 50}),
     Day(4, 5, "Structured outputs", "week4-05-structured-outputs.md",
         # The modules that call structured.py's functions come with it, so the day's engine and server run them.
-        ("structured", "model_runner", "engine", "openai_api", "server"), {1: 10, 2: 30, 3: 25, 4: 35}),
+        ("structured", "model_runner", "engine", "openai_api", "server"), {1: 10, 2: 30, 3: 25, 4: 35},
+        compare="engine"),
 ]
 
 

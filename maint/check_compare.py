@@ -2,7 +2,8 @@
 
     pdm run python -m maint.check_compare              # every week-3 day honest, every mutation on its days
     pdm run python -m maint.check_compare --day 1      # day 3.1 only
-    pdm run python -m maint.check_compare --week 4     # days 4.1 (speculative decoding) and 4.2 (quantized pool)
+    pdm run python -m maint.check_compare --week 4     # days 4.1 (speculative decoding), 4.2 (quantized pool), 4.5
+    pdm run python -m maint.check_compare --week 4 --day 5   # day 4.5 (structured outputs) only
 
 In a temporary copy of the repository whose `src/tiny_llm` holds the reference's code (a finished,
 honest solution), `compare` must report no difference on any day of the week. Then each mutation below
@@ -26,7 +27,7 @@ from course.scratch import copy_repository
 
 REPO = Path(__file__).resolve().parent.parent
 COPIED = ("src", "src_ref", "course", "scripts")
-DAYS = {3: (1, 2, 3, 4), 4: (1, 2)}
+DAYS = {3: (1, 2, 3, 4), 4: (1, 2, 5)}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,22 @@ MUTATIONS = [
     Mutation("bytes per token count the keys and forget the values", (2,), "quantized_kv",
              "    return 2 * num_layers * num_kv_heads * per_head\n",
              "    return num_layers * num_kv_heads * per_head\n", week=4),
+    Mutation("the mask of the state before the newest token", (5,), "structured",
+             "    for token in seq.output_token_ids[consumed:]:\n        state = constraint.next_state(state, token)\n"
+             "    seq.constraint_progress = (len(seq.output_token_ids), state)\n",
+             "    for token in seq.output_token_ids[consumed:-1]:\n        state = constraint.next_state(state, token)\n"
+             "    seq.constraint_progress = (max(len(seq.output_token_ids) - 1, 0), state)\n", week=4),
+    Mutation("EOS allowed in every state", (5,), "structured",
+             "        if automaton.accepts(state):\n            allowed[vocab.eos_token_ids] = True\n",
+             "        allowed[vocab.eos_token_ids] = True\n", week=4),
+    Mutation("tokens that split a UTF-8 character never allowed", (5,), "structured",
+             "        allowed[vocab.ids] = states != DEAD\n",
+             "        whole = [vocab.token_bytes[i].decode('utf-8', 'replace').encode() == vocab.token_bytes[i] "
+             "for i in vocab.ids]\n        allowed[vocab.ids] = (states != DEAD) & np.array(whole)\n", week=4),
+    Mutation("a string's maxLength off by one", (5,), "structured",
+             "            return string(self.nfa, src, *bounds(schema, \"minLength\", \"maxLength\"))\n",
+             "            low, high = bounds(schema, \"minLength\", \"maxLength\")\n"
+             "            return string(self.nfa, src, low, None if high is None else high + 1)\n", week=4),
 ]
 
 
@@ -126,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m maint.check_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--week", type=int, choices=sorted(DAYS), default=3, help="the week (default 3)")
-    parser.add_argument("--day", type=int, choices=(1, 2, 3, 4), action="append",
+    parser.add_argument("--day", type=int, choices=(1, 2, 3, 4, 5), action="append",
                         help="day(s) of the week to check (default all)")
     return parser
 

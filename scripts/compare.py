@@ -7,6 +7,7 @@
     pdm run compare --week 3 --day 2                 # your engine, step by step, on a small KV pool
     pdm run compare --week 4 --day 1                 # your speculative engine: guesses accepted, rolled back, blocks
     pdm run compare --week 4 --day 2                 # your 8-bit and 4-bit pools: blocks, bytes, every step and token
+    pdm run compare --week 4 --day 5                 # constrained requests among free ones: every step, token and mask
 
 The student side is your src/tiny_llm as the selector (course/selector.py) runs it: your code for
 every task you have written, the reference's for every task still raising "not implemented yet" (one
@@ -19,7 +20,8 @@ day the logit line compares your chunked prefill with the reference's one-shot p
 run both engines on one workload with a small KV pool and compare every step's plan, budget,
 preemptions, blocks in use (and hit rate) and every token (scripts/compare_week3.py); days 4.1 and 4.2
 do the same with your speculative engine (verify chunks, guesses accepted and rolled back) and your
-quantized pools (blocks and bytes a memory budget buys) (scripts/compare_week4.py). Days without
+quantized pools (blocks and bytes a memory budget buys), and day 4.5 with constrained requests (every step and
+token, then your masks against the reference's along each constrained output) (scripts/compare_week4.py). Days without
 a model-level run (attention, RoPE, metrics, ...) say so and give the test command instead.
 
 Exit status: 0 when the student's run matches the reference; 1 when it differs or raises; 2 on bad

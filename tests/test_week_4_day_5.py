@@ -4,7 +4,9 @@ Oracles: Python's `json` (what a JSON text is, and json.dumps' ways of writing o
 (whether a value meets its schema), random schemas and their instances drawn by hypothesis
 (`schemas`, `instance`), each token's bytes walked one at a time (the mask's definition), mlx-lm's
 model with the reference's masks and with llguidance's (a constrained greedy run, request alone),
-and the same engine without the constraint (what a constrained request's neighbours must still get).
+and the same engine without the constraint (what a constrained request's neighbours must still get). Served:
+the official `openai` client and LangChain's `ChatOpenAI` (what they parse is what OpenAI's API means), and
+the same request without tools (what tool_choice "none" must answer).
 """
 
 from __future__ import annotations
@@ -668,3 +670,246 @@ def test_task_3_server_json_object_and_refusals(served):
                 ({"type": "yaml"}, "response_format")]:
             refused = client.post(f"{url}/v1/chat/completions", json={**chat, "response_format": response_format})
             assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+
+
+# ---------------------------------------------------------------- Task 3, served: tools (a call is a constrained output)
+
+
+def tool_models():
+    """Two small tools as pydantic models: every call of either is a few tokens long (enums and booleans)."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        celsius: bool
+
+    class Clock(BaseModel):
+        zone: Literal["UTC", "CET"]
+
+    return Weather, Clock
+
+
+def tool_specs():
+    import openai
+
+    weather, clock = tool_models()
+    return [openai.pydantic_function_tool(weather, name="get_weather"),
+            openai.pydantic_function_tool(clock, name="get_time")]
+
+
+def streamed_call(chunks) -> tuple[dict, str | None, str]:
+    """A streamed answer's one call ({id, type, name, arguments}), its finish reason and its content, checking the
+    deltas' shape as OpenAI streams a call: id, type and name once, in the call's first delta; then arguments."""
+    call, finish_reason, content = None, None, ""
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+        for part in delta.tool_calls or []:
+            assert part.index == 0, "one call per answer: index 0"
+            if call is None:
+                assert part.id and part.type == "function" and part.function.name, f"a call's first delta: {part}"
+                call = {"id": part.id, "type": part.type, "name": part.function.name, "arguments": ""}
+            else:
+                assert part.id is None and part.function.name is None, f"id and name come once, first: {part}"
+            call["arguments"] += part.function.arguments or ""
+    return call, finish_reason, content
+
+
+def test_task_3_server_tool_calls_with_the_openai_client(served):
+    """A named function among two tools, whole and streamed, read by the official client; then the tool's result
+    sent back, and an answer with tool_choice "none" (the same as without tools)."""
+    from openai import OpenAI
+
+    from tests.serve_fakes import running_server
+
+    weather, _ = tool_models()
+    sol.structured.compile_schema(weather.model_json_schema())  # Task 1 first: unwritten, it fails here by name
+    app, tokenizer = served
+    tools = tool_specs()
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with running_server(app()) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        request = dict(model="tiny", messages=messages, tools=tools, max_tokens=60, temperature=0)
+        # One function named among two, whole and streamed: the same greedy call. (LangChain's test below asks for
+        # "required" over that one tool: the same schema, so its masks are built once.)
+        answer = client.chat.completions.parse(**request, tool_choice=named)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", "a complete call ends with 'tool_calls'"
+        assert choice.message.content is None and len(choice.message.tool_calls) == 1, choice.message
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.id and call.function.name == "get_weather", call
+        assert isinstance(call.function.arguments, str), "arguments are a JSON text, not an object"
+        assert weather.model_validate_json(call.function.arguments).model_dump() \
+            == call.function.parsed_arguments.model_dump(), "the client parses the arguments into the tool's model"
+        streamed, finish_reason, content = streamed_call(
+            client.chat.completions.create(**request, tool_choice=named, stream=True))
+        assert (streamed["name"], streamed["arguments"], finish_reason, content) \
+            == (call.function.name, call.function.arguments, "tool_calls", ""), "streamed: the same call"
+        described = httpx_tokenize(url, messages, tools)
+        # The round trip: the client's own message of the call, the tool's result, then an answer in text.
+        sent = messages + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "It is 18 degrees."}]
+        final = client.chat.completions.create(**{**request, "messages": sent, "max_tokens": 4}, tool_choice="none")
+        plain = client.chat.completions.create(**{**request, "messages": sent, "max_tokens": 4, "tools": None})
+        prompt = httpx_tokenize(url, messages + [choice.message.model_dump(mode="json", include={"role", "tool_calls"}), sent[-1]])
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    assert final.choices[0].message.content == plain.choices[0].message.content, \
+        "tool_choice 'none' answers as if there were no tools"
+    assert final.usage.prompt_tokens == len(prompt), "with tool_choice 'none' the prompt does not list the tools"
+    assert answer.usage.prompt_tokens == len(described), "the prompt describes the tools (as /tokenize with them)"
+    listed = tokenizer.decode(described)
+    assert all(json.dumps(tool["function"]["parameters"]) in listed for tool in tools), \
+        f"every tool's parameters are in the prompt: {listed!r}"
+    text = tokenizer.decode(prompt)
+    assert "It is 18 degrees." in text and call.function.arguments in text, f"the call and its result: {text!r}"
+
+
+def httpx_tokenize(url: str, messages: list, tools: list | None = None) -> list[int]:
+    """The server's prompt for `messages` (and `tools`), from /tokenize."""
+    import httpx
+
+    response = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages, "tools": tools}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def test_task_3_server_tools_with_langchain(served):
+    """LangChain's `bind_tools` (invoke and stream), `with_structured_output` by function calling and by JSON
+    schema, and a ToolMessage sent back. The tool is given as OpenAI's dict (LangChain passes it on as it is):
+    "required" over it is the schema the openai client's test compiled."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    from tests.serve_fakes import running_server
+
+    weather, _ = tool_models()
+    sol.structured.compile_schema(weather.model_json_schema())
+    app, _ = served
+    question = [HumanMessage("Weather in Paris?")]
+    with running_server(app()) as url:
+        chat = ChatOpenAI(model="tiny", base_url=f"{url}/v1", api_key="unused", temperature=0, max_retries=0,
+                          timeout=120, max_completion_tokens=60)
+        tool = tool_specs()[0]
+        bound = chat.bind_tools([tool], tool_choice="required")
+        message = bound.invoke(question)
+        assert [call["name"] for call in message.tool_calls] == ["get_weather"] and not message.invalid_tool_calls
+        weather.model_validate(message.tool_calls[0]["args"])
+        assert message.response_metadata["finish_reason"] == "tool_calls"
+        streamed = None
+        for chunk in bound.stream(question):
+            streamed = chunk if streamed is None else streamed + chunk
+        assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", message.tool_calls[0]["args"])]
+        weather.model_validate(chat.with_structured_output(tool, method="function_calling").invoke(question))
+        assert isinstance(chat.with_structured_output(weather, method="json_schema").invoke(question), weather)
+        result = ToolMessage("It is 18 degrees.", tool_call_id=message.tool_calls[0]["id"])
+        answer = chat.invoke(question + [message, result], max_completion_tokens=3)
+        assert isinstance(answer.content, str) and not answer.tool_calls
+
+
+def test_task_3_server_tool_refusals(served):
+    """Tools and tool messages the server cannot serve: a 400 naming the field (and the schema keyword)."""
+    import httpx
+
+    from tests.serve_fakes import running_server
+
+    sol.structured.compile_schema({"type": "boolean"})  # Task 1 first: the server refuses what it cannot compile
+    app, _ = served
+    tools = tool_specs()
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}
+    patterned = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}}}]
+    cases = [
+        ({"tools": patterned, "tool_choice": "required"}, "tools", "pattern"),
+        ({"tools": patterned}, "tools", "pattern"),  # "auto" reads calls with the same automaton: refused too
+        ({"tools": [{"type": "retrieval"}]}, "tools", "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice", "nowhere"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "tools"),
+        ({"tool_choice": "required", "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+        ({"messages": [{"role": "tool", "content": "18"}]}, "messages", "tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages", "tool_call_id"),
+        ({"messages": [{"role": "user", "tool_calls": []}]}, "messages", "tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions", "functions"),
+    ]
+    with running_server(app()) as url, httpx.Client(timeout=120) as client:
+        for change, param, named in cases:
+            refused = client.post(f"{url}/v1/chat/completions", json={**chat, **change})
+            error = refused.json().get("error", {})
+            assert refused.status_code == 400 and error["param"] == param and named in error["message"], \
+                (change, refused.text)
+
+
+def tool_reader(tool_choice, tokenizer, vocab_size: int):
+    """A fresh `CallReader` of the day's server protocol for `tool_choice` over `tool_specs()`."""
+    # As the server reads a body: from its JSON text (which also crosses to a sandboxed submission as it is).
+    body = sol.openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tool_specs(), "tool_choice": tool_choice}))
+    return sol.openai_api.CallReader(sol.openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": false}}'
+AUTO_READS = [  # (text the model wrote, finish reason): is it a call? (tool_choice "auto")
+    (CALL, "stop", True),
+    ("\n" + CALL + "\n", "stop", True),
+    ('{"name":"get_time","arguments":{"zone":"CET"}}', "stop", True),
+    ("It is sunny.", "stop", False),
+    (CALL.replace("Oslo", "Rome"), "stop", False),  # not an argument the schema allows
+    (CALL.replace("get_weather", "get_rain"), "stop", False),
+    (CALL + " Done.", "stop", False),
+    (CALL[:30], "length", False),
+    ("", "stop", False),
+]
+
+
+def test_task_3_auto_reads_a_call_out_of_the_text(vocab):
+    """tool_choice "auto": the answer is a call exactly when the call's automaton accepts the whole text; streamed,
+    nothing goes out while it may still be a call, and the pieces add up to the whole answer whatever the cuts."""
+    tokenizer, size, _, _ = vocab
+    rng = random.Random(5)
+    for text, reason, is_call in AUTO_READS:
+        message, finish_reason = tool_reader("auto", tokenizer, size).answer(text, reason)
+        if is_call:
+            call = message["tool_calls"][0]
+            assert finish_reason == "tool_calls" and message["content"] is None, (text, message)
+            assert json.loads(call["function"]["arguments"]) == json.loads(text)["arguments"], (text, message)
+        else:
+            assert (message, finish_reason) == ({"role": "assistant", "content": text}, reason), text
+        cuts = sorted(rng.sample(range(1, len(text)), min(4, len(text) - 1))) if len(text) > 1 else []
+        reader = tool_reader("auto", tokenizer, size)
+        deltas = [reader.add(text[a:b]) for a, b in zip([0] + cuts, cuts + [len(text)])]
+        last, streamed_reason = reader.finish(reason)
+        assert streamed_reason == finish_reason, text
+        if is_call:
+            assert deltas == [{}] * len(deltas), f"{text!r}: a call that may still be text is held back"
+            assert last == {"tool_calls": [{**message["tool_calls"][0], "index": 0}]}, (text, last)
+        else:
+            assert "".join(d.get("content", "") for d in deltas + [last]) == text, text
+
+
+def test_task_3_forced_call_streams_its_arguments(vocab):
+    """A forced call ("required"): its head (id, type, name) goes out once the name is written, then the arguments
+    as they come, holding back only a "}" that may close the call; cut short, the arguments as far as they got."""
+    tokenizer, size, _, _ = vocab
+    text = '{"name": "get_time", "arguments": {"zone": "UTC"} }'
+    reader = tool_reader("required", tokenizer, size)
+    deltas = [reader.add(text[i:i + 1]) for i in range(len(text))]
+    last, finish_reason = reader.finish("stop")
+    parts = [d["tool_calls"][0] for d in deltas + [last] if d]
+    assert parts[0] == {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_time",
+                                                                                     "arguments": "{"}}, parts[0]
+    assert all(set(part) == {"index", "function"} and set(part["function"]) == {"arguments"} for part in parts[1:])
+    assert "".join(part["function"]["arguments"] for part in parts) == '{"zone": "UTC"}'
+    assert finish_reason == "tool_calls"
+    message, finish_reason = tool_reader("required", tokenizer, size).answer(text[:-8], "length")
+    assert finish_reason == "length" and message["tool_calls"][0]["function"]["arguments"] == '{"zone": '
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    message, finish_reason = tool_reader(named, tokenizer, size).answer(text, "stop")
+    assert (message, finish_reason) == ({"role": "assistant", "content": text}, "stop"), \
+        "a named function's schema allows only its own calls"

@@ -46,10 +46,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .http_extras import install_http_extras, server_version
-from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, ChatCompletionRequest, CompletionRequest, Detokenize,
-                         TokenizeChat, chat_prompt_ids, check_choices, check_token_ids, choice, collect_all,
-                         completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card, object_kind,
-                         output_constraint, parse_body, prompt_size, usage)
+from .openai_api import (KEEP_ALIVE, TOKENIZE_BODY, APIError, CallReader, ChatCompletionRequest, CompletionRequest,
+                         Detokenize, TokenizeChat, ToolCalls, chat_prompt_ids, check_choices, check_token_ids, choice,
+                         collect_all, completion_prompt_ids, logprobs_field, text_ids, max_tokens_for, merge, model_card,
+                         object_kind, output_constraint, parse_body, prompt_size, tool_calls_for, usage)
 from .prometheus_metrics import ServerMetrics
 from .sequence import SamplingParams
 from .text_stream import IncrementalDetokenizer, TextStream, find_stop  # noqa: F401 (day 3.5's tasks: server.X too)
@@ -412,7 +412,9 @@ class Server:
         they start in the same step); every check first, so a refused request leaves nothing behind."""
         check_choices(len(prompts), body.n)
         check_token_ids(body, self.vocab_size)
-        constraint = output_constraint(body, self.tokenizer, self.vocab_size)  # day 4.5: response_format
+        tools = tool_calls_for(body, self.tokenizer, self.vocab_size)  # day 4.5: tools, a call forced or read back
+        constraint = tools.constraint if tools and tools.forced else output_constraint(body, self.tokenizer,
+                                                                                       self.vocab_size)
         choices = [(prompt, body.sampling(max_tokens_for(body, len(prompt), self.context), i, constraint))
                    for prompt in prompts for i in range(body.n)]
         self.check_open(len(choices))
@@ -426,7 +428,7 @@ class Server:
             self.active[handle.request_id] = handle
             self.engine_thread.submit(handle)
             handles.append(handle)
-        return Completion(self, body, prompts, chat, arrival, response_id, handles)
+        return Completion(self, body, prompts, chat, arrival, response_id, handles, tools)
 
     def close(self, handle: RequestHandle, arrival: float, finished: bool = False, count: bool = True) -> None:
         """A request's end, handled once however it came: abort it unless the engine `finished` it; `count` it
@@ -459,10 +461,12 @@ class Completion:
     """One HTTP request's choices (a `RequestHandle` each) on their way to one JSON answer or one stream."""
 
     def __init__(self, server: Server, body, prompts: list[list[int]], chat: bool, arrival: float,
-                 response_id: str, handles: list[RequestHandle]):
+                 response_id: str, handles: list[RequestHandle], tools: ToolCalls | None = None):
         self.server, self.body, self.prompts, self.chat, self.arrival = server, body, prompts, chat, arrival
         self.handles = handles
         self.head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+        # Day 4.5: with tools, each choice's text is read as a call while it may be one.
+        self.readers = [CallReader(tools, f"call_{uuid.uuid4().hex[:24]}") for _ in handles] if tools else None
 
     async def accepted(self) -> None:
         """Wait for the engine thread to take every choice; if it refuses one (or the wait ends), none runs on."""
@@ -562,11 +566,17 @@ class Completion:
         texts = await collect_all(streams, watcher)
         if any(handle.finish_reason is None for handle in self.handles):
             raise APIError(499, "the client disconnected")  # nobody reads this: it is for the access log
-        choices = [choice(self.chat, i, text, handle.finish_reason, streaming=False,
-                          logprobs=self.logprobs_of(handle, handle.take_logprobs()))
-                   for i, (text, handle) in enumerate(zip(texts, self.handles))]
+        choices = [self.whole_choice(i, text, handle) for i, (text, handle) in enumerate(zip(texts, self.handles))]
         return JSONResponse({**self.head, "object": object_kind(self.chat, False), "choices": choices,
                              "usage": self.usage()})
+
+    def whole_choice(self, index: int, text: str, handle: RequestHandle) -> dict:
+        """Choice `index` of a whole answer: its text, or (day 4.5) the tool call the text is."""
+        logprobs = self.logprobs_of(handle, handle.take_logprobs())
+        if self.readers is None:
+            return choice(self.chat, index, text, handle.finish_reason, streaming=False, logprobs=logprobs)
+        message, finish_reason = self.readers[index].answer(text, handle.finish_reason)
+        return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
 
     async def events(self, streams: list, watcher: asyncio.Task):
         """The stream's server-sent events: a chunk per piece, keep-alive comments while nothing comes, then
@@ -580,8 +590,9 @@ class Completion:
                     continue
                 index, piece, finish_reason, first, entries = chunk
                 logprobs = self.logprobs_of(self.handles[index], entries)
-                yield sse_event({**self.head, "object": kind,
-                                 "choices": [choice(self.chat, index, piece, finish_reason, True, first, logprobs)]})
+                part = choice(self.chat, index, piece, finish_reason, True, first, logprobs) if self.readers is None \
+                    else self.readers[index].chunk_choice(index, piece, finish_reason, first, logprobs)
+                yield sse_event({**self.head, "object": kind, "choices": [part]})
             if any(handle.finish_reason is None for handle in self.handles):
                 return  # the client left or the engine failed: nothing more to say
             if self.body.include_usage:
@@ -606,7 +617,8 @@ def add_completion_routes(app: FastAPI, server: Server) -> None:
         with server.engine_thread.arriving():
             body = parse_body(ChatCompletionRequest, await request.body(), server.model_name)
             size = sum(len(message.text()) for message in body.messages)
-            prompts = [await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages)]
+            prompts = [await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages, True, False,
+                                             body.prompt_tools())]
             completion = server.admit(body, prompts, True, arrival)
         return await completion.answer(request)
 
@@ -631,7 +643,7 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         if isinstance(body, TokenizeChat):
             size = sum(len(message.text()) for message in body.messages)
             tokens = await server.tokenize(size, chat_prompt_ids, server.tokenizer, body.messages,
-                                           body.add_generation_prompt, body.add_special_tokens)
+                                           body.add_generation_prompt, body.add_special_tokens, body.tools)
         else:
             tokens = await server.tokenize(len(body.prompt), text_ids, server.tokenizer, body.prompt,
                                            body.add_special_tokens)

@@ -10,6 +10,10 @@ The rule for a request field: served, or refused with a 400 that names it; never
 An explicit JSON `null` means the field's default, as in OpenAI's schema and vLLM. A new field: a
 typed field on the body (with its range), then either `sampling()` hands it to the engine or
 `refuse_unserved` refuses it (`NOT_SERVED`, or a check of its own there).
+
+Day 4.5 adds what constrains an answer: `response_format` (a JSON Schema) and `tools` (a tool call is a
+JSON object {"name": ..., "arguments": ...} that a schema built from the tools describes; `CallReader`
+reads it back out of the text and answers with OpenAI's `tool_calls`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import functools
 import json
 import logging
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -25,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from .sequence import (LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, PENALTY_RANGE,
                        SamplingParams)
-from .structured import Constraint, make_constraint
+from .structured import DEAD, Constraint, make_constraint
 
 logger = logging.getLogger("tiny_llm.server")
 
@@ -66,8 +71,7 @@ def validation_error(error: ValidationError) -> APIError:
 # used": a request that sets one to anything else gets a 400 naming it.
 NOT_SERVED: dict[str, Any] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "store": (None, False),
 }
@@ -200,17 +204,94 @@ class TextPart(NullMeansDefault):
     text: str
 
 
-class ChatMessage(NullMeansDefault):
-    """A message: a role this server can template, and text (a string or text parts). No tool calls, and no
-    `name` (Qwen's chat template has no place for a participant's name: refused, not dropped)."""
+class CalledFunction(NullMeansDefault):
+    """The function an earlier assistant message called, and its arguments as a JSON text."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    name: str
+    arguments: str
+    parsed_arguments: Any = None  # what OpenAI's client adds (`parse`) and sends back; kept out of the prompt
+
+
+class ToolCall(NullMeansDefault):
+    """One call in an assistant message's `tool_calls`, as this server (or another) answered it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(NullMeansDefault):
+    """A message: a role this server can template, and text (a string or text parts); an assistant's message
+    may carry the `tool_calls` it made instead of text, and a "tool" message answers one (`tool_call_id`).
+    No `name` (Qwen's chat template has no place for a participant's name: refused, not dropped)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # day 4.5
+    tool_call_id: str | None = None  # day 4.5: the call a "tool" message answers
+    # What OpenAI's client sends back with an assistant message it answered (`parse` adds `parsed`); kept out of the prompt.
+    refusal: str | None = None
+    parsed: Any = None
+
+    @model_validator(mode="after")
+    def check_tool_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("'content' is missing (only an assistant message with 'tool_calls' may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has 'tool_calls'")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("a 'tool' message needs 'tool_call_id' (the call it answers), and no other message has one")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def template_text(self) -> str:
+        """What the chat template gets as this message's content: its text, then each call it made, written as
+        a call is asked for (`tools_instruction`), one a line."""
+        calls = [f'{{"name": {json.dumps(call.function.name)}, "arguments": {call.function.arguments}}}'
+                 for call in self.tool_calls or []]
+        text = [self.text()] if self.text() else []
+        return "\n".join(text + calls)
+
+
+class FunctionSpec(NullMeansDefault):
+    """A tool's function: its name, what it does, and the JSON Schema of its arguments (day 4.5)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # served either way: every call here meets its schema
+
+
+class Tool(NullMeansDefault):
+    """One of a chat request's `tools`: only functions."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(NullMeansDefault):
+    """The function a `NamedToolChoice` names."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(NullMeansDefault):
+    """`tool_choice` naming the function the answer must call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
 
 
 def refuse_names(messages: list[ChatMessage]) -> None:
@@ -228,11 +309,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name: wins over max_tokens
     logprobs: bool = False  # the chosen tokens' log-probabilities
     top_logprobs: NumLogprobs | None = None  # and this many alternatives' (needs logprobs)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None  # day 4.5
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # absent: "auto" with tools
+    parallel_tool_calls: bool | None = None  # allowed either way: an answer here makes at most one call
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -242,6 +323,24 @@ class ChatCompletionRequest(SamplingRequest):
     def refuse_unserved(self) -> None:
         super().refuse_unserved()
         refuse_names(self.messages)
+
+    def chosen_tools(self) -> tuple[list[Tool], str | None]:
+        """(the tools the answer may call, how): "auto", "required", a function's name, or None (no call)."""
+        tools = self.tools or []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in [tool.function.name for tool in tools]:
+                raise APIError(400, f"'tool_choice' names the function '{self.tool_choice.function.name}', which is "
+                               f"not among 'tools'", param="tool_choice")
+            return tools, self.tool_choice.function.name
+        if self.tool_choice in ("auto", "required") and not tools:
+            raise APIError(400, f"'tool_choice': '{self.tool_choice}' needs 'tools'", param="tool_choice")
+        if not tools or self.tool_choice == "none":
+            return [], None
+        return tools, self.tool_choice or "auto"
+
+    def prompt_tools(self) -> list[Tool]:
+        """The tools the prompt describes: none with tool_choice "none" (the answer is text, as without tools)."""
+        return self.chosen_tools()[0]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -268,6 +367,7 @@ class TokenizeChat(NullMeansDefault):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: list[Tool] | None = None  # described in the prompt as a chat request's are (day 4.5)
 
 
 class Detokenize(NullMeansDefault):
@@ -315,9 +415,16 @@ def max_tokens_for(body: SamplingRequest, prompt_tokens: int, max_model_len: int
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-    """Token ids of the chat template applied to `messages`, by default ready for the assistant's answer."""
-    plain = [{"role": message.role, "content": message.text()} for message in messages]
+                    add_special_tokens: bool = False, tools: list[Tool] | None = None) -> list[int]:
+    """Token ids of the chat template applied to `messages`, by default ready for the assistant's answer;
+    `tools` described in the system message (day 4.5)."""
+    plain = [{"role": message.role, "content": message.template_text()} for message in messages]
+    if tools:
+        # The course's templates (Qwen2's, SmolLM2's) have no place for tools: the system message says them.
+        if plain[0]["role"] == "system":
+            plain[0]["content"] += "\n\n" + tools_instruction(tools)
+        else:
+            plain.insert(0, {"role": "system", "content": tools_instruction(tools)})
     text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -387,13 +494,225 @@ def output_constraint(body: SamplingRequest, tokenizer, vocab_size: int) -> Cons
     if body.ignore_eos:
         raise APIError(400, "'ignore_eos' cannot go with 'response_format': the output ends where the schema does",
                        param="ignore_eos")
+    return compiled(schema, tokenizer, vocab_size, "response_format")
+
+
+def compiled(schema: dict | str, tokenizer, vocab_size: int, param: str) -> Constraint:
+    """The (cached) constraint of `schema`; a schema it cannot serve is a 400 naming the keyword, for `param`."""
     try:
         return cached_constraint(schema if schema == "json_object" else json.dumps(schema), tokenizer, vocab_size)
     except ValueError as error:  # an unsupported keyword, a recursive $ref, a bound out of range
-        raise APIError(400, f"'response_format': {error}", param="response_format", code="unsupported_schema") from None
+        raise APIError(400, f"'{param}': {error}", param=param, code="unsupported_schema") from None
     except (TypeError, AttributeError, KeyError) as error:  # a keyword's value of the wrong JSON type
-        raise APIError(400, f"'response_format': a malformed schema ({type(error).__name__}: {error})",
-                       param="response_format", code="invalid_schema") from None
+        raise APIError(400, f"'{param}': a malformed schema ({type(error).__name__}: {error})",
+                       param=param, code="invalid_schema") from None
+
+
+# ---------------------------------------------------------------- tools (day 4.5): a tool call is a constrained output
+
+
+def tools_instruction(tools: list[Tool]) -> str:
+    """What the system message tells the model about `tools`: each function, and how to write a call."""
+    listed = "\n".join(json.dumps(tool.function.model_dump(exclude_none=True), ensure_ascii=False) for tool in tools)
+    return ("You can call these functions (each with the JSON Schema of its arguments):\n" + listed +
+            '\nTo call one, answer with nothing but a JSON object {"name": <function name>, "arguments": <arguments>}.')
+
+
+def call_schema(tools: list[Tool]) -> dict:
+    """A call of any one of `tools` as JSON Schema: {"name": its name, "arguments": its parameters}, a branch each.
+
+    A tool's `$defs` (pydantic writes its nested models there) move to the root, where their `#/$defs/...`
+    references point once the parameters sit under "arguments"; two tools may share a name only with the same
+    definition.
+    """
+    branches, shared = [], {}
+    for tool in tools:
+        parameters = dict(tool.function.parameters)
+        for section in ("$defs", "definitions"):
+            for name, definition in dict(parameters.pop(section, {})).items():
+                if shared.setdefault(section, {}).setdefault(name, definition) != definition:
+                    raise ValueError(f"two tools define '{section}/{name}' differently")
+        branches.append({"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                          "arguments": parameters},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    return {"anyOf": branches, **shared}
+
+
+@dataclass
+class ToolCalls:
+    """How a chat request's answers may call its tools: `forced` ("required" or a named function: decoding is
+    constrained to a call), and the constraint of a call, which also tells a call in free text ("auto")."""
+
+    forced: bool
+    constraint: Constraint
+
+
+def tool_calls_for(body: SamplingRequest, tokenizer, vocab_size: int) -> ToolCalls | None:
+    """The request's `ToolCalls` (None: its answers are text); a tool schema it cannot serve is a 400 naming why."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    tools, choice = body.chosen_tools()
+    if choice is None:
+        return None
+    if output_schema(body) is not None:
+        raise APIError(400, "'response_format' cannot go with 'tools' (unless tool_choice is \"none\"): an answer "
+                       "is either a call or a formatted text", param="response_format")
+    forced = choice != "auto"
+    if forced and body.ignore_eos:
+        raise APIError(400, "'ignore_eos' cannot go with a forced tool call: the output ends where the call does",
+                       param="ignore_eos")
+    if forced and choice != "required":
+        tools = [tool for tool in tools if tool.function.name == choice]
+    try:
+        schema = call_schema(tools)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise APIError(400, f"'tools': {error}", param="tools", code="invalid_schema") from None
+    return ToolCalls(forced, compiled(schema, tokenizer, vocab_size, "tools"))
+
+
+JSON_WHITESPACE = " \t\n\r"
+
+
+def call_head(text: str) -> tuple[str, int] | None:
+    """(the function's name, where its arguments start) once `text` has written both the name and the
+    arguments' first character; None before (or if it is no call). A call writes "name" first, as its
+    schema declares."""
+    decoder = json.JSONDecoder()
+    at, name = 0, None
+    for expected in ("{", '"name"', ":", None, ",", '"arguments"', ":"):
+        at = skip_whitespace(text, at)
+        if expected is None:
+            try:
+                name, at = decoder.raw_decode(text, at)
+            except ValueError:  # not written yet
+                return None
+        elif text.startswith(expected, at):
+            at += len(expected)
+        else:
+            return None
+    at = skip_whitespace(text, at)
+    return (name, at) if isinstance(name, str) and at < len(text) else None
+
+
+def skip_whitespace(text: str, at: int) -> int:
+    """The first position from `at` on that is not JSON whitespace (`len(text)` if none)."""
+    while at < len(text) and text[at] in JSON_WHITESPACE:
+        at += 1
+    return at
+
+
+def arguments_end(text: str) -> int:
+    """Where a call's arguments may end in `text`: before the last "}" and the whitespace around it, which may
+    close the call itself (until the text is over, nothing tells that "}" from one inside the arguments)."""
+    end = len(text.rstrip(JSON_WHITESPACE))
+    if text[:end].endswith("}"):
+        end = len(text[:end - 1].rstrip(JSON_WHITESPACE))
+    return end
+
+
+class CallReader:
+    """One choice's text read as a tool call while it may be one: the deltas (or message) OpenAI sends for it.
+
+    Forced ("required" or named), the text is a call by construction: once its head is written the call's id,
+    type and name go out, then its arguments piece by piece. "auto": the text is held while the call's automaton
+    still accepts a prefix of it; once it does not, everything goes out as content and the rest streams as
+    text; a text the automaton accepts at the end is a call, sent whole.
+    """
+
+    def __init__(self, calls: ToolCalls, call_id: str):
+        self.calls, self.call_id = calls, call_id
+        self.automaton = calls.constraint.automaton
+        self.state = self.automaton.start  # after the text's bytes, leading (and, once complete, trailing) blanks skipped
+        self.text = ""
+        self.mode = "held"  # "held": may still be a call; "call": its head went out; "text": content
+        self.sent = 0  # characters of `text` sent (as content, or as the call's arguments)
+
+    def add(self, piece: str) -> dict:
+        """The delta for one more piece of text (may be empty)."""
+        self.text += piece
+        if self.mode != "text":
+            self.walk(piece.encode())
+        if self.mode == "held":
+            if self.state == DEAD:
+                self.mode = "text"
+            elif self.calls.forced and (head := call_head(self.text)) is not None:
+                self.mode, self.sent = "call", head[1]
+                return self.call_delta(head[0], self.arguments(arguments_end(self.text)))
+        if self.mode == "text":
+            return self.content(len(self.text))
+        return self.arguments_delta(arguments_end(self.text)) if self.mode == "call" else {}
+
+    def finish(self, finish_reason: str) -> tuple[dict, str]:
+        """The last delta, and the choice's finish reason: "tool_calls" for a complete call."""
+        if self.mode != "text" and self.state != DEAD and self.automaton.accepts(self.state) and finish_reason != "abort":
+            name, start = call_head(self.text)
+            end = arguments_end(self.text)
+            if self.mode == "held":
+                self.sent = start
+                return self.call_delta(name, self.arguments(end)), "tool_calls"
+            return self.arguments_delta(end), "tool_calls"
+        if self.mode == "call":  # cut short (max_tokens, a stop string): the arguments as far as they got
+            return self.arguments_delta(len(self.text)), finish_reason
+        return self.content(len(self.text)), finish_reason
+
+    def answer(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """The whole text as one message: OpenAI's `tool_calls` for a call, else content; and the finish reason."""
+        deltas = [self.add(text)]
+        last, finish_reason = self.finish(finish_reason)
+        deltas.append(last)
+        content = "".join(delta.get("content", "") for delta in deltas)
+        parts = [part for delta in deltas for part in delta.get("tool_calls", [])]
+        if not parts:
+            return {"role": "assistant", "content": content}, finish_reason
+        call = {**parts[0], "function": {"name": parts[0]["function"]["name"],
+                                         "arguments": "".join(part["function"]["arguments"] for part in parts)}}
+        del call["index"]
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
+
+    def walk(self, data: bytes) -> None:
+        for byte in data:
+            blank = chr(byte) in JSON_WHITESPACE
+            if blank and (self.state == self.automaton.start or self.automaton.is_complete(self.state)):
+                continue
+            self.state = self.automaton.step(self.state, byte)
+
+    def content(self, end: int) -> dict:
+        piece, self.sent = self.text[self.sent:end], end
+        return {"content": piece} if piece else {}
+
+    def arguments(self, end: int) -> str:
+        piece, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return piece
+
+    def call_delta(self, name: str, arguments: str) -> dict:
+        return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                "function": {"name": name, "arguments": arguments}}]}
+
+    def arguments_delta(self, end: int) -> dict:
+        piece = self.arguments(end)
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+
+    def chunk_choice(self, index: int, piece: str, finish_reason: str | None, first: bool,
+                     logprobs: dict | None) -> dict:
+        """A stream chunk's choice for `piece` (as `choice` makes one), the call's deltas in it."""
+        delta = self.add(piece)
+        if finish_reason is not None:
+            last, finish_reason = self.finish(finish_reason)
+            delta = merge_deltas(delta, last)
+        if first:
+            delta = {"role": "assistant", **delta}
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def merge_deltas(first: dict, second: dict) -> dict:
+    """Two deltas of one choice as one: content joined; a call's parts joined (the head keeps its id and name)."""
+    if not first or not second:
+        return first or second
+    if "content" in first:
+        return {"content": first["content"] + second.get("content", "")}
+    head, tail = first["tool_calls"][0], second["tool_calls"][0]
+    function = {**head["function"], "arguments": head["function"]["arguments"] + tail["function"]["arguments"]}
+    return {"tool_calls": [{**head, "function": function}]}
 
 
 def check_choices(num_prompts: int, n: int) -> None:
