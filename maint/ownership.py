@@ -56,6 +56,10 @@ DATA_OWNERS = {
 
 # The writes that stay for now, each with its reason: (writing module, attributes, why). At most MAX_ALLOWED.
 ALLOWED = [
+    ("engine", {"finished", "finish_reason", "logprobs", "num_cached_tokens"},
+     "LLMEngine.report and finish_completed complete the scheduler's StepOutputs with what the engine alone "
+     "knows (the runner's logprobs, the prefix cache's hits, day 4.5's completion); in place, because while "
+     "grading the outputs can be the submission's objects, which the judge can change but not copy"),
     ("validation", {"failure"}, "refuse_after_failure and clear_failure wrap SlotScheduler.step and release_all: "
                                 "the object they write is the method's own `self`; they stay in validation.py "
                                 "because students' batch.py imports them from there"),

@@ -271,32 +271,29 @@ class LLMEngine:
         return self.scheduler.update_from_output(plan, tokens)
 
     def finish_completed(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided).
-
-        The scheduler's outputs are its data: the ones that end here are replaced, not changed.
-        """
-        finished = []
+        """End each constrained sequence whose output is complete ("stop"), with no EOS step (day 4.5, provided)."""
         for output in outputs:
             seq = self.sequences.get(output.request_id)
             if not output.finished and seq is not None and is_complete(seq):
                 self.scheduler.finish(seq, "stop")
-                output = replace(output, finished=True, finish_reason="stop")
-            finished.append(output)
-        return finished
+                output.finished, output.finish_reason = True, "stop"
+        return outputs
 
     def report(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """The step's outputs as the caller gets them: each token's logprobs (for requests that asked) and, on a
-        finished output, the prompt tokens the prefix cache served (provided)."""
+        """Complete the step's outputs with what the engine alone knows: each token's logprobs (for requests that
+        asked) and, on a finished output, the prompt tokens the prefix cache served (provided).
+
+        Written in place (the one exception `maint/ownership.py` lists for the engine): while grading, the
+        outputs may be the submission's objects, which the judge can change but not copy.
+        """
         logprobs = getattr(self.runner, "logprobs", None) or {}  # the step's (a stand-in runner has none)
-        reported = []
         for output in outputs:
             if output.token is not None and output.request_id in logprobs:
-                output = replace(output, logprobs=logprobs[output.request_id])
+                output.logprobs = logprobs[output.request_id]
             seq = self.sequences.get(output.request_id)
             if output.finished and seq is not None:
-                output = replace(output, num_cached_tokens=seq.num_cached_tokens or 0)
-            reported.append(output)
-        return reported
+                output.num_cached_tokens = seq.num_cached_tokens or 0
+        return outputs
 
     def run(self, plan: StepPlan):
         """Run the plan in one model call, timed for the budget policy; a failure releases every sequence (provided).
