@@ -92,8 +92,8 @@ class RecordingBudget:
     def __init__(self, policy):
         self.policy, self.answers, self.observed = policy, [], []
 
-    def budget(self, num_decoding: int, offset: int = 0) -> int:
-        answer = self.policy.budget(num_decoding, offset)
+    def budget(self, num_decoding: int, offset: int = 0, waited: float = 0.0) -> int:
+        answer = self.policy.budget(num_decoding, offset, waited)
         self.answers.append(answer)
         return answer
 
