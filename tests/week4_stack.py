@@ -344,6 +344,13 @@ def workload_speculative_sampling(package):
         assert sum(counts.values()) >= NUM_SAMPLED // 2, f"too few requests reached a {name} token to test its law"
         assert_distribution(counts, law, f"{name} tokens (the guess {guess} has probability {law[guess]:.2f}; after "
                                          "a rejected guess nothing more comes from that verify chunk)")
+        # The guess against every other token (one degree of freedom: far more power than the whole law's test for
+        # the rule most often broken, a replacement drawn from p itself, which can draw the rejected guess again).
+        guessed = counts.get(guess, 0)
+        assert_distribution({"guess": guessed, "other": sum(counts.values()) - guessed},
+                            {"guess": law[guess], "other": 1 - law[guess]},
+                            f"how often the {name} token is the guess {guess} (probability {law[guess]:.2f}; after a "
+                            "rejection the replacement comes from max(p - q, 0), never the rejected guess)")
     assert result.engine.summary()["speculative_proposed"] >= NUM_SAMPLED // 2, "the second tokens were not verified"
 
 
