@@ -4,10 +4,10 @@ A step runs every decode token plus as many prefill tokens as the budget leaves.
 one model call, its time grows with its tokens: roughly `base + tokens * per_token`, where `base` is
 what a plain decode step costs (reading all the weights once, and each decoding request's own work:
 its attention over its keys, its sampling; so `base` depends on how many requests decode) and
-`per_token` the compute of one more prompt row. A prefill token also attends to every key before it, so `per_token` grows with the
-offset its chunk starts at: `per_token(offset) = per_token(0) + offset * per_key`. The budget is the
-knob between the decoding requests' inter-token latency (every decode waits for the whole step) and
-how fast prompts get prefilled.
+`per_token` the compute of one more prompt row. A prefill token also attends to every key before it,
+so `per_token` grows with the offset its chunk starts at: `per_token(offset) = per_token(0) + offset *
+per_key`. The budget is the knob between the decoding requests' inter-token latency (every decode
+waits for the whole step) and how fast prompts get prefilled.
 
 - `FixedTokenBudget`: always the same budget.
 - `AdaptiveTokenBudget`: while requests decode, the largest budget whose predicted step time stays
@@ -77,9 +77,9 @@ class AdaptiveTokenBudget:
     free: each brings its own attention and sampling, so a plain step with 8 decodes costs more than one
     with 1, and a base measured at 1 decode would charge the 7 others to the prefill tokens); each other
     step, once the base for its decodes is known, gives one point: its prefill chunks' `offset` (mean
-    over their tokens) and what each prefill token added, `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
-    recent points (moving averages of x, y, x*x and x*y: `moments`, so old points fade like the
-    base's), used only upward: below the recent offsets, their average cost. The budget is then
+    over their tokens) and what each prefill token added, `(seconds - base) / tokens`.
+    `seconds_per_token(offset)` is the least-squares line through the recent points (moving averages
+    of x, y, x*x and x*y: `moments`, so old points fade like the base's), used only upward: below the recent offsets, their average cost. The budget is then
     `num_decoding + (target - base) / seconds_per_token(offset)` at the next chunk's offset, clamped to
     `min_tokens .. max_num_batched_tokens`. While the base for `num_decoding` decodes is unknown it
     answers `num_decoding` (a decode-only step, the only kind that measures it: one plain step each
@@ -170,7 +170,8 @@ class AdaptiveTokenBudget:
         # END TASK
 
     def target(self, num_decoding: int) -> float:
-        """The ITL target, in seconds: `target_itl`, or `decode_multiple` decode-only steps of `num_decoding` decodes (provided)."""
+        """The ITL target, in seconds: `target_itl`, or `decode_multiple` decode-only steps of `num_decoding`
+        decodes (provided)."""
         if self.target_itl is not None:
             return self.target_itl
         return self.decode_multiple * self.base_seconds.get(num_decoding, 0.0)
@@ -223,7 +224,8 @@ class GoodputTokenBudget(AdaptiveTokenBudget):
         self.ttft_multiple = ttft_multiple
 
     def ttft_target(self, num_decoding: int) -> float:
-        """The TTFT target, in seconds: `target_ttft`, or `ttft_multiple` decode-only steps of `num_decoding` decodes (provided)."""
+        """The TTFT target, in seconds: `target_ttft`, or `ttft_multiple` decode-only steps of `num_decoding`
+        decodes (provided)."""
         if self.target_ttft is not None:
             return self.target_ttft
         return self.ttft_multiple * self.base_seconds.get(num_decoding, 0.0)
@@ -234,7 +236,8 @@ class GoodputTokenBudget(AdaptiveTokenBudget):
         # BEGIN TASK Week 3 Day 4 Task 5: the step time both targets allow
         # TODO: urgency = waited / ttft_target(num_decoding), at most 1 (1 when that target is 0: nothing measured)
         # TODO: base = base_seconds for num_decoding decodes (0 before it is measured);
-        # TODO: base + (target(num_decoding) - base) * (1 + urgency) / 2: half the room at no wait, all of it at the TTFT target
+        # TODO: base + (target(num_decoding) - base) * (1 + urgency) / 2: half the room at no wait, all of it at the
+        # TODO: TTFT target
         ttft = self.ttft_target(num_decoding)
         urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0
         base = self.base_seconds.get(num_decoding, 0.0)
