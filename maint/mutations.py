@@ -179,10 +179,10 @@ MUTATIONS = [
     # Day 3.4's goodput budget (token_budget.py): the targets' roles swapped; the queue's age never read.
     Mutation("goodput-targets-swapped", "the TTFT target used as the step's ceiling and the ITL target as the wait's scale",
              (4,), (
-        ("token_budget", "        ttft = self.ttft_target()\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n",
-         "        ttft = self.target()\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n"),
-        ("token_budget", "        return base + (self.target() - base) * (1 + urgency) / 2\n",
-         "        return base + (self.ttft_target() - base) * (1 + urgency) / 2\n"),)),
+        ("token_budget", "        ttft = self.ttft_target(num_decoding)\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n",
+         "        ttft = self.target(num_decoding)\n        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n"),
+        ("token_budget", "        return base + (self.target(num_decoding) - base) * (1 + urgency) / 2\n",
+         "        return base + (self.ttft_target(num_decoding) - base) * (1 + urgency) / 2\n"),)),
     Mutation("goodput-ignores-age", "every step takes the whole room below the ITL target, however long anyone waited",
              (4,), (
         ("token_budget", "        urgency = min(1.0, waited / ttft) if ttft > 0 else 1.0\n", "        urgency = 1.0\n"),)),

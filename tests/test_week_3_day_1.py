@@ -74,7 +74,7 @@ def test_task_1_adaptive_budget_holds_the_target():
     policy.observe_step(4, 4, 0.2)  # decode-only: the base cost of a step
     assert policy.budget(4) == 32  # no per-token cost yet
     policy.observe_step(104, 4, 1.2)  # 100 prefill tokens added 1.0 s
-    assert policy.base_seconds == pytest.approx(0.2)
+    assert policy.base_seconds[4] == pytest.approx(0.2)
     assert policy.seconds_per_token(0) == pytest.approx(0.01)
     assert policy.budget(4) == 4 + 30  # (0.5 - 0.2) / 0.01 prefill tokens beside the 4 decodes
     policy.observe_step(4, 4, 0.6)  # a slow decode step leaves less room: the floor
@@ -89,13 +89,38 @@ def test_task_1_adaptive_budget_relative_target_and_smoothing():
                                                   min_tokens=1, initial_tokens=10, smoothing=0.5)
     policy.observe_step(2, 2, 0.1)
     policy.observe_step(2, 2, 0.3)  # moving average: 0.2
-    assert policy.base_seconds == pytest.approx(0.2)
+    assert policy.base_seconds[2] == pytest.approx(0.2)
     policy.observe_step(42, 2, 0.6)  # 40 tokens added 0.4 s
     assert policy.budget(2) == 2 + 40  # target 3 x 0.2 = 0.6 s: 0.4 s of room at 0.01 s per token
     for bad in (dict(target_itl=-1.0), dict(min_tokens=0), dict(min_tokens=50, initial_tokens=10),
                 dict(smoothing=0.0), dict(decode_multiple=1.0)):
         with pytest.raises(ValueError):
             sol.token_budget.AdaptiveTokenBudget(**bad)
+
+
+def test_task_1_base_per_number_of_decodes():
+    # A machine where a plain step costs 0.1 s plus 0.1 s a decode (each decode's attention and sampling), and a
+    # prefill token 0.01 s. A base measured with 1 decode must not be used for a step with 4.
+    policy = sol.token_budget.AdaptiveTokenBudget(target_itl=0.8, max_num_batched_tokens=512, min_tokens=1,
+                                                  initial_tokens=32, smoothing=1.0)
+    policy.observe_step(1, 1, 0.2)
+    policy.observe_step(21, 1, 0.2 + 20 * 0.01)  # 1 decode and 20 prefill tokens: 0.01 s a token
+    assert policy.budget(1) == 1 + 60  # (0.8 - 0.2) / 0.01
+    assert policy.budget(4) == 4, "no decode-only step with 4 decodes measured yet: one measures it"
+    policy.observe_step(24, 4, 0.5 + 20 * 0.01)  # before its base is known, a 4-decode step teaches nothing
+    assert policy.seconds_per_token(0) == pytest.approx(0.01), "a 4-decode step's time split with a 1-decode base"
+    policy.observe_step(4, 4, 0.5)
+    assert policy.base_seconds == {1: pytest.approx(0.2), 4: pytest.approx(0.5)}
+    assert policy.budget(4) == 4 + 30, "(0.8 - 0.5) / 0.01 prefill tokens beside 4 decodes"
+    policy.observe_step(34, 4, 0.5 + 30 * 0.01)
+    assert policy.seconds_per_token(0) == pytest.approx(0.01)
+    assert policy.budget(1) == 1 + 60 and policy.budget(4) == 4 + 30
+    # A target in decode steps is in steps of as many decodes: 2 x 0.5 s with 4 decoding.
+    relative = sol.token_budget.AdaptiveTokenBudget(target_itl=None, decode_multiple=2.0, max_num_batched_tokens=512,
+                                                    min_tokens=1, initial_tokens=32, smoothing=1.0)
+    for num_tokens, decodes, seconds in ((1, 1, 0.2), (4, 4, 0.5), (24, 4, 0.7)):
+        relative.observe_step(num_tokens, decodes, seconds)
+    assert relative.budget(4) == 4 + 50 and relative.budget(1) == 1 + 20
 
 
 def test_task_1_budget_fills_the_step_time_the_policy_allows():

@@ -347,10 +347,10 @@ def test_task_5_step_time_rises_with_the_oldest_wait_up_to_the_itl_target():
     policy = measured_goodput_budget(target_ttft=2.0, target_itl=0.75)
     # 0.5 s of room above a decode step: half of it while nobody has waited, all of it at the 2 s TTFT target.
     for waited, seconds in ((0.0, 0.5), (1.0, 0.625), (2.0, 0.75), (60.0, 0.75)):
-        assert policy.step_seconds(waited) == pytest.approx(seconds), \
+        assert policy.step_seconds(4, waited) == pytest.approx(seconds), \
             f"the oldest request waited {waited} s (TTFT target 2 s, ITL target 0.75 s, decode step 0.25 s): a step " \
-            f"may take {seconds} s, got {policy.step_seconds(waited)}"
-    times = [policy.step_seconds(w / 10) for w in range(40)]
+            f"may take {seconds} s, got {policy.step_seconds(4, waited)}"
+    times = [policy.step_seconds(4, w / 10) for w in range(40)]
     assert times == sorted(times) and max(times) <= 0.75 + 1e-12, "the longer the wait, the longer the step, never " \
                                                                    "past the ITL target"
     assert [policy.budget(4, 0, w) for w in (0.0, 1.0, 2.0, 100.0)] == [4 + 16, 4 + 24, 4 + 32, 4 + 32]
@@ -359,13 +359,29 @@ def test_task_5_step_time_rises_with_the_oldest_wait_up_to_the_itl_target():
 def test_task_5_targets_in_decode_steps():
     # No targets in seconds: the ITL target is 3 decode steps (0.75 s), the TTFT target 8 (2 s).
     policy = measured_goodput_budget(target_ttft=None, ttft_multiple=8.0, target_itl=None, decode_multiple=3.0)
-    assert [policy.step_seconds(w) for w in (0.0, 1.0, 3.0)] == pytest.approx([0.5, 0.625, 0.75])
+    assert [policy.step_seconds(4, w) for w in (0.0, 1.0, 3.0)] == pytest.approx([0.5, 0.625, 0.75])
     # A long TTFT target and a tight ITL target are not the same as the other way round.
     tight_itl = measured_goodput_budget(target_ttft=4.0, target_itl=0.5)
     assert [tight_itl.budget(4, 0, w) for w in (0.0, 2.0, 4.0, 9.0)] == [4 + 8, 4 + 12, 4 + 16, 4 + 16]
     for bad in (dict(target_ttft=0.0), dict(target_ttft=-1.0), dict(ttft_multiple=0.0)):
         with pytest.raises(ValueError):
             TASKS[5].token_budget.GoodputTokenBudget(**bad)
+
+
+def test_task_5_base_of_as_many_decodes():
+    # Decode-only steps with 1 decode cost 0.25 s, with 4 decodes 0.5 s: each step's room lies above the decode step
+    # of its own decodes, and targets in decode steps count steps of that many decodes.
+    policy = measured_goodput_budget(target_ttft=None, ttft_multiple=8.0, target_itl=None, decode_multiple=3.0)
+    policy.observe_step(4, 4, 0.5)
+    policy.observe_step(1, 1, 0.25)
+    # 4 decodes: ITL target 1.5 s, TTFT target 4 s; 1 decode: 0.75 s and 2 s.
+    assert [policy.step_seconds(4, w) for w in (0.0, 2.0, 4.0)] == pytest.approx([1.0, 1.25, 1.5])
+    assert [policy.step_seconds(1, w) for w in (0.0, 1.0, 2.0)] == pytest.approx([0.5, 0.625, 0.75])
+    seconds = measured_goodput_budget(target_ttft=2.0, target_itl=1.0)
+    seconds.observe_step(1, 1, 0.25)
+    seconds.observe_step(4, 4, 0.5)
+    assert [seconds.step_seconds(4, w) for w in (0.0, 2.0)] == pytest.approx([0.75, 1.0])
+    assert [seconds.step_seconds(1, w) for w in (0.0, 2.0)] == pytest.approx([0.625, 1.0])
 
 
 def test_task_5_the_planner_hears_the_oldest_wait():

@@ -2,11 +2,12 @@
 
 A step runs every decode token plus as many prefill tokens as the budget leaves. Since the step is
 one model call, its time grows with its tokens: roughly `base + tokens * per_token`, where `base` is
-what a step costs even for a few tokens (reading all the weights once) and `per_token` the compute
-of one more row. A prefill token also attends to every key before it, so `per_token` grows with the
-offset its chunk starts at: `per_token(offset) = per_token(0) + offset * per_key`. The budget is the
-knob between the decoding requests' inter-token latency (every decode waits for the whole step) and
-how fast prompts get prefilled.
+what a plain decode step costs (reading all the weights once, and each decoding request's own work:
+its attention over its keys, its sampling; so `base` depends on how many requests decode) and
+`per_token` the compute of one more prompt row. A prefill token also attends to every key before it,
+so `per_token` grows with the offset its chunk starts at: `per_token(offset) = per_token(0) + offset *
+per_key`. The budget is the knob between the decoding requests' inter-token latency (every decode
+waits for the whole step) and how fast prompts get prefilled.
 
 - `FixedTokenBudget`: always the same budget.
 - `AdaptiveTokenBudget`: while requests decode, the largest budget whose predicted step time stays
@@ -16,7 +17,7 @@ how fast prompts get prefilled.
 - `GoodputTokenBudget` (day 3.4): the same cost model, and the two promises a server makes: a
   time-to-first-token target for the requests still waiting for their first token and an inter-token
   latency target for the ones streaming. A step normally takes half the room the ITL target leaves
-  above a plain decode step; as the longest-waiting request nears its TTFT target, prefill gets more
+  above a plain decode step (of as many decodes); as the longest-waiting request nears its TTFT target, prefill gets more
   of that room, all of it once the target is reached, never more.
 
 The scheduler asks `budget(num_decoding, offset, waited)` before planning a step (`offset`: where the
@@ -71,19 +72,22 @@ class FixedTokenBudget:
 class AdaptiveTokenBudget:
     """A budget that holds a step near `target_itl` seconds while requests decode.
 
-    It learns the cost model `base + prefill_tokens * (intercept + slope * offset)`: `base_seconds`
-    is a moving average of decode-only steps; each other step, once the base is known, gives one
-    point: its prefill chunks' `offset` (mean over their tokens) and what each prefill token added,
-    `(seconds - base) / tokens`. `seconds_per_token(offset)` is the least-squares line through the
-    recent points (moving averages of x, y, x*x and x*y: `moments`, so old points fade like the
-    base's), used only upward: below the recent offsets, their average cost. The budget is then `num_decoding + (target - base_seconds) / seconds_per_token(offset)`
-    at the next chunk's offset, clamped to `min_tokens .. max_num_batched_tokens`. While the base is
-    unknown it answers `num_decoding` (a decode-only step, the only kind that measures it); then
-    `initial_tokens` until a prefill token is measured.
+    It learns the cost model `base(num_decoding) + prefill_tokens * (intercept + slope * offset)`:
+    `base_seconds[n]` is a moving average of the decode-only steps with `n` decodes (a decode row is not
+    free: each brings its own attention and sampling, so a plain step with 8 decodes costs more than one
+    with 1, and a base measured at 1 decode would charge the 7 others to the prefill tokens); each other
+    step, once the base for its decodes is known, gives one point: its prefill chunks' `offset` (mean
+    over their tokens) and what each prefill token added, `(seconds - base) / tokens`.
+    `seconds_per_token(offset)` is the least-squares line through the recent points (moving averages
+    of x, y, x*x and x*y: `moments`, so old points fade like the base's), used only upward: below the recent offsets, their average cost. The budget is then
+    `num_decoding + (target - base) / seconds_per_token(offset)` at the next chunk's offset, clamped to
+    `min_tokens .. max_num_batched_tokens`. While the base for `num_decoding` decodes is unknown it
+    answers `num_decoding` (a decode-only step, the only kind that measures it: one plain step each
+    time the number of decodes is new); then `initial_tokens` until a prefill token is measured.
 
     The target is `target_itl` seconds, or, with `target_itl=None`, `decode_multiple` times the
-    measured decode-only step: "a step may take 2 plain decode steps", which holds on a fast machine
-    and a slow (or busy) one alike.
+    measured decode-only step with as many decodes: "a step may take 2 plain decode steps", which holds
+    on a fast machine and a slow (or busy) one alike, with few requests decoding or many.
     """
 
     def __init__(self, target_itl: float | None = 0.4, max_num_batched_tokens: int = 2048, min_tokens: int = 16,
@@ -104,7 +108,7 @@ class AdaptiveTokenBudget:
         self.initial_tokens = initial_tokens
         self.smoothing = smoothing
         self.decode_multiple = decode_multiple
-        self.base_seconds: float | None = None  # a decode-only step
+        self.base_seconds: dict[int, float] = {}  # number of decodes -> a decode-only step with that many
         # Moving averages of (offset, seconds per prefill token, offset^2, offset * seconds per token).
         self.moments: tuple[float, float, float, float] | None = None
 
@@ -112,16 +116,17 @@ class AdaptiveTokenBudget:
         """The largest budget whose predicted step time is within the target (full budget when nobody decodes).
 
         `waited` (how long the queue's oldest request has waited) is not this policy's concern: day 3.4's is."""
-        # TODO: nobody decoding: the full budget; no base yet: num_decoding; no per-token cost yet: initial_tokens;
-        # TODO: else num_decoding + (step_seconds(waited) - base) / seconds_per_token(offset), clamped
+        # TODO: nobody decoding: the full budget; no base for num_decoding decodes yet: num_decoding; no per-token
+        # TODO: cost yet: initial_tokens; else num_decoding + (step_seconds(num_decoding, waited) - base) /
+        # TODO: seconds_per_token(offset), clamped
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the largest budget within the latency target"
         )
 
     def observe_step(self, num_tokens: int, num_decoding: int, seconds: float, offset: float = 0) -> None:
         """Update the averages from one step: decode-only steps give the base, the others a point of the line."""
-        # TODO: decode-only step: base_seconds; no base yet: nothing to learn; otherwise the point
-        # TODO: (offset, (seconds - base) / prefill tokens) enters the moments (x, y, x*x, x*y)
+        # TODO: decode-only step: base_seconds[num_decoding]; no base for its decodes yet: nothing to learn;
+        # TODO: otherwise the point (offset, (seconds - base) / prefill tokens) enters the moments (x, y, x*x, x*y)
         raise NotImplementedError(
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): update the step-time averages"
         )
@@ -134,15 +139,17 @@ class AdaptiveTokenBudget:
             "Week 3 Day 1 Task 1 (book/src/week3-01-token-budget.md): the least-squares line through the recent points"
         )
 
-    def target(self) -> float:
-        """The ITL target, in seconds: `target_itl`, or `decode_multiple` decode-only steps (provided)."""
+    def target(self, num_decoding: int) -> float:
+        """The ITL target, in seconds: `target_itl`, or `decode_multiple` decode-only steps of `num_decoding`
+        decodes (provided)."""
         if self.target_itl is not None:
             return self.target_itl
-        return self.decode_multiple * (self.base_seconds or 0.0)
+        return self.decode_multiple * self.base_seconds.get(num_decoding, 0.0)
 
-    def step_seconds(self, waited: float) -> float:
-        """How long the next step may take: here always the target (provided; day 3.4's budget moves it with `waited`)."""
-        return self.target()
+    def step_seconds(self, num_decoding: int, waited: float) -> float:
+        """How long the next step (`num_decoding` decodes) may take: here always the target (provided; day 3.4's
+        budget moves it with `waited`)."""
+        return self.target(num_decoding)
 
     def describe(self) -> str:
         """One line for the engine's start-up log."""
@@ -168,7 +175,8 @@ class GoodputTokenBudget(AdaptiveTokenBudget):
         urgency = min(1, waited / ttft_target())
         step    = base + (itl_target - base) * (1 + urgency) / 2
 
-    The ITL target (`target()`: `target_itl` seconds, or `decode_multiple` decode-only steps) is the
+    (`base`: a decode-only step with as many decodes as the next step.) The ITL target
+    (`target(num_decoding)`: `target_itl` seconds, or `decode_multiple` decode-only steps) is the
     ceiling: no step is planned longer. While every waiting request is young a step takes half the
     room above a plain decode step, so tokens stream well inside their target; as the oldest nears
     its TTFT target (`target_ttft` seconds, or `ttft_multiple` decode-only steps), prefill gets more
@@ -185,16 +193,20 @@ class GoodputTokenBudget(AdaptiveTokenBudget):
         self.target_ttft = target_ttft
         self.ttft_multiple = ttft_multiple
 
-    def ttft_target(self) -> float:
-        """The TTFT target, in seconds: `target_ttft`, or `ttft_multiple` decode-only steps (provided)."""
+    def ttft_target(self, num_decoding: int) -> float:
+        """The TTFT target, in seconds: `target_ttft`, or `ttft_multiple` decode-only steps of `num_decoding`
+        decodes (provided)."""
         if self.target_ttft is not None:
             return self.target_ttft
-        return self.ttft_multiple * (self.base_seconds or 0.0)
+        return self.ttft_multiple * self.base_seconds.get(num_decoding, 0.0)
 
-    def step_seconds(self, waited: float) -> float:
-        """Half the room between a decode step and the ITL target, rising to all of it as `waited` reaches the TTFT target."""
-        # TODO: urgency = waited / ttft_target(), at most 1 (1 when that target is 0: nothing measured, nothing to wait for)
-        # TODO: base + (target() - base) * (1 + urgency) / 2: half the room when nobody waits, all of it at the TTFT target
+    def step_seconds(self, num_decoding: int, waited: float) -> float:
+        """Half the room between a decode step (of `num_decoding` decodes) and the ITL target, rising to all of it as
+        `waited` reaches the TTFT target."""
+        # TODO: urgency = waited / ttft_target(num_decoding), at most 1 (1 when that target is 0: nothing measured)
+        # TODO: base = base_seconds for num_decoding decodes (0 before it is measured);
+        # TODO: base + (target(num_decoding) - base) * (1 + urgency) / 2: half the room at no wait, all of it at the
+        # TODO: TTFT target
         raise NotImplementedError(
             "Week 3 Day 4 Task 5 (book/src/week3-04-priorities.md): the step time both targets allow"
         )
