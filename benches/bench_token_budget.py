@@ -38,7 +38,8 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import PLAIN, Day27, MlxLm, Week3  # noqa: E402
+from benches.engines import Day27, MlxLm, Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
@@ -121,8 +122,8 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
         # Day 3.1's budget beside it, with day 3.4's order and without: what each of the two adds under mixed traffic.
         return runner.alternate(mlx[:2], ours + [
             ("week3 adaptive spf", engine(budget_policy="adaptive", scheduling_policy="shortest_prefill_first")),
-            ("week3 adaptive fcfs", engine(**dict(PLAIN, budget_policy="adaptive")))])
-    ours += [(f"week3 budget {b}", engine(**PLAIN, token_budget=b, max_num_seqs=8)) for b in args.budgets]
+            ("week3 adaptive fcfs", engine(**dict(PLAIN_ENGINE, budget_policy="adaptive")))])
+    ours += [(f"week3 budget {b}", engine(**PLAIN_ENGINE, token_budget=b, max_num_seqs=8)) for b in args.budgets]
     if "day27" not in args.skip:
         ours.append(("day2.7 step 256", lambda: Day27(selection, model2, tokenizer, batch_size=5,
                                                       max_seq_len=max_seq_len, prefill_step=256)))
