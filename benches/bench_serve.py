@@ -430,7 +430,8 @@ def apply_quick(args) -> None:
 
 
 def machine_line() -> str:
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
+            f"load average {os.getloadavg()[0]:.1f} at start")
 
 
 def main(argv: list[str] | None = None) -> int:
