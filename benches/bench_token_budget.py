@@ -74,7 +74,8 @@ def build_parser():
                              "steps of this run, EngineConfig's TTFT target)")
     parser.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
                         help="goodput: and its time per output token after the first within this many seconds "
-                             "(default: 2.5 plain decode steps of this run, EngineConfig's ITL target)")
+                             "(default: 2.5 plain decode steps of this run; the engine's own ITL target, 1.8 of its "
+                             "plain steps with as many decodes, aims under it)")
     parser.add_argument("--frontier", default="", metavar="ITL:TTFT,...",
                         help="also run the recommended engine on every workload with these target pairs, each "
                              "in decode-only steps (EngineConfig's decode_multiple:ttft_multiple), and plot TTFT p50 "
