@@ -7,6 +7,7 @@
     pdm run bench-token-budget --skip mixed      # only the head-of-line workload
     pdm run bench-token-budget --solution student   # your week-3 engine (and day 2.7), the reference for what is unwritten
     pdm run bench-token-budget --skip hol --frontier 1.5:5,2.5:10,4:20   # the mixed workload at more target pairs
+    pdm run bench-token-budget --budgets "" --skip day27,adaptive --frontier 2.5:10   # the defaults and one candidate
 
 Workloads (random prompt token ids, greedy, every request runs to its token budget):
   hol:   4 short requests (64 prompt + 64 output tokens) at t=0; a 1,536-token prompt (16 output
