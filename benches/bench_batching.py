@@ -29,7 +29,8 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import PLAIN, Day27, MlxLm, Week3  # noqa: E402
+from benches.engines import Day27, MlxLm, Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-batching"
@@ -60,7 +61,7 @@ def engines(bench, model2, model3, batch_size: int) -> list:
     return [("day26", lambda: Day27(selection, model2, tokenizer, batch_size=batch_size, prefill_step=args.prefill_step,
                                     max_seq_len=args.prompt_tokens + args.output_tokens + 1)),
             ("mlx_lm", lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=batch_size)),
-            ("week3", lambda: Week3(selection, model3, tokenizer, **PLAIN, token_budget=max(256, batch_size),
+            ("week3", lambda: Week3(selection, model3, tokenizer, **PLAIN_ENGINE, token_budget=max(256, batch_size),
                                     max_num_seqs=batch_size))]
 
 

@@ -34,7 +34,7 @@ from pathlib import Path  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches import lab  # noqa: E402
-from benches.engines import PLAIN  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 from course.engines import week3_engine  # noqa: E402
 from course.models import build_prompt, default_model  # noqa: E402
@@ -93,7 +93,7 @@ def prompts_of(args, tokenizer) -> list[list[int]]:
 
 def make_engine(selection, model, tokenizer, kv_bits, args):
     """The engine under test with a pool of `--memory-mb` in the given format: the one place one is built."""
-    config = dict(PLAIN, token_budget=args.budget, max_num_seqs=args.max_num_seqs, block_size=BLOCK_SIZE, kv_bits=kv_bits,
+    config = dict(PLAIN_ENGINE, token_budget=args.budget, max_num_seqs=args.max_num_seqs, block_size=BLOCK_SIZE, kv_bits=kv_bits,
                   kv_cache_bytes=int(args.memory_mb * 2**20))
     return week3_engine(selection, model, tokenizer, **config)
 

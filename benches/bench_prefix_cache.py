@@ -19,7 +19,8 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import PLAIN, Week3  # noqa: E402
+from benches.engines import Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-prefix-cache"
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     kv_tokens = 2 * (args.system_tokens + args.user_tokens + args.max_tokens) * min(args.requests, 8)
     runs = {}
     for label, caching in lab.progress([("cache off", False), ("cache on", True)], "runs"):
-        engine = Week3(bench.selection, model, bench.tokenizer, **dict(PLAIN, enable_prefix_caching=caching),
+        engine = Week3(bench.selection, model, bench.tokenizer, **dict(PLAIN_ENGINE, enable_prefix_caching=caching),
                        token_budget=args.budget, max_num_seqs=8, block_size=16, num_blocks=-(-kv_tokens // 16))
         runs[label] = runner.run(engine, arrivals, label)
     rows = [runner.summarize(run) for run in runs.values()]

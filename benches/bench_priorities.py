@@ -24,7 +24,8 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import PLAIN, Week3  # noqa: E402
+from benches.engines import Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-priorities"
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     model = bench.week3_model()
     runs = {}
     for label, policy, with_batch in lab.progress(PLANS, "runs"):
-        engine = Week3(bench.selection, model, bench.tokenizer, **dict(PLAIN, scheduling_policy=policy),
+        engine = Week3(bench.selection, model, bench.tokenizer, **dict(PLAIN_ENGINE, scheduling_policy=policy),
                        token_budget=args.budget, max_num_seqs=8, block_size=16)
         runs[label] = runner.run(engine, workload(args, with_batch), label)
     rows = [runner.summarize(run) for run in runs.values()]

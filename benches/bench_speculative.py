@@ -29,7 +29,8 @@ import time  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches import lab, runner  # noqa: E402
-from benches.engines import PLAIN, MlxLm, Speculative, Week3  # noqa: E402
+from benches.engines import MlxLm, Speculative, Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from benches.workloads import Arrival  # noqa: E402
 from course.models import default_model  # noqa: E402
 from course.user_errors import user_error  # noqa: E402
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
         raise SystemExit(user_error(PROG, "--max-tokens must be >= 2 and every --k >= 1"))
     bench = lab.start(args, ("engine", "speculative", "qwen2_week3"))
     model, tokenizer, selection = bench.week3_model(), bench.tokenizer, bench.selection
-    config = dict(PLAIN, token_budget=256, max_num_seqs=4, block_size=16, num_blocks=64)
+    config = dict(PLAIN_ENGINE, token_budget=256, max_num_seqs=4, block_size=16, num_blocks=64)
     makers = {"engine": lambda: Week3(selection, model, tokenizer, **config)}
     for k in args.k:
         makers[f"n-gram k={k}"] = lambda k=k: Speculative(selection, model, tokenizer, num_speculative_tokens=k,

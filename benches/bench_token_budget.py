@@ -7,6 +7,7 @@
     pdm run bench-token-budget --skip mixed      # only the head-of-line workload
     pdm run bench-token-budget --solution student   # your week-3 engine (and day 2.7), the reference for what is unwritten
     pdm run bench-token-budget --skip hol --frontier 1.5:5,2.5:10,4:20   # the mixed workload at more target pairs
+    pdm run bench-token-budget --budgets "" --skip day27,adaptive --frontier 2.5:10   # the defaults and one candidate
 
 Workloads (random prompt token ids, greedy, every request runs to its token budget):
   hol:   4 short requests (64 prompt + 64 output tokens) at t=0; a 1,536-token prompt (16 output
@@ -21,13 +22,16 @@ recommended engine, day 3.1's adaptive budget with shortest prefill first (what 
 adds), and day 3.1's adaptive engine first come, first served (shorts queue behind a long prompt's
 chunks). For each: the short requests' TTFT and ITL percentiles (day 2.2's, interpolated), the long
 prompt's TTFT, output tokens/s (output tokens over first arrival to last finish), goodput (the share
-of all requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot: benches/runner.py's `meets_targets`; by
-default 10 and 2.5 plain decode steps, a decode step being mlx-lm's lowest short ITL p50 in the same run,
-so the targets scale with the machine and its load as the engine's own do),
+of all requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot, and no token later than a reader at that
+pace would reach it: benches/runner.py's `good_request`; by default 10 and 2.5 plain decode steps, a
+decode step being mlx-lm's lowest short ITL p50 in the same run, so the targets scale with the machine
+and its load as the engine's own do; "goodput, TPOT only" leaves the pace out, DistServe's and vLLM's view),
 the ratios against mlx-lm's best (lowest ITL p99 among its step sizes; highest throughput; lowest
 short TTFT p50; highest goodput), and whether the greedy tokens are mlx-lm's. `--frontier` adds runs
-of the recommended engine on the mixed workload at other target pairs (ITL target in decode steps :
-TTFT target in decode steps): the trade between the two, beside mlx-lm's steps. Results:
+of the recommended engine at other target pairs (ITL target in decode steps : TTFT target in decode
+steps), on every workload, each taking its turn with mlx-lm's runs, with the same ratios per row: the
+trade between the two targets beside mlx-lm's steps (plotted for the mixed workload), and candidates for
+the defaults compared in one run. Results:
 benches/results/week3_hol.json (--out) with every token's timestamp and the six goal ratios
 (`goal_ratios`), and the plots week3_hol_itl.png, week3_hol_sweep.png and, with --frontier,
 week3_hol_frontier.png beside it.
@@ -38,7 +42,8 @@ from course import fast_mlx
 fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
-from benches.engines import PLAIN, Day27, MlxLm, Week3  # noqa: E402
+from benches.engines import Day27, MlxLm, Week3  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
@@ -52,7 +57,7 @@ GOALS = {  # issue 36: the recommended engine against mlx-lm's best, per workloa
 COLUMNS = [lab.Column("engine", "label", "{}"), lab.Column("ITL p50", "short_itl_p50_s", "{:.3f}"),
            lab.Column("ITL p99", "short_itl_p99_s", "{:.3f}"), lab.Column("TTFT p50", "short_ttft_p50_s"),
            lab.Column("long TTFT", "long_ttft_mean_s"), lab.Column("out tok/s", "output_tokens_per_s"),
-           lab.Column("goodput", "goodput", "{:.0%}"),
+           lab.Column("goodput", "goodput", "{:.0%}"), lab.Column("goodput, TPOT only", "goodput_tpot", "{:.0%}"),
            lab.Column("ITL p99 vs mlx best", "itl_p99_vs_mlx_lm_best"),
            lab.Column("tok/s vs mlx best", "throughput_vs_mlx_lm_best"),
            lab.Column("tokens = mlx-lm's", "same_tokens_as_mlx_lm", "{}")]
@@ -70,9 +75,10 @@ def build_parser():
                              "steps of this run, EngineConfig's TTFT target)")
     parser.add_argument("--slo-tpot", type=float, default=None, metavar="SECONDS",
                         help="goodput: and its time per output token after the first within this many seconds "
-                             "(default: 2.5 plain decode steps of this run, EngineConfig's ITL target)")
+                             "(default: 2.5 plain decode steps of this run; the engine's own ITL target, 1.8 of its "
+                             "plain steps with as many decodes, aims under it)")
     parser.add_argument("--frontier", default="", metavar="ITL:TTFT,...",
-                        help="also run the recommended engine on the mixed workload with these target pairs, each "
+                        help="also run the recommended engine on every workload with these target pairs, each "
                              "in decode-only steps (EngineConfig's decode_multiple:ttft_multiple), and plot TTFT p50 "
                              "against ITL p99 beside mlx-lm's steps (default: none)")
     parser.add_argument("--mlx-steps", default="64,256,2048", help="mlx-lm's prefill_step_size values")
@@ -103,7 +109,7 @@ def build_workloads(args) -> dict:
 
 
 def configs(bench, model2, model3, arrivals, workload: str) -> list:
-    """(label, make_adapter) in run order: mlx-lm and ours alternating."""
+    """(label, make_adapter) in run order: mlx-lm and ours alternating (the --frontier pairs among ours)."""
     args, tokenizer, selection = bench.args, bench.tokenizer, bench.selection
     max_seq_len = max(len(a.prompt) + a.max_tokens for a in arrivals) + 1
     mlx = [(f"mlx-lm step {s}", lambda s=s: MlxLm(bench.mlx_model, tokenizer, prefill_step=s)) for s in args.mlx_steps]
@@ -114,15 +120,15 @@ def configs(bench, model2, model3, arrivals, workload: str) -> list:
     def engine(**config):
         return lambda: Week3(selection, model3, tokenizer, clock=clock, **config)
 
-    ours = [(RECOMMENDED, engine())]
+    ours = [(RECOMMENDED, engine())] + frontier_configs(bench, model3, args.frontier)
     if workload == "mixed" and "adaptive" in args.skip:
         return runner.alternate(mlx[:2], ours)
     if workload == "mixed":
         # Day 3.1's budget beside it, with day 3.4's order and without: what each of the two adds under mixed traffic.
         return runner.alternate(mlx[:2], ours + [
             ("week3 adaptive spf", engine(budget_policy="adaptive", scheduling_policy="shortest_prefill_first")),
-            ("week3 adaptive fcfs", engine(**dict(PLAIN, budget_policy="adaptive")))])
-    ours += [(f"week3 budget {b}", engine(**PLAIN, token_budget=b, max_num_seqs=8)) for b in args.budgets]
+            ("week3 adaptive fcfs", engine(**dict(PLAIN_ENGINE, budget_policy="adaptive")))])
+    ours += [(f"week3 budget {b}", engine(**PLAIN_ENGINE, token_budget=b, max_num_seqs=8)) for b in args.budgets]
     if "day27" not in args.skip:
         ours.append(("day2.7 step 256", lambda: Day27(selection, model2, tokenizer, batch_size=5,
                                                       max_seq_len=max_seq_len, prefill_step=256)))
@@ -136,9 +142,12 @@ def add_ratios(rows: list[dict], outputs: dict) -> dict:
     best_tps = max(mlx_rows, key=lambda r: r["output_tokens_per_s"])
     best_ttft = min(r["short_ttft_p50_s"] for r in mlx_rows)
     best_goodput = max(r["goodput"] for r in mlx_rows)
+    best_goodput_tpot = max(r["goodput_tpot"] for r in mlx_rows)
     for row in rows:
         row["itl_p99_vs_mlx_lm_best"] = row["short_itl_p99_s"] / best_itl["short_itl_p99_s"]
         row["throughput_vs_mlx_lm_best"] = row["output_tokens_per_s"] / best_tps["output_tokens_per_s"]
+        row["ttft_p50_vs_mlx_lm_best"] = row["short_ttft_p50_s"] / best_ttft
+        row["goodput_vs_mlx_lm_best"] = row["goodput"] / best_goodput if best_goodput else None
         row["same_tokens_as_mlx_lm"] = "yes" if outputs[row["label"]] == outputs[best_tps["label"]] else "no"
     ours = next(r for r in rows if r["label"] == RECOMMENDED)
     return {"engine": RECOMMENDED, "mlx_lm_best_itl": best_itl["label"], "mlx_lm_best_throughput": best_tps["label"],
@@ -146,7 +155,8 @@ def add_ratios(rows: list[dict], outputs: dict) -> dict:
             "throughput_ratio_vs_mlx_lm_best": ours["throughput_vs_mlx_lm_best"],
             "ttft_p50_ratio_vs_mlx_lm_best": ours["short_ttft_p50_s"] / best_ttft,
             "goodput": ours["goodput"], "mlx_lm_best_goodput": best_goodput,
-            "goodput_vs_mlx_lm_best": ours["goodput"] / best_goodput if best_goodput else None}
+            "goodput_vs_mlx_lm_best": ours["goodput_vs_mlx_lm_best"],
+            "goodput_tpot": ours["goodput_tpot"], "mlx_lm_best_goodput_tpot": best_goodput_tpot}
 
 
 def targets(args, rows: list[dict]) -> dict:
@@ -166,7 +176,7 @@ def parse_pairs(text: str) -> list[tuple[float, float]]:
 
 
 def frontier_configs(bench, model3, pairs) -> list:
-    """(label, make_adapter) of the recommended engine at each target pair (the frontier's points)."""
+    """(label, make_adapter) of the recommended engine at each target pair (the frontier's points, or candidates)."""
     clock = runner.CLOCKS[bench.args.clock]
     return [(f"week3 targets {itl:g}:{ttft:g}", lambda itl=itl, ttft=ttft: Week3(
         bench.selection, model3, bench.tokenizer, clock=clock, decode_multiple=itl, ttft_multiple=ttft))
@@ -252,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, arrivals in build_workloads(args).items():
         runs = {}
         made = configs(bench, model2, model3, arrivals, name)
-        if name == "mixed":
-            made += frontier_configs(bench, model3, args.frontier)
         for label, make in lab.progress(made, f"{name} runs"):
             runs[label] = runner.run(make(), arrivals, label, clock=clock)
         rows = sorted((runner.summarize(r) for r in runs.values()),
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         slo = targets(args, rows)
         for row in rows:
             row["goodput"] = runner.goodput_share(runs[row["label"]], slo["ttft_s"], slo["tpot_s"])
+            row["goodput_tpot"] = runner.goodput_share(runs[row["label"]], slo["ttft_s"], slo["tpot_s"], stalls=False)
         ratios = add_ratios(rows, {label: r.outputs for label, r in runs.items()})
         longs = sum(a.kind == "long" for a in arrivals)
         lab.print_table(f"{name}: {len(arrivals) - longs} short requests ({args.short_tokens} + {args.short_output} "
@@ -274,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
               f"short TTFT p50 {ratios['ttft_p50_ratio_vs_mlx_lm_best']:.2f}x (goal "
               f"{goals['ttft_p50_ratio_vs_mlx_lm_best']}); goodput {ratios['goodput']:.0%} against mlx-lm's best "
               f"{ratios['mlx_lm_best_goodput']:.0%}" + (f" ({goodput:.2f}x)" if goodput else "")
-              + f" (TTFT <= {slo['ttft_s']:.2f} s and TPOT <= {slo['tpot_s']:.2f} s)")
+              + f" (TTFT <= {slo['ttft_s']:.2f} s, TPOT <= {slo['tpot_s']:.2f} s and no token behind that pace; "
+              f"by TTFT and TPOT alone {ratios['goodput_tpot']:.0%} against {ratios['mlx_lm_best_goodput_tpot']:.0%})")
         results[name] = {"rows": rows, "ratios": ratios, "slo": slo,
                          "token_times": {label: runner.token_times(r) for label, r in runs.items()}}
         goal_ratios[name] = {key: ratios[key] for key in goals}

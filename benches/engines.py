@@ -7,8 +7,8 @@ and releases what it holds (`close()`).
 
 - `MlxLm`: mlx-lm's `BatchGenerator` (the peer), on mlx-lm's own model.
 - `Day27`: day 2.7's `batch.SlotScheduler` of a selection (student or reference), on its week-2 model.
-- `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget policy, order, ...; `PLAIN`: the
-  engine with only what a lab switches on).
+- `Week3`: week 3's `LLMEngine` of a selection, with any `EngineConfig` (budget policy, order, ...; `course.engines.PLAIN_ENGINE`:
+  the engine with only what a lab switches on).
 - `Speculative`: day 4.1's `SpeculativeEngine` of a selection (a `Week3` with guesses and their counters).
 - `TensorParallel`: day 4.4's `TensorParallelEngine` of a selection on rank 0 (the other ranks follow it).
 
@@ -23,10 +23,6 @@ from typing import NamedTuple
 from benches.workloads import Arrival
 from course.engines import speculative_engine, week3_engine
 
-
-# EngineConfig fields of an engine a lab measures one mechanism on: a fixed token budget, first come first served,
-# no prefix cache; the lab switches on what it measures. The defaults are the recommended engine (bench-token-budget).
-PLAIN = {"budget_policy": "fixed", "scheduling_policy": "fcfs", "enable_prefix_caching": False}
 
 
 class Event(NamedTuple):

@@ -27,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 from benches import engines, runner  # noqa: E402
 from benches.workloads import Arrival, random_prompt  # noqa: E402
 from course import ranks, selector  # noqa: E402
+from course.engines import PLAIN_ENGINE  # noqa: E402
 from course.models import load_model  # noqa: E402
 
 ALL_SUM_REPEATS = 200
@@ -34,7 +35,7 @@ ALL_SUM_REPEATS = 200
 
 def make_engine(selection, model, tokenizer, prompt_tokens: int, decode_tokens: int):
     """Week 3's engine sized for one request (the one place this file builds one)."""
-    config = selection.engine.EngineConfig(**engines.PLAIN, token_budget=max(prompt_tokens, 16), max_num_seqs=1,
+    config = selection.engine.EngineConfig(**PLAIN_ENGINE, token_budget=max(prompt_tokens, 16), max_num_seqs=1,
                                            block_size=16, num_blocks=(prompt_tokens + decode_tokens) // 16 + 2)
     return selection.engine.LLMEngine(model, tokenizer, config)
 
@@ -69,7 +70,7 @@ def mlx_lm(group, mlx_model, prompt: list[int], decode_tokens: int) -> tuple[lis
 
 def batch_config(requests: int, prompt_tokens: int, decode_tokens: int) -> dict:
     """Day 4.4's engine sized for the whole batch at once: EngineConfig fields (the same on every rank)."""
-    return dict(engines.PLAIN, token_budget=max(256, requests), max_num_seqs=requests, block_size=16,
+    return dict(PLAIN_ENGINE, token_budget=max(256, requests), max_num_seqs=requests, block_size=16,
                 num_blocks=requests * ((prompt_tokens + decode_tokens) // 16 + 2))
 
 

@@ -8,6 +8,12 @@ both build their engines here, so neither imports the other.
 
 from __future__ import annotations
 
+# EngineConfig fields of a plain engine, whose plans depend on neither time nor prompt length: a fixed token budget,
+# first come first served, no prefix cache. `EngineConfig()`'s defaults are the recommended engine (a budget that
+# follows measured step times, shortest prefill first, prefix caching); a test or a lab about one mechanism asks for
+# this plain engine and switches on what it measures. Tests (`tests/week3_fakes.py`) and labs share this one dict.
+PLAIN_ENGINE = {"budget_policy": "fixed", "scheduling_policy": "fcfs", "enable_prefix_caching": False}
+
 
 def week3_engine(selection, model, tokenizer, clock=None, **config):
     """An `LLMEngine` of `selection` (the student's or the reference's); `config` are `EngineConfig` fields.

@@ -73,6 +73,20 @@ def test_goodput_counts_the_requests_that_meet_both_targets():
     assert runner.goodput_share(run, slo_ttft=100, slo_tpot=min(tpots.values())) == 0.5
 
 
+def test_goodput_counts_a_stall_the_mean_hides():
+    # Targets: first token within 2 s, then one token a second. Arrival at 10.
+    steady = [11.0, 12.0, 13.0, 14.0, 15.0]
+    assert runner.keeps_pace(10.0, steady, slo_ttft=2.0, slo_tpot=1.0)
+    early_then_stall = [10.5, 10.7, 10.9, 14.4, 14.6]  # slack from early tokens covers a 3.5 s gap: token 3 due at 15
+    assert runner.keeps_pace(10.0, early_then_stall, slo_ttft=2.0, slo_tpot=1.0)
+    stall = [10.5, 10.7, 10.9, 16.0, 16.1, 16.2, 16.3, 16.4, 16.5]  # token 3 due at 15: the reader waits a second
+    assert not runner.keeps_pace(10.0, stall, slo_ttft=2.0, slo_tpot=1.0)
+    tpot = (stall[-1] - stall[0]) / (len(stall) - 1)
+    assert runner.meets_targets(stall[0] - 10.0, tpot, slo_ttft=2.0, slo_tpot=1.0)  # the mean passes it
+    assert not runner.good_request(10.0, stall, stall[0] - 10.0, tpot, slo_ttft=2.0, slo_tpot=1.0)
+    assert not runner.keeps_pace(10.0, [12.5], slo_ttft=2.0, slo_tpot=1.0)  # a late first token is late too
+
+
 def test_runner_fails_with_a_message_instead_of_looping_forever():
     class Stuck(Echo):
         def step(self):

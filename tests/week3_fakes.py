@@ -18,14 +18,10 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from course.engines import PLAIN_ENGINE  # noqa: F401  (the plain engine the tests ask for; one dict with the labs)
 from tests.harness import fetch
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401
 
-# EngineConfig fields for plans that depend on neither time nor prompt length: a fixed token budget, first come
-# first served, no prefix cache. The engine's defaults are the labs' recommended configuration (a budget that
-# follows measured step times, shortest prefill first, prefix caching); a test about one mechanism asks for this
-# plain engine and switches on what it tests.
-PLAIN_ENGINE = {"budget_policy": "fixed", "scheduling_policy": "fcfs", "enable_prefix_caching": False}
 
 
 class FakeWeek3Model:

@@ -66,7 +66,7 @@ class EngineConfig:
 
     The defaults are the configuration the labs recommend, and the one `pdm run serve` starts with:
     a budget of up to 2,048 tokens a step (the whole budget when nobody is streaming) that keeps both
-    targets a server promises (day 3.4's goodput budget: streaming tokens within 2.5 plain decode steps of
+    targets a server promises (day 3.4's goodput budget: streaming tokens within 1.8 plain decode steps of
     each other, and prefill pushed harder as a waiting request nears 10 decode steps without its first
     token), shortest prefill first (a short prompt is not queued behind a long one's chunks), and prefix
     caching (vLLM's default too). Measured against mlx-lm on both of the week-3 lab's workloads
@@ -81,7 +81,7 @@ class EngineConfig:
     token_budget: int = 2048  # the most tokens one step runs (vLLM: max_num_batched_tokens); every budget policy's cap
     budget_policy: str = "goodput"  # "fixed": always token_budget; "adaptive" (day 3.1): hold the ITL target; "goodput" (day 3.4): both targets
     target_itl: float | None = None  # the ITL target in seconds (adaptive, goodput); None: `decode_multiple` decode-only steps
-    decode_multiple: float = 2.5  # the ITL target as "a step may take this many decode-only steps" (target_itl None)
+    decode_multiple: float = 1.8  # the ITL target as "a step may take this many decode-only steps" (target_itl None)
     target_ttft: float | None = None  # the goodput budget's TTFT target in seconds; None: `ttft_multiple` decode-only steps
     ttft_multiple: float = 10.0  # the TTFT target in decode-only steps (goodput, target_ttft None)
     max_num_seqs: int = 16  # running sequences (prefilling or decoding) at once
