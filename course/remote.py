@@ -16,7 +16,7 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
   class claims never reaches the judge.
 - Every other object of the actor is, for the judge, an opaque `Handle`: it can be sent back, have an
-  attribute or item read, a method called, be awaited (an ASGI app) or be written to; comparing,
+  attribute or item read, a method called, be awaited (an ASGI app) or an attribute set; comparing,
   hashing, `bool`, `len`, iterating, converting or doing arithmetic with it raises `TypeError` ("a test
   expected a value and got an object of the submission"), and `isinstance` sees a `Handle`, so a test
   that expects a value and gets an object fails. The same object is always the same handle (`is` works).
@@ -88,7 +88,7 @@ class ProtocolError(RuntimeError):
 # What the actor's proxies of the judge's objects forward (the student's code uses a fake as it would the
 # real object); the judge performs them on its own objects. The judge never asks the actor for these.
 OPERATIONS = {
-    "__getitem__": operator.getitem, "__setitem__": operator.setitem, "__delitem__": operator.delitem,
+    "__getitem__": operator.getitem,
     "__len__": len, "__iter__": iter, "__next__": next, "__contains__": operator.contains,
     "__bool__": bool, "__hash__": hash, "__repr__": repr, "__str__": str, "__int__": int, "__float__": float,
     "__index__": operator.index, "__reversed__": reversed,
@@ -314,7 +314,7 @@ class Policy:
             return target
         if op == "vars":
             return {k: getattr(target, k) for k in vars(target) if self._readable(target, k)}
-        if op in OPERATIONS and op not in ("__setitem__", "__delitem__"):
+        if op in OPERATIONS:
             result = OPERATIONS[op](target, *args)
             self.check_result(result, op)
             return result
@@ -808,7 +808,7 @@ class Handle:
     """An object of the actor, as the judge holds it: opaque.
 
     The judge may read an attribute or item (getting data or another handle), call it or a method of it,
-    await it, set or delete an attribute or item of it (the judge writing the actor's state), and send it
+    await it, set or delete an attribute of it (the judge writing the actor's state), and send it
     back. Nothing the submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating,
     converting and arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the
     judge's own: the class's name.
@@ -835,12 +835,6 @@ class Handle:
 
     def __getitem__(self, key):
         return self._request("__getitem__", key)
-
-    def __setitem__(self, key, value):
-        self._request("__setitem__", key, value)
-
-    def __delitem__(self, key):
-        self._request("__delitem__", key)
 
     def __await__(self):
         """Awaiting an awaitable of the actor (an ASGI app's coroutine)."""
