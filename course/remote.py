@@ -16,20 +16,20 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
   class claims never reaches the judge.
 - Every other object of the actor is, for the judge, an opaque `Handle`: it can be sent back, have an
-  attribute or item read, a method called, be awaited (an ASGI app) or be written to; comparing,
+  attribute or item read, a method called, be awaited (an ASGI app) or an attribute set; comparing,
   hashing, `bool`, `len`, iterating, converting or doing arithmetic with it raises `TypeError` ("a test
   expected a value and got an object of the submission"), and `isinstance` sees a `Handle`, so a test
   that expects a value and gets an object fails. The same object is always the same handle (`is` works).
-  A list or dict that is an attribute of the actor's object arrives as a copy whose changes the judge
-  makes are made to the original too (`MirrorList`, `MirrorDict`: the judge writing the actor's state).
+  A list or dict that is an attribute of the actor's object arrives as a copy, like any data: a test
+  that changes the actor's state sets the whole attribute (`seq.block_table = [...]`) or calls a method.
 - What the judge hands the student's code: an mlx-lm model (an oracle of many tests) goes as the actor's
   own copy, built from its class, arguments and weights (once per model); any other object (a fake, a
   tokenizer, a quantized model) is, for the actor, a transparent `Remote` proxy served by the judge's
   `Policy`: read and call, never write (no attribute set or deleted, no item assigned, no method that
   changes a module, a container or a tokenizer, nothing private, no module, class, code, frame or
-  built-in function); the judge's lists and dicts go as copies. The one exception: a data object of the
-  reference's that a test hands over to be filled in (a sequence whose block table a scheduler fills)
-  takes plain data.
+  built-in function); the judge's lists and dicts go as copies. What the student's code fills in (a
+  sequence whose block table a scheduler fills) the test builds in the actor, from the package under
+  test (`sol.sequence.Sequence(...)`), and reads back as data.
 - An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
   one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
   own frames of the traceback as a note, control characters escaped; an exception of the judge that the
@@ -88,7 +88,7 @@ class ProtocolError(RuntimeError):
 # What the actor's proxies of the judge's objects forward (the student's code uses a fake as it would the
 # real object); the judge performs them on its own objects. The judge never asks the actor for these.
 OPERATIONS = {
-    "__getitem__": operator.getitem, "__setitem__": operator.setitem, "__delitem__": operator.delitem,
+    "__getitem__": operator.getitem,
     "__len__": len, "__iter__": iter, "__next__": next, "__contains__": operator.contains,
     "__bool__": bool, "__hash__": hash, "__repr__": repr, "__str__": str, "__int__": int, "__float__": float,
     "__index__": operator.index, "__reversed__": reversed,
@@ -273,10 +273,8 @@ def _plain_mlx_lm_model(value) -> bool:
 
 
 class Policy:
-    """What the judge lets the actor do with the judge's objects it holds: read and call them; write only the
-    reference's data objects a test hands over to be filled in (a sequence whose block table a scheduler
-    fills, a step's output), with plain data; never a model, a tokenizer, MLX's or mlx-lm's objects or a
-    test's fake, which may hold its evidence."""
+    """What the judge lets the actor do with the judge's objects it holds: read and call them, never write
+    them (a model, a tokenizer, MLX's or mlx-lm's objects, a test's fake, which may hold its evidence)."""
 
     # Methods that write files, load weights or add tokens, on any object the judge hands over.
     DENIED = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights|add_special|add_tokens"
@@ -287,23 +285,8 @@ class Policy:
                "remove", "sort", "reverse", "rotate", "add", "discard", "difference_update", "intersection_update",
                "symmetric_difference_update"}
 
-    def __init__(self):
-        self.shared_lists: set[int] = set()  # ids of lists of the reference's data objects the actor may change
-
-    @staticmethod
-    def writable(obj) -> bool:
-        """A data object of the reference's (never a model: an nn.Module holds weights an oracle may use)."""
-        cls = type(obj)
-        if not cls.__module__.startswith("tiny_llm_ref.") or _shared_class(f"{cls.__module__}:{cls.__qualname__}") \
-                is not cls:
-            return False
-        import mlx.nn
-
-        return not isinstance(obj, mlx.nn.Module)
-
     def attribute(self, obj, name: str):
-        changes = name in self.CHANGES and isinstance(obj, (dict, list, set, collections.deque)) \
-            and id(obj) not in self.shared_lists
+        changes = name in self.CHANGES and isinstance(obj, (dict, list, set, collections.deque))
         if not isinstance(name, str) or name.startswith("_") or self.DENIED.match(name) or changes:
             raise PermissionError(f"the grader does not let submitted code use {name!r} of a trusted object")
         value = getattr(obj, name)
@@ -321,12 +304,7 @@ class Policy:
     def perform(self, op: str, target, args: list):
         if op == "getattr":
             return self.attribute(target, args[0])
-        if op == "setattr" and self.writable(target) and isinstance(args[0], str) and not args[0].startswith("_") \
-                and not callable(getattr(target, args[0], None)) and not _holds_handle(args[1]):
-            return setattr(target, args[0], args[1])
         if op == "call":
-            if isinstance(getattr(target, "__self__", None), list) and _holds_handle(args):
-                raise PermissionError("submitted code may put only plain data into a trusted list")
             result = target(*args[0], **args[1])
             self.check_result(result, getattr(target, "__name__", "a call"))
             return result
@@ -336,8 +314,7 @@ class Policy:
             return target
         if op == "vars":
             return {k: getattr(target, k) for k in vars(target) if self._readable(target, k)}
-        shared = id(target) in self.shared_lists and not _holds_handle(args)
-        if op in OPERATIONS and (op not in ("__setitem__", "__delitem__") or shared):
+        if op in OPERATIONS:
             result = OPERATIONS[op](target, *args)
             self.check_result(result, op)
             return result
@@ -349,17 +326,6 @@ class Policy:
         except (PermissionError, AttributeError):
             return False
         return True
-
-
-def _holds_handle(value, depth: int = 0) -> bool:
-    """Whether `value` (decoded by the judge) holds an object of the actor's, anywhere inside."""
-    if isinstance(value, Handle) or depth > MAX_DEPTH:
-        return True
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_handle(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_handle(k, depth + 1) or _holds_handle(v, depth + 1) for k, v in value.items())
-    return False
 
 
 def _perform_for_the_judge(op: str, target, args: list):
@@ -427,43 +393,24 @@ class Endpoint:
                 self.handle_of[id(obj)] = handle
             return handle
 
-    def encode(self, value, buffers: list, depth: int = 0, attribute_of_ours: bool = False):
-        """`value` as JSON and buffers. `attribute_of_ours`: on the actor's side, a list or dict read as an
-        attribute of its object, which the judge may change (a test puts a request into a scheduler's queue)."""
+    def encode(self, value, buffers: list, depth: int = 0):
+        """`value` as JSON and buffers: data by value, any other object as a handle of this side's."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
         kind = type(value)
         if kind in (Handle, Remote) and value._endpoint is self:
             return {"$": "ref", "h": value._handle}  # back to its owner
-        if kind in (MirrorList, MirrorDict) and value.handle._endpoint is self:
-            return {"$": "ref", "h": value.handle._handle}  # the original, back home
         data = plain(value)
         if value is None or type(data) in (bool, int, float, str):
             return data
-        if type(data) is list and all(type(v) is int for v in data):
-            encoded = {"$": "list", "ints": data}  # token ids, block tables: in one piece
-        elif type(data) is tuple and all(type(v) is int for v in data):
-            encoded = {"$": "tuple", "ints": list(data)}
-        elif type(data) in (tuple, list, set, frozenset):
-            encoded = {"$": type(data).__name__, "v": [self.encode(v, buffers, depth + 1) for v in data]}
-        elif type(data) is dict:
-            encoded = {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
-                                          for k, v in data.items()]}
-        else:
-            return self._encode_object(value, buffers, depth)
-        if attribute_of_ours and self._shares(value, data):
-            encoded["h"] = self._export(value)  # the other side's changes to its copy are made to the original too
-        return encoded
-
-    def _shares(self, value, data) -> bool:
-        """Whether an attribute's list or dict goes as a mirror: every one of the actor's; of the judge's, only a
-        list of plain values of a reference's data object (its block table), noted as one the actor may change."""
-        if not self.judge:
-            return isinstance(value, (list, dict, collections.deque))
-        if type(value) is list and all(type(v) in (int, str, type(None)) for v in data):
-            self.policy.shared_lists.add(id(value))
-            return True
-        return False
+        if type(data) in (list, tuple) and all(type(v) is int for v in data):
+            return {"$": type(data).__name__, "ints": list(data)}  # token ids, block tables: in one piece
+        if type(data) in (tuple, list, set, frozenset):
+            return {"$": type(data).__name__, "v": [self.encode(v, buffers, depth + 1) for v in data]}
+        if type(data) is dict:
+            return {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
+                                       for k, v in data.items()]}
+        return self._encode_object(value, buffers, depth)
 
     def _encode_object(self, value, buffers: list, depth: int):
         kind = type(value)
@@ -566,9 +513,6 @@ class Endpoint:
                 items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
             else:
                 items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
-            if isinstance(value.get("h"), int) and tag in ("list", "dict"):
-                mirror = MirrorList if tag == "list" else MirrorDict
-                return mirror(items, self._proxy(value["h"], f"builtins:{tag}"))
             return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "dict": dict}[tag](items)
         if tag == "bytes":
             return bytes(buffers[value["b"]])
@@ -769,8 +713,7 @@ class Endpoint:
                 result = _perform_for_the_judge(op, target, args)
             if op == "__await__":
                 result = _run_awaitable(self, result)
-            ours = op == "getattr" and (not self.judge or self.policy.writable(target))
-            reply = {"k": "ok", "v": self.encode(result, out, attribute_of_ours=ours)}
+            reply = {"k": "ok", "v": self.encode(result, out)}
         except (RemoteGone, ProtocolError):
             raise
         except BaseException as error:  # in the actor, whatever the student's code raised (SystemExit too)
@@ -865,7 +808,7 @@ class Handle:
     """An object of the actor, as the judge holds it: opaque.
 
     The judge may read an attribute or item (getting data or another handle), call it or a method of it,
-    await it, set or delete an attribute or item of it (the judge writing the actor's state), and send it
+    await it, set or delete an attribute of it (the judge writing the actor's state), and send it
     back. Nothing the submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating,
     converting and arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the
     judge's own: the class's name.
@@ -892,12 +835,6 @@ class Handle:
 
     def __getitem__(self, key):
         return self._request("__getitem__", key)
-
-    def __setitem__(self, key, value):
-        self._request("__setitem__", key, value)
-
-    def __delitem__(self, key):
-        self._request("__delitem__", key)
 
     def __await__(self):
         """Awaiting an awaitable of the actor (an ASGI app's coroutine)."""
@@ -928,50 +865,6 @@ for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__has
               "__rand__", "__ror__", "__rxor__", "__neg__", "__pos__", "__abs__", "__invert__",
               "__enter__", "__exit__", "__instancecheck__", "__subclasscheck__", "__array__"):
     setattr(Handle, _name, _refused(_name))
-
-
-def _mirrored(name: str):
-    def method(self, *args):
-        result = getattr(list, name)(self, *args)
-        getattr(self.handle, name)(*args)
-        return result
-
-    method.__name__ = name
-    return method
-
-
-class MirrorList(list):
-    """A list that is an attribute of an object of the other side: a copy, and every change made to it is made
-    to the original too (a test puts a request into a scheduler's queue; a scheduler fills a block table)."""
-
-    def __init__(self, items, handle):
-        super().__init__(items)
-        self.handle = handle
-
-    append, extend, insert = _mirrored("append"), _mirrored("extend"), _mirrored("insert")
-    pop, remove, clear = _mirrored("pop"), _mirrored("remove"), _mirrored("clear")
-    __setitem__, __delitem__ = _mirrored("__setitem__"), _mirrored("__delitem__")
-
-    def __iadd__(self, other):
-        self.extend(other)
-        return self
-
-
-class MirrorDict(dict):
-    """A dict that is an attribute of an actor's object: a copy, and every change the judge makes made there too."""
-
-    def __init__(self, items, handle: Handle):
-        super().__init__(items)
-        self.handle = handle
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self.handle[key] = value
-
-    def pop(self, *args):
-        result = super().pop(*args)
-        self.handle.pop(*args)
-        return result
 
 
 class Remote:

@@ -38,7 +38,7 @@ import json
 import re
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,12 +49,12 @@ TASKS_FILE = Path(__file__).resolve().parent / "tasks.json"
 MARKER = re.compile(r"Week (\d+) Day (\d+) Task (\d+) \((book/src/[^)\s]+)\)")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Task:
     week: int
     day: int
     number: int
-    chapter: str = ""  # book/src/<chapter>.md, as the marker names it
+    chapter: str = field(default="", compare=False)  # book/src/<chapter>.md, as the marker names it
 
     @property
     def day_key(self) -> tuple[int, int]:
@@ -66,12 +66,6 @@ class Task:
 
     def __str__(self) -> str:
         return f"Week {self.week} Day {self.day} Task {self.number}"
-
-    def __hash__(self) -> int:
-        return hash((self.week, self.day, self.number))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Task) and (self.week, self.day, self.number) == (other.week, other.day, other.number)
 
     @classmethod
     def parse(cls, text: str) -> "Task | None":

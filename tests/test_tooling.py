@@ -925,7 +925,7 @@ class TrustedFake:
     def __init__(self, sequence):
         self.calls: list[int] = []
         self.count = 0
-        self.sequence = sequence  # an object of the reference's, which submitted code may change
+        self.sequence = sequence  # an object of the reference's: as read-only to submitted code as the fake
 
     def call(self) -> int:
         return 1
@@ -957,8 +957,8 @@ def probe_worker(tmp_path):
 def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
     """Submitted code holding the test's objects tries each way around the pipe's policy (course/remote.py):
     writing a fake's evidence, a frame or code object out of a generator, seeding the test process's random
-    numbers, a message too large to read. Each is refused, or lands where it harms nothing; what a scheduler must
-    do (fill a reference sequence's block table) still works."""
+    numbers, a message too large to read, filling a reference sequence of the test's. Each is refused, or lands
+    where it harms nothing (a scheduler fills the sequences a test builds in the worker, never the test's)."""
     import mlx.core as mx
 
     from course.remote import MAX_MESSAGE, RemoteGone
@@ -972,6 +972,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
         def tamper(fake):
             outcome = {}
             for name, attempt in (("list", lambda: fake.calls.append(5)), ("setattr", lambda: setattr(fake, "count", 9)),
+                                  ("table", lambda: fake.sequence.block_table.append(7)),
+                                  ("sequence", lambda: setattr(fake.sequence, "block_table", [7])),
                                   ("frame", lambda: fake.steps().gi_frame), ("code", lambda: fake.steps().gi_code),
                                   ("private", lambda: fake._secret), ("globals", lambda: fake.call.__globals__)):
                 try:
@@ -979,7 +981,6 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
                     outcome[name] = "allowed"
                 except Exception as error:
                     outcome[name] = type(error).__name__
-            fake.sequence.block_table.append(7)  # what a block manager does: allowed
             return outcome
 
         def endpoint():
@@ -1002,10 +1003,11 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
 
     fake = TrustedFake(Sequence("s", [1, 2, 3]))
     tried = probe.tamper(fake)
-    assert tried == {"list": "allowed", "setattr": "PermissionError", "frame": "PermissionError",
-                     "code": "PermissionError", "private": "PermissionError", "globals": "AttributeError"}, tried
+    assert tried == {"list": "allowed", "setattr": "PermissionError", "table": "allowed", "sequence": "PermissionError",
+                     "frame": "PermissionError", "code": "PermissionError", "private": "PermissionError",
+                     "globals": "AttributeError"}, tried  # the lists are the worker's copies
     assert (fake.calls, fake.count) == ([], 0), "a fake's evidence changed by submitted code"
-    assert fake.sequence.block_table == [7], "a reference sequence's block table is the scheduler's to fill"
+    assert fake.sequence.block_table == [], "a reference sequence of the test's changed by submitted code"
     mx.random.seed(5)
     expected = mx.random.uniform().item()
     mx.random.seed(5)

@@ -348,8 +348,8 @@ def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets
     long_prompt.offset = 23  # 20 prompt tokens + 3 decoded
     short_prompt = batch.Request(scheduler.model, scheduler.tokenizer, prompt_of(2, 2))
     short_prompt.offset = 9
-    scheduler.slots[1], scheduler.slots[3] = long_prompt, short_prompt
-    scheduler.queue.append(batch.Request(scheduler.model, scheduler.tokenizer, "abc"))
+    scheduler.slots = [None, long_prompt, None, short_prompt]  # whole: while grading, a read is a copy of its list
+    scheduler.add_request("abc")
     clock.advance(4.0)
     scheduler.log_stats()
     first, second = (STATS_LINE.search(line) for line in lines[1:])

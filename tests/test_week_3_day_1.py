@@ -5,13 +5,13 @@ sequence (tests/week3_fakes.py), for plans, budgets and outputs without a model;
 one request at a time, for the fused call's logits and the engine's greedy outputs; MLX's argmax
 and random draws for sampling; hand-made measurements for the budget policy.
 
-Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here. Task 2's tests take
-Task 5's sequence updates from the reference (`planner_engine`), so each task passes once it is written.
+Day 3.2's part of scheduler.py (`Scheduler.preempt`) comes from the reference here. Task 2's tests take the
+student's Task 2 alone (`planner_engine`: Task 5's sequence updates are the reference's), so each task passes
+once it is written.
 Task 6 runs all of today's code together as one engine (tests/week3_stack.py).
 """
 
 import random
-import types
 
 import mlx.core as mx
 import pytest
@@ -44,12 +44,9 @@ def fake_engine(engine_module, **kwargs):
 
 
 def planner_engine(**kwargs):
-    """An engine whose scheduler updates sequences with the reference's Task 5 (`update_from_output`,
-    `append_token`): the planner (Task 2) is tested before Task 5 is written."""
-    engine = fake_engine(sol.engine, **kwargs)
-    for name in ("update_from_output", "append_token"):  # bound to this scheduler only; works through the sandbox too
-        setattr(engine.scheduler, name, types.MethodType(vars(ref.scheduler.Scheduler)[name], engine.scheduler))
-    return engine
+    """An engine of Task 2's selection (the student's planner, the reference's Task 5 sequence updates
+    `update_from_output` and `append_token`): the planner is tested before Task 5 is written."""
+    return fake_engine(solution(week=3, day=1, task=2).engine, **kwargs)
 
 
 def random_prompts(n, seed, longest=40):

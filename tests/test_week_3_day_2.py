@@ -7,7 +7,9 @@ random workloads; mlx-lm's own Qwen2, one request at a time, for outputs with an
 and with forced preemptions.
 
 Day 3.1's parts of scheduler.py (the planner) come from the reference here, except in Task 4, which
-runs days 3.1 and 3.2 of the student's code together as one engine (tests/week3_stack.py).
+runs days 3.1 and 3.2 of the student's code together as one engine (tests/week3_stack.py). The engines
+are built from the package under test, so while grading they run whole in the sandbox; Task 3's run on
+the real model takes the student's Task 3 alone (`solution(week=3, day=2, task=3)`: the reference's pool).
 """
 
 import random
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import reference, solution, stack
+from tests.harness import fetch, reference, solution, stack
 from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected,
                                 mlx_lm_greedy)
 from tests.week3_stack import check_stack
@@ -25,26 +27,23 @@ from tests.week3_stack import check_stack
 sol = solution(week=3, day=2)
 ref = reference()
 
-@pytest.fixture
-def scheduler_module():
-    """The scheduler module under test (day 3.1's parts come from the reference: the selector)."""
-    return sol.scheduler
-
-
-def make_engine(model, tokenizer, scheduler_module, **kwargs):
-    """The reference engine on the block manager and scheduler under test."""
+def make_engine(package, model, tokenizer, **kwargs):
+    """The reference engine on the block manager and scheduler under test (day 3.1's parts of the scheduler come
+    from the reference: the selector). All of it is `package`'s (its engine module is the reference's): while
+    grading it lives in the sandbox with the sequences the scheduler fills."""
     log = kwargs.pop("log", None)
-    config = ref.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": 4, "num_blocks": 64, "max_num_seqs": 3, **kwargs})
-    engine = ref.engine.LLMEngine(model, tokenizer, config, log=log)
-    engine.block_manager = sol.block_manager.BlockManager(config.pool_blocks, config.block_size)
+    config = package.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": 4, "num_blocks": 64, "max_num_seqs": 3,
+                                            **kwargs})
+    engine = package.engine.LLMEngine(model, tokenizer, config, log=log)
+    engine.block_manager = package.block_manager.BlockManager(config.pool_blocks, config.block_size)
     old = engine.scheduler
-    engine.scheduler = scheduler_module.Scheduler(engine.block_manager, old.token_budget, old.max_num_seqs,
+    engine.scheduler = package.scheduler.Scheduler(engine.block_manager, old.token_budget, old.max_num_seqs,
                                                   old.order, old.eos_token_ids, engine.log)
     return engine
 
 
-def fake_engine(scheduler_module, **kwargs):
-    engine = make_engine(FakeWeek3Model(), FakeTokenizer(), scheduler_module, **kwargs)
+def fake_engine(**kwargs):
+    engine = make_engine(sol, FakeWeek3Model(), FakeTokenizer(), **kwargs)
     engine.runner = FakeRunner(engine)
     return engine
 
@@ -63,15 +62,16 @@ def run_to_end(engine, check=True, max_steps=2000):
 
 def check_pool(engine):
     """The pool's accounting: every block free or held by exactly one running sequence, and enough of them."""
-    manager = engine.block_manager
-    held = [b for seq in engine.scheduler.running for b in seq.block_table]
+    manager, scheduler = engine.block_manager, engine.scheduler
+    running = fetch(scheduler.running, "block_table", "num_computed_tokens")  # one round trip while grading
+    held = [b for table, _ in running for b in table]
     assert len(held) == len(set(held)), "a block is held twice"
     assert not set(held) & set(manager.free_blocks), "a held block is also free"
     assert len(held) + manager.num_free_blocks == manager.num_blocks, "blocks leaked"
-    for seq in engine.scheduler.waiting:
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
-    for seq in engine.scheduler.running:
-        assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
+    for table, computed in fetch(scheduler.waiting, "block_table", "num_computed_tokens"):
+        assert table == [] and computed == 0
+    for table, computed in running:
+        assert len(table) * manager.block_size >= computed
 
 
 # ---------------------------------------------------------------- Task 1: blocks
@@ -126,19 +126,19 @@ def test_task_2_pool_write_and_gather():
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 64])
-def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_module, block_size, monkeypatch):
+def test_task_2_outputs_identical_with_and_without_paging(model32, block_size, monkeypatch):
     """block_size 64 holds every sequence in one contiguous block: no paging at all.
 
     The model and its runner read and write the KV cache through your `slot_mapping` and `KvPool`.
     """
-    monkeypatch.setattr(ref.model_runner, "slot_mapping", sol.block_manager.slot_mapping)
-    monkeypatch.setattr(ref.qwen2_week3, "KvPool", sol.block_manager.KvPool)
+    monkeypatch.setattr(sol.model_runner, "slot_mapping", sol.block_manager.slot_mapping)
+    monkeypatch.setattr(sol.qwen2_week3, "KvPool", sol.block_manager.KvPool)
     mlx_model, tokenizer = model32
-    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (11, 4, 23)]
     expected = [mlx_lm_greedy(mlx_model, p, 8, tokenizer.eos_token_ids) for p in prompts]
-    engine = make_engine(model, tokenizer, scheduler_module, block_size=block_size, num_blocks=256 // block_size,
+    engine = make_engine(sol, model, tokenizer, block_size=block_size, num_blocks=256 // block_size,
                          token_budget=8)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=8)) for p in prompts]
     run_to_end(engine)
@@ -148,8 +148,8 @@ def test_task_2_outputs_identical_with_and_without_paging(model32, scheduler_mod
 # ---------------------------------------------------------------- Task 3: admission and preemption
 
 
-def test_task_3_admission_by_free_blocks(scheduler_module):
-    engine = fake_engine(scheduler_module, block_size=4, num_blocks=3, token_budget=64, max_num_seqs=8)
+def test_task_3_admission_by_free_blocks():
+    engine = fake_engine(block_size=4, num_blocks=3, token_budget=64, max_num_seqs=8)
     for i in range(3):
         engine.add_request([1, 2, 3, 4, 5, 6], ref.sequence.SamplingParams(max_tokens=2), request_id=i)
     plan = engine.scheduler.schedule()
@@ -158,9 +158,9 @@ def test_task_3_admission_by_free_blocks(scheduler_module):
     assert engine.num_waiting == 1 and engine.block_manager.num_free_blocks == 0
 
 
-def test_task_3_preemption_recomputes_to_the_same_output(scheduler_module):
+def test_task_3_preemption_recomputes_to_the_same_output():
     lines = []
-    engine = fake_engine(scheduler_module, block_size=2, num_blocks=8, token_budget=32, max_num_seqs=4,
+    engine = fake_engine(block_size=2, num_blocks=8, token_budget=32, max_num_seqs=4,
                          log=lines.append)
     prompts = [[i + 1] * 5 for i in range(4)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
@@ -171,21 +171,23 @@ def test_task_3_preemption_recomputes_to_the_same_output(scheduler_module):
     assert engine.block_manager.num_free_blocks == 8
 
 
-def test_task_3_forced_preemption_real_model(model32, scheduler_module):
+def test_task_3_forced_preemption_real_model(model32):
+    # The student's Task 3 alone: the pool and slot mapping (Task 2) and the blocks (Task 1) are the reference's.
+    task_3 = solution(week=3, day=2, task=3)
     mlx_model, tokenizer = model32
-    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    model = task_3.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     rng = random.Random(9)
     prompts = [[rng.randrange(100, 5000) for _ in range(n)] for n in (7, 12, 5)]
     expected = [mlx_lm_greedy(mlx_model, p, 10, tokenizer.eos_token_ids) for p in prompts]
-    engine = make_engine(model, tokenizer, scheduler_module, block_size=2, num_blocks=12, token_budget=16)
+    engine = make_engine(task_3, model, tokenizer, block_size=2, num_blocks=12, token_budget=16)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
     run_to_end(engine)
     assert engine.num_preemptions > 0
     assert [s.output_token_ids for s in seqs] == expected
 
 
-def test_task_3_no_leaks_on_abort_and_error(scheduler_module):
-    engine = fake_engine(scheduler_module, block_size=2, num_blocks=16)
+def test_task_3_no_leaks_on_abort_and_error():
+    engine = fake_engine(block_size=2, num_blocks=16)
     for i in range(3):
         engine.add_request([1, 2, 3], ref.sequence.SamplingParams(max_tokens=6), request_id=i)
     engine.step()
@@ -207,12 +209,12 @@ def test_task_3_no_leaks_on_abort_and_error(scheduler_module):
     spare_blocks=st.integers(0, 6),
     abort_at=st.integers(0, 30),
 )
-def test_task_3_pool_accounting_holds_after_every_step(scheduler_module, lengths, max_tokens, budget, block_size,
+def test_task_3_pool_accounting_holds_after_every_step(lengths, max_tokens, budget, block_size,
                                                         spare_blocks, abort_at):
     # Just enough blocks for the longest request alone, plus a few: preemption is common.
     longest = max(lengths) + max_tokens
     num_blocks = -(-longest // block_size) + spare_blocks
-    engine = fake_engine(scheduler_module, block_size=block_size, num_blocks=num_blocks,
+    engine = fake_engine(block_size=block_size, num_blocks=num_blocks,
                          token_budget=budget, max_num_seqs=3)
     prompts = [[(7 * i + j) % EOS for j in range(n)] for i, n in enumerate(lengths)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]

@@ -30,21 +30,34 @@ def tokens(n: int, seed: int) -> list[int]:
 def make_scheduler(sol, num_blocks=64, block_size=4, budget=32, max_num_seqs=4, aging_steps=1000,
                    policy="PriorityPolicy"):
     """Day 3.1's one planner of `sol` with its priority policy (or `policy`, another of its order policies) plugged in."""
-    bm = ref.block_manager.BlockManager(num_blocks, block_size)
+    bm = sol.block_manager.BlockManager(num_blocks, block_size)
     order = getattr(sol.order_policy, policy)(aging_steps=aging_steps)
-    return sol.scheduler.Scheduler(bm, ref.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
+    return sol.scheduler.Scheduler(bm, sol.token_budget.FixedTokenBudget(budget), max_num_seqs, order)
 
 
-def seq(request_id, n, priority=0, seed=0):
-    return ref.sequence.Sequence(request_id, tokens(n, seed), priority=priority)
+def seq(sol, request_id, n, priority=0, seed=0):
+    """A sequence of `sol`'s package: while grading it lives in the sandbox with the policy and scheduler that
+    read and change it, and a test reads it back as data."""
+    return sol.sequence.Sequence(request_id, tokens(n, seed), priority=priority)
+
+
+def names(seqs) -> list[str]:
+    """The request ids of `seqs`, to compare (the sequences themselves are the submission's objects)."""
+    return [x.request_id for x in seqs]
+
+
+def holds(objects, obj) -> bool:
+    """Whether `obj` itself is one of `objects` (`in` would ask the submission's objects to compare themselves)."""
+    return any(x is obj for x in objects)
 
 
 def complete(plan):
     """Pretend the plan ran: every chunk's tokens are computed; sampling ones get a token."""
     for chunk in plan.chunks:
-        chunk.seq.num_computed_tokens += chunk.length
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.length
         if chunk.samples:
-            chunk.seq.output_token_ids.append(7)
+            seq.output_token_ids = seq.output_token_ids + [7]  # set whole: a read of a submission's list is a copy
 
 
 STEP_CLOCKS: dict[int, list[int]] = {}  # id(engine) -> the list its clock reads
@@ -92,22 +105,22 @@ def run_steps(engine, arrivals, max_steps=400):
 def test_task_1_rank_orders_by_priority_then_arrival():
     sol = TASKS[1]
     policy = sol.order_policy.PriorityPolicy(aging_steps=1000)
-    low, high, high_later = seq("low", 4, 0), seq("high", 4, 5), seq("high2", 4, 5)
+    low, high, high_later = seq(sol, "low", 4, 0), seq(sol, "high", 4, 5), seq(sol, "high2", 4, 5)
     for x in (low, high):
         policy.add(x)
     policy.next_step()
     policy.add(high_later)
-    assert sorted([low, high_later, high], key=policy.rank) == [high, high_later, low]
+    assert names(sorted([low, high_later, high], key=policy.rank)) == ["high", "high2", "low"]
     assert policy.effective_priority(high) == 5 and policy.effective_priority(low) == 0
 
 
 def test_task_1_priorities_age():
     sol = TASKS[1]
     policy = sol.order_policy.PriorityPolicy(aging_steps=10)
-    old = seq("old", 4, priority=0)
+    old = seq(sol, "old", 4, priority=0)
     policy.add(old)
     policy.num_steps = 25
-    young = seq("young", 4, priority=2)
+    young = seq(sol, "young", 4, priority=2)
     policy.add(young)
     assert policy.effective_priority(old) == 2, "one level per 10 steps waited"
     assert policy.rank(old) < policy.rank(young), "same effective priority: the earlier arrival first"
@@ -123,29 +136,29 @@ def test_task_1_priorities_age():
 def test_task_2_order_and_outranks():
     sol = TASKS[2]
     policy = sol.order_policy.PriorityPolicy(aging_steps=1000)
-    a, b, c = seq("a", 4, 1), seq("b", 4, 3), seq("c", 4, 1, seed=1)
+    a, b, c = seq(sol, "a", 4, 1), seq(sol, "b", 4, 3), seq(sol, "c", 4, 1, seed=1)
     for x in (a, b, c):
         policy.add(x)
-    assert policy.order([a, b, c]) == [b, a, c], "most urgent first; equals keep their order"
-    assert policy.order([c, a]) == [c, a], "stable among equals"
+    assert names(policy.order([a, b, c])) == ["b", "a", "c"], "most urgent first; equals keep their order"
+    assert names(policy.order([c, a])) == ["c", "a"], "stable among equals"
     assert policy.outranks(b, a) and not policy.outranks(a, b)
     assert not policy.outranks(a, c) and not policy.outranks(c, a), "equals never outrank each other"
     policy.next_step()
-    later = seq("later", 4, 1, seed=2)
+    later = seq(sol, "later", 4, 1, seed=2)
     policy.add(later)
-    assert policy.order([later, c, a]) == [c, a, later], "equal priorities: the earlier arrival first, whatever the " \
-                                                          "order given (a later request never jumps the queue)"
+    assert names(policy.order([later, c, a])) == ["c", "a", "later"], \
+        "equal priorities: the earlier arrival first, whatever the order given (a later request never jumps the queue)"
     assert policy.outranks(a, later) and not policy.outranks(later, a)
 
 
 def test_task_2_urgent_prefill_goes_first_in_the_budget():
     sol = TASKS[2]
     s = make_scheduler(sol, budget=32)
-    batch = seq("batch", 100, priority=0)
+    batch = seq(sol, "batch", 100, priority=0)
     s.add(batch)
     complete(s.schedule())  # the long batch prompt is part-way through
     assert batch.num_computed_tokens == 32
-    urgent = seq("urgent", 20, priority=1, seed=1)
+    urgent = seq(sol, "urgent", 20, priority=1, seed=1)
     s.add(urgent)
     plan = s.schedule()
     assert [c.seq.request_id for c in plan.prefills] == ["urgent", "batch"]
@@ -156,7 +169,7 @@ def test_task_2_waiting_queue_served_by_priority():
     sol = TASKS[2]
     s = make_scheduler(sol, budget=16, max_num_seqs=4)
     for i, p in enumerate([0, 2, 1]):
-        s.add(seq(f"p{p}", 16, priority=p, seed=i))
+        s.add(seq(sol, f"p{p}", 16, priority=p, seed=i))
     order = []
     for _ in range(3):
         plan = s.schedule()
@@ -168,10 +181,10 @@ def test_task_2_waiting_queue_served_by_priority():
 def test_task_2_decodes_in_priority_order():
     sol = TASKS[2]
     s = make_scheduler(sol, budget=32)
-    s.add(seq("p0", 4, priority=0))
+    s.add(seq(sol, "p0", 4, priority=0))
     complete(s.schedule())  # p0 is admitted first...
     for i, p in enumerate([3, 1], start=1):
-        s.add(seq(f"p{p}", 4, priority=p, seed=i))
+        s.add(seq(sol, f"p{p}", 4, priority=p, seed=i))
     complete(s.schedule())  # ...then p3 and p1
     plan = s.schedule()
     assert [c.seq.request_id for c in plan.decodes] == ["p3", "p1", "p0"]
@@ -183,46 +196,46 @@ def test_task_2_decodes_in_priority_order():
 def test_task_3_slot_taken_from_lower_priority():
     sol = TASKS[3]
     s = make_scheduler(sol, max_num_seqs=2)
-    lows = [seq(f"low{i}", 8, priority=0, seed=i) for i in range(2)]
+    lows = [seq(sol, f"low{i}", 8, priority=0, seed=i) for i in range(2)]
     for x in lows:
         s.add(x)
     complete(s.schedule())
-    urgent = seq("urgent", 8, priority=1, seed=9)
+    urgent = seq(sol, "urgent", 8, priority=1, seed=9)
     s.add(urgent)
     plan = s.schedule()
     assert [x.request_id for x in plan.preempted] == ["low1"], "the least urgent, most recent one goes"
-    assert urgent in s.running and lows[1] in s.waiting and lows[1].num_computed_tokens == 0
+    assert holds(s.running, urgent) and holds(s.waiting, lows[1]) and lows[1].num_computed_tokens == 0
     assert s.block_manager.num_free_blocks == 64 - 3 - 2  # low0 (8 tokens + 1 new), urgent's 8 tokens
 
 
 def test_task_3_blocks_taken_from_lower_priority():
     sol = TASKS[3]
     s = make_scheduler(sol, num_blocks=6, block_size=4, budget=32, max_num_seqs=4)
-    low = seq("low", 20, priority=0)
+    low = seq(sol, "low", 20, priority=0)
     s.add(low)
     complete(s.schedule())
     assert s.block_manager.num_free_blocks == 1
-    urgent = seq("urgent", 8, priority=2, seed=1)
+    urgent = seq(sol, "urgent", 8, priority=2, seed=1)
     s.add(urgent)
     plan = s.schedule()
-    assert plan.preempted == [low] and plan.prefills[0].seq is urgent and plan.prefills[0].length == 8
+    assert names(plan.preempted) == ["low"] and plan.prefills[0].seq is urgent and plan.prefills[0].length == 8
     complete(plan)
-    equal = seq("equal", 12, priority=2, seed=2)
+    equal = seq(sol, "equal", 12, priority=2, seed=2)
     s.add(equal)
     plan = s.schedule()
-    assert urgent not in plan.preempted, "a sequence is never preempted for one of the same priority"
-    assert urgent.status == ref.sequence.SequenceStatus.RUNNING
+    assert not holds(plan.preempted, urgent), "a sequence is never preempted for one of the same priority"
+    assert urgent.status.name == "RUNNING"  # by name: the judge may not have loaded the enum's module yet
 
 
 def test_task_3_no_preemption_among_equals():
     sol = TASKS[3]
     s = make_scheduler(sol, max_num_seqs=1)
-    a, b = seq("a", 8, priority=1), seq("b", 8, priority=1, seed=1)
+    a, b = seq(sol, "a", 8, priority=1), seq(sol, "b", 8, priority=1, seed=1)
     s.add(a)
     s.add(b)  # same priority, same step, one slot: b waits for a, it does not push it out
     for _ in range(3):
         plan = s.schedule()
-        assert plan.preempted == [] and a in s.running and b in s.waiting
+        assert plan.preempted == [] and holds(s.running, a) and holds(s.waiting, b)
         complete(plan)
 
 
@@ -278,8 +291,9 @@ def test_task_3_aging_bounds_starvation(engine_factory):
 def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
     sol = TASKS[4]
     policy = sol.order_policy.ShortestPrefillFirst(aging_steps=1000)
-    long, partway, short, twin = seq("long", 100), seq("partway", 100, seed=1), seq("short", 20, seed=2), seq("twin", 20, seed=3)
-    urgent_long = seq("urgent long", 200, priority=1, seed=4)
+    long, partway = seq(sol, "long", 100), seq(sol, "partway", 100, seed=1)
+    short, twin = seq(sol, "short", 20, seed=2), seq(sol, "twin", 20, seed=3)
+    urgent_long = seq(sol, "urgent long", 200, priority=1, seed=4)
     for x in (long, partway, short, twin, urgent_long):  # one step apart: arrival order is the last key
         policy.add(x)
         policy.next_step()
@@ -292,7 +306,7 @@ def test_task_4_fewest_uncomputed_tokens_first_within_a_priority():
 def test_task_4_length_never_outranks():
     sol = TASKS[4]
     policy = sol.order_policy.ShortestPrefillFirst(aging_steps=1000)
-    long, short, urgent = seq("long", 100), seq("short", 4, seed=1), seq("urgent", 100, priority=1, seed=2)
+    long, short, urgent = seq(sol, "long", 100), seq(sol, "short", 4, seed=1), seq(sol, "urgent", 100, priority=1, seed=2)
     for x in (long, short, urgent):
         policy.add(x)
     assert not policy.outranks(short, long) and not policy.outranks(long, short), "being shorter takes no blocks"
@@ -302,10 +316,10 @@ def test_task_4_length_never_outranks():
 def test_task_4_short_prompt_passes_a_long_ones_chunks():
     sol = TASKS[4]
     s = make_scheduler(sol, budget=32, policy="ShortestPrefillFirst")
-    long = seq("long", 200)
+    long = seq(sol, "long", 200)
     s.add(long)
     complete(s.schedule())  # part-way: 168 tokens left
-    short = seq("short", 20, seed=1)
+    short = seq(sol, "short", 20, seed=1)
     s.add(short)
     plan = s.schedule()
     assert [(c.seq.request_id, c.length) for c in plan.prefills] == [("short", 20), ("long", 12)], \

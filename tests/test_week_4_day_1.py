@@ -255,24 +255,25 @@ def engine_is_sound(engine, shared: bool = False):
 # ---------------------------------------------------------------- Task 1: n-gram prompt lookup
 
 
-def seq_of(tokens, params=None, request_id="s"):
-    return ref.sequence.Sequence(request_id, tokens, params)
+def seq_of(sol, tokens, params=None, request_id="s"):
+    """A sequence of `sol`'s package: while grading it lives in the sandbox with the proposer that reads it."""
+    return sol.sequence.Sequence(request_id, tokens, params)
 
 
 def test_task_1_ngram_proposes_what_followed():
     sol = TASKS[1]
     proposer = sol.speculative.NgramProposer(max_ngram=3, min_ngram=1)
     # "5 6 7" occurred before, followed by 8 9 1: the longest suffix match wins.
-    assert proposer.propose(seq_of([5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 3) == [8, 9, 1]
-    assert proposer.propose(seq_of([5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 10) == [8, 9, 1, 2, 5, 6, 7]
+    assert proposer.propose(seq_of(sol, [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 3) == [8, 9, 1]
+    assert proposer.propose(seq_of(sol, [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]), 10) == [8, 9, 1, 2, 5, 6, 7]
     # The latest earlier occurrence: "1 2" is followed by 3 early on and by 4 later.
-    assert proposer.propose(seq_of([1, 2, 3, 0, 1, 2, 4, 0, 1, 2]), 2) == [4, 0]
+    assert proposer.propose(seq_of(sol, [1, 2, 3, 0, 1, 2, 4, 0, 1, 2]), 2) == [4, 0]
     # Longer suffixes first: "0 1 2" matches only at the start (-> 3), "1 2" later (-> 4).
-    assert proposer.propose(seq_of([0, 1, 2, 3, 9, 1, 2, 4, 0, 1, 2]), 1) == [3]
-    assert proposer.propose(seq_of([4, 5, 6]), 3) == [], "no earlier occurrence: no guess"
-    assert proposer.propose(seq_of([7]), 3) == []
+    assert proposer.propose(seq_of(sol, [0, 1, 2, 3, 9, 1, 2, 4, 0, 1, 2]), 1) == [3]
+    assert proposer.propose(seq_of(sol, [4, 5, 6]), 3) == [], "no earlier occurrence: no guess"
+    assert proposer.propose(seq_of(sol, [7]), 3) == []
     # The output counts as context too.
-    seq = seq_of([3, 1, 4])
+    seq = seq_of(sol, [3, 1, 4])
     seq.output_token_ids = [1, 5, 3, 1]
     assert proposer.propose(seq, 2) == [4, 1]
 
@@ -280,13 +281,13 @@ def test_task_1_ngram_proposes_what_followed():
 def test_task_1_ngram_respects_min_ngram_and_k():
     sol = TASKS[1]
     strict = sol.speculative.NgramProposer(max_ngram=3, min_ngram=2)
-    assert strict.propose(seq_of([1, 9, 8, 1]), 2) == [], "a single-token match is below min_ngram"
-    assert strict.propose(seq_of([1, 9, 8, 7, 1, 9]), 2) == [8, 7]
-    assert strict.propose(seq_of([1, 9, 8, 7, 1, 9]), 1) == [8]
+    assert strict.propose(seq_of(sol, [1, 9, 8, 1]), 2) == [], "a single-token match is below min_ngram"
+    assert strict.propose(seq_of(sol, [1, 9, 8, 7, 1, 9]), 2) == [8, 7]
+    assert strict.propose(seq_of(sol, [1, 9, 8, 7, 1, 9]), 1) == [8]
     loose = sol.speculative.NgramProposer(max_ngram=1, min_ngram=1)
-    assert loose.propose(seq_of([1, 9, 8, 1]), 2) == [9, 8]
+    assert loose.propose(seq_of(sol, [1, 9, 8, 1]), 2) == [9, 8]
     # A match right before the suffix proposes only what exists: repeated tokens.
-    assert loose.propose(seq_of([2, 2]), 4) == [2]
+    assert loose.propose(seq_of(sol, [2, 2]), 4) == [2]
     with pytest.raises(ValueError):
         sol.speculative.NgramProposer(max_ngram=1, min_ngram=2)
 
