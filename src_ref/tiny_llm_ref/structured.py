@@ -12,6 +12,10 @@ Three steps, one per task:
    plus the end-of-sequence token when the state accepts. Built the first time a state is met and cached.
 3. `constraint_state` and `apply_constraints`: in week 3's step, each constrained sequence's state
    after its output so far, and one masked `mx.where` over the constrained rows before sampling.
+
+With day 4.1's speculation (provided, on top of Task 3): a proposal is cut at the first guess the mask
+refuses (`allowed_guesses`), and each row of a verify chunk is masked for the state its guesses reach
+(`constrain_guess_rows`), so the accepted tokens stay inside the schema.
 """
 
 from __future__ import annotations
@@ -675,3 +679,42 @@ def is_complete(seq) -> bool:
     """A constrained `seq` whose output is finished: accepted with nothing allowed after (provided)."""
     constraint = seq.sampling.constraint
     return constraint is not None and constraint.is_complete(constraint_state(seq))
+
+
+# ---------------------------------------------------------------- with day 4.1's speculation (provided)
+
+
+def allowed_guesses(seq, draft: list[int]) -> list[int]:
+    """The guesses of `draft` up to the first one the mask refuses (provided).
+
+    Each guess is checked against the mask of the state the output and the guesses before it reach: a
+    guess the constraint refuses can never be accepted (its row's mask refuses it too), so verifying it and
+    every guess after it would be wasted. Unconstrained sequences keep their whole draft.
+    """
+    constraint = seq.sampling.constraint
+    if constraint is None:
+        return draft
+    state = constraint_state(seq)
+    for at, token in enumerate(draft):
+        if not constraint.index.mask(state)[token].item():
+            return draft[:at]
+        state = constraint.next_state(state, token)
+    return draft
+
+
+def constrain_guess_rows(logits: mx.array, seq, draft: list[int]) -> mx.array:
+    """A verify chunk's `1 + len(draft)` rows of logits, row i masked for the state after the output and the
+    first i guesses (provided): the target's token at each row is then what a constrained step would pick.
+
+    The draft went through `allowed_guesses`, so every state is alive but the one after an EOS guess, which
+    ends the sequence: that row is never read and stays as it is.
+    """
+    constraint = seq.sampling.constraint
+    if constraint is None:
+        return logits
+    states = [constraint_state(seq)]
+    for token in draft:
+        states.append(constraint.next_state(states[-1], token))
+    everything = mx.ones(logits.shape[-1], dtype=mx.bool_)
+    allowed = mx.stack([everything if state == DEAD else constraint.index.mask(state) for state in states])
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
