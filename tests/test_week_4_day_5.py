@@ -7,6 +7,11 @@ model with the reference's masks and with llguidance's (a constrained greedy run
 and the same engine without the constraint (what a constrained request's neighbours must still get). Served:
 the official `openai` client and LangChain's `ChatOpenAI` (what they parse is what OpenAI's API means), and
 the same request without tools (what tool_choice "none" must answer).
+
+Each task's tests take the student's code for that task alone (`solution(week=4, day=5, task=N)`): Task 2's
+masks are built over the reference's automaton (Task 1), and Task 3's engine, speculation, quantized pool and
+server run the reference's automaton and masks, so a bug in one task never costs another task's points. Task 4
+runs the student's week-3 engine with their whole day 4.5.
 """
 
 from __future__ import annotations

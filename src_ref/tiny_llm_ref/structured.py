@@ -20,6 +20,7 @@ refuses (`allowed_guesses`), and each row of a verify chunk is masked for the st
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from typing import NamedTuple
@@ -38,6 +39,7 @@ SUPPORTED = {"type", "properties", "required", "additionalProperties", "items", 
 WHITESPACE = b" "
 MAX_COUNT = 256  # the largest minLength/maxLength/minItems/maxItems served: each count is a copy in the NFA
 DEAD = 0  # the automaton state no bytes lead out of: the empty set of NFA states
+UNKNOWN = -1  # in `Automaton.table`, a row not filled yet (its state not expanded)
 
 
 # ---------------------------------------------------------------- the NFA and its lazy DFA (provided)
@@ -113,16 +115,18 @@ class Nfa:
 
 
 class Automaton:
-    """The DFA of an NFA, made lazily: state ids index `table`, a (capacity x 256) array of successors."""
+    """The DFA of an NFA, made lazily: state ids index `table`, a (capacity x 256) array of successors
+    (UNKNOWN in the rows of states not expanded yet)."""
 
     def __init__(self, nfa: Nfa, start: int, accept: int):
         self.nfa = nfa
         self.accept = accept
         self.sets: list[frozenset[int]] = [frozenset()]  # DEAD first
         self.ids: dict[frozenset[int], int] = {frozenset(): DEAD}
-        self.table = np.zeros((64, 256), dtype=np.int32)
+        self.table = np.full((64, 256), UNKNOWN, dtype=np.int32)
+        self.table[DEAD] = DEAD  # every byte leads from DEAD to DEAD
         self.expanded = np.zeros(64, dtype=bool)
-        self.expanded[DEAD] = True  # every byte leads from DEAD to DEAD
+        self.expanded[DEAD] = True
         self.start = self.state_of(nfa.closure([start]))
 
     def state_of(self, nfa_states: frozenset[int]) -> int:
@@ -131,7 +135,7 @@ class Automaton:
             self.ids[nfa_states] = len(self.sets)
             self.sets.append(nfa_states)
             if len(self.sets) > len(self.expanded):  # grow the table by doubling
-                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self.table = np.concatenate([self.table, np.full_like(self.table, UNKNOWN)])
                 self.expanded = np.concatenate([self.expanded, np.zeros_like(self.expanded)])
         return self.ids[nfa_states]
 
@@ -139,19 +143,21 @@ class Automaton:
         """Fill `state`'s row of `table`: its successor on every byte."""
         if self.expanded[state]:
             return
-        targets: list[set[int]] = [set() for _ in range(256)]
-        for nfa_state in self.sets[state]:
-            for lo, hi, dst in self.nfa.edges[nfa_state]:
-                for b in range(lo, hi + 1):
-                    targets[b].add(dst)
-        row = [DEAD] * 256
-        made: dict[frozenset[int], int] = {}  # bytes with the same targets share one closure
-        for b, dst in enumerate(targets):
+        edges = [edge for nfa_state in self.sets[state] for edge in self.nfa.edges[nfa_state]]
+        # The bytes between two consecutive range ends share every edge's verdict: one target set per stretch.
+        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        targets: list[set[int]] = [set() for _ in cuts]  # of the stretch cuts[i] .. cuts[i + 1] - 1
+        for lo, hi, dst in edges:
+            for stretch in range(bisect.bisect_left(cuts, lo), bisect.bisect_left(cuts, hi + 1)):
+                targets[stretch].add(dst)
+        row = np.full(256, DEAD, dtype=np.int32)
+        made: dict[frozenset[int], int] = {}  # stretches with the same targets share one closure
+        for stretch, dst in enumerate(targets):
             if dst:
                 key = frozenset(dst)
                 if key not in made:
                     made[key] = self.state_of(self.nfa.closure(key))
-                row[b] = made[key]
+                row[cuts[stretch]:cuts[stretch + 1]] = made[key]
         self.table[state] = row  # after state_of, which may have grown the table
         self.expanded[state] = True
 
@@ -159,6 +165,15 @@ class Automaton:
         """Expand every state in `states` not expanded yet."""
         for state in np.unique(states[~self.expanded[states]]):
             self.expand(int(state))
+
+    def successors_of(self, states: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """The state after byte `labels[i]` from `states[i]`, for every i at once; states met for the first time
+        are expanded (a row still UNKNOWN shows them: one check, not a look-up per state)."""
+        found = self.table.reshape(-1).take(states * 256 + labels)
+        if found.min() == UNKNOWN:
+            self.expand_all(states[found == UNKNOWN])
+            found = self.table.reshape(-1).take(states * 256 + labels)  # the table may have grown: read it again
+        return found
 
     def step(self, state: int, byte: int) -> int:
         self.expand(state)
@@ -591,16 +606,14 @@ class TokenIndex:
         """The mask of `state`, walked over the vocabulary's trie one level (one byte position) at a time."""
         # BEGIN TASK Week 4 Day 5 Task 2: the allowed tokens of one state
         # TODO: the root starts at `state`; level by level, each node's state is its parent's moved by its label
-        # TODO: (expand_all the parents' states first, then table[parent states, labels]); a token is allowed if
-        # TODO: its end node is not DEAD; stop once every node is DEAD; EOS only if the state accepts
+        # TODO: (automaton.successors_of(parent states, labels)); a token is allowed if its end node is not DEAD;
+        # TODO: stop once every node is DEAD; EOS only if the state accepts
         vocab, automaton = self.vocabulary, self.automaton
         allowed = np.zeros(vocab.size, dtype=bool)
         states = np.array([state], dtype=np.int32)  # the root: no byte read yet
         for level in vocab.levels:
-            parent_states = states[level.parents]
-            automaton.expand_all(parent_states)  # may grow the table: read it after
-            states = automaton.table[parent_states, level.labels]
-            allowed[level.tokens] = states[level.ends] != DEAD
+            states = automaton.successors_of(states.take(level.parents), level.labels)
+            allowed[level.tokens] = states.take(level.ends) != DEAD
             if not states.any():  # every longer token starts with a prefix that is already dead
                 break
         if automaton.accepts(state):
