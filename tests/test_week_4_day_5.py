@@ -289,9 +289,18 @@ def test_task_2_every_tokenization_of_an_instance_is_allowed(vocab, data):
     for tokens in tokenizations(text, vocab, random.Random(data.draw(st.integers(0, 99)))):
         state = constraint.start
         for token in tokens:
-            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            check_token_and_eos(constraint, state, token, vocab, text)
             state = constraint.next_state(state, token)
         assert bool(constraint.index.mask(state)[eos_of(vocab)].item()), f"EOS refused after all of {text!r}"
+
+
+def check_token_and_eos(constraint, state: int, token: int, vocab, text: bytes) -> None:
+    """`token` (the next one of `text`) allowed in `state`; EOS there only where the output may end."""
+    mask = constraint.index.mask(state)
+    assert bool(mask[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+    if not constraint.automaton.accepts(state):
+        assert not bool(mask[eos_of(vocab)].item()), f"EOS allowed before {vocab[3][token]!r} in {text!r}, " \
+                                                      "where the output cannot end"
 
 
 @SLOW
@@ -350,7 +359,7 @@ def test_task_2_every_tokenization_of_an_answer(vocab):
     for tokens in tokenizations(text, vocab, random.Random(7)):
         state = constraint.start
         for token in tokens:
-            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            check_token_and_eos(constraint, state, token, vocab, text)
             state = constraint.next_state(state, token)
         assert constraint.is_complete(state), f"{text!r} should complete SCHEMA"
 
