@@ -7,14 +7,23 @@
 
 Three parts, one run, the same model and tokenizer throughout:
 
-1. Valid outputs. Each schema asked with each prompt (the schema written into the prompt, as a client
-   without constrained decoding would), greedy, three ways: through week 3's engine with the schema's
-   constraint (ours), through the same engine without it, and through mlx-lm's `BatchGenerator` on the
-   same weights, which is what `mlx_lm.server` does with a request's `response_format`: it ignores it
-   (and it parses tool calls out of free text only for models whose chat template has a tool format,
-   which SmolLM2's has not). The share of outputs that parse and meet the schema (checked with
-   `jsonschema`): strictly (the whole text is the JSON value) and leniently (the first JSON value
-   found in the text, as a tolerant client would dig it out of a ```json block).
+1. Valid outputs. Each schema asked with each prompt, greedy, five ways, the share of answers that parse
+   and meet the schema (checked with `jsonschema`):
+   - as `response_format` (the schema also written into the prompt, as a client without constrained
+     decoding would): through week 3's engine with the schema's constraint (ours), through the same
+     engine without it (free), and through mlx-lm's `BatchGenerator` on the same weights, which is what
+     `mlx_lm.server` answers: it ignores `response_format`. Read strictly (the whole text is the JSON
+     value) and leniently (the first JSON value in the text, as a tolerant client digs one out);
+   - as a tool call (the schema as the arguments of the one tool, "required"): our server's way (the
+     tools in the system message, decoding constrained by the call's schema, the text read back by
+     `CallReader` into OpenAI's `tool_calls`), and `mlx_lm.server`'s: free text, each
+     `<tool_call>...</tool_call>` span read by its `json_tools` parser through its own `TextStateMachine`
+     and `ToolCallFormatter` (the format Qwen2.5's and Hermes' templates ask for; SmolLM2's template has
+     no tools, so `mlx_lm.server` would not even show them to the model: the prompt here writes them into
+     the system message in that format, the best case for it). Valid: a call of the right function whose
+     arguments meet the schema.
+   mlx-lm runs on the dequantized weights, as ours does: MLX's CPU quantized matmul is some 40x slower than
+   float32 BLAS at batch shapes (2-3 against ~100 GFLOPS here), which made this part take hours.
 2. Masks. The constrained outputs of part 1 replayed token by token through our `TokenIndex` (a fresh
    one per schema: cold, then its cache) and through llguidance (the peer: Rust, its own trie and
    lexer) on the same vocabulary, in the same run: index build time (ours: the tokenizer's trie once,
@@ -34,9 +43,11 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import json  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benches import lab, runner  # noqa: E402
@@ -102,7 +113,9 @@ SCHEMAS = {
 }
 PROMPTS = ["Describe {}.", "Give an example of {}.", "Invent {} for a story.", "Tell me about {} you know well.",
            "Make up {} with realistic details."]
-MODES = ["constrained (ours)", "free (ours)", "mlx-lm (mlx_lm.server)"]
+MODES = ["constrained (ours)", "free (ours)", "mlx_lm.server (ignores it)", "tool call, forced (ours)",
+         "tool call, mlx_lm.server (json_tools)"]
+MLX_LM_MODES = MODES[2], MODES[4]
 VALID_COLUMNS = [lab.Column("mode", "mode", "{}"), lab.Column("parses", "parses", "{:.0%}"),
                  lab.Column("valid", "valid", "{:.0%}"), lab.Column("valid, lenient", "valid_lenient", "{:.0%}"),
                  lab.Column("finished", "finished", "{:.0%}"), lab.Column("tokens mean", "tokens_mean", "{:.0f}")]
@@ -125,8 +138,8 @@ def build_parser():
                 max_tokens=(200, "output tokens per request at most"), batch=(8, "requests in the throughput batch"),
                 batch_tokens=(48, "output tokens per request of the throughput batch"))
     parser.add_argument("--skip-mlx-lm", action="store_true",
-                        help="leave mlx-lm out of part 1 (its greedy text is ours without the constraint: a saving on "
-                             "a slow machine)")
+                        help="leave mlx-lm's two modes out of part 1 (its free greedy text is ours without the "
+                             "constraint: a saving on a slow machine)")
     return parser
 
 
@@ -166,6 +179,67 @@ def first_json_value(text: str):
     raise ValueError("no JSON value in the text")
 
 
+def tool_name(subject: str) -> str:
+    """The one tool's name for a schema: `save_a_person`."""
+    return "save_" + re.sub(r"[^a-z0-9]+", "_", subject.lower()).strip("_")
+
+
+def tool_of(subject: str) -> dict:
+    return {"type": "function", "function": {"name": tool_name(subject), "description": f"Save {subject}.",
+                                             "parameters": SCHEMAS[subject]}}
+
+
+def hermes_system(tool: dict) -> str:
+    """The system message of a template with Hermes-style tools (Qwen2.5's, in our words): the tool's JSON
+    inside <tools> tags, and a call to be written as {"name": ..., "arguments": ...} inside <tool_call> tags."""
+    return ("You may call a function to answer. Its signature, inside <tools></tools> tags:\n<tools>\n"
+            f"{json.dumps(tool['function'])}\n</tools>\n\nTo call it, write a JSON object with the function's name "
+            'and its arguments inside <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function name>, '
+            '"arguments": <arguments as a JSON object>}\n</tool_call>')
+
+
+def mlx_lm_server_calls(text: str, tool: dict) -> list[dict]:
+    """The `tool_calls` mlx_lm.server answers for `text` with its json_tools parser: its own text state machine
+    splits the <tool_call> spans out (one cut short at the end still counts), its own formatter parses each
+    (a span that does not parse is dropped with the warning "tool text was likely truncated")."""
+    import logging
+
+    from mlx_lm.generate import TextStateMachine
+    from mlx_lm.server import ToolCallFormatter
+    from mlx_lm.tool_parsers import json_tools
+
+    machine = TextStateMachine({"normal": [(json_tools.tool_call_start, "tool")],
+                                "tool": [(json_tools.tool_call_end, "normal")]})
+    state, segments = TextStateMachine.split(machine.make_state("normal"), text)
+    state, rest, current = TextStateMachine.flush(state)
+    spans, open_span, previous = [], "", "normal"
+    for name, piece in segments + [(current, rest)]:
+        if name == "tool":
+            open_span += piece
+        elif previous == "tool":
+            spans.append(open_span)
+            open_span = ""
+        previous = name
+    if previous == "tool" and open_span:
+        spans.append(open_span)
+    logging.getLogger().setLevel(logging.ERROR)  # its warning per dropped span: counted here instead
+    return ToolCallFormatter(json_tools.parse_tool_call, [tool])(spans)
+
+
+def call_verdict(calls: list[dict], subject: str, finished: bool) -> dict:
+    """Whether a client got a call of the subject's tool whose arguments meet its schema (the first call read)."""
+    import jsonschema
+
+    parses, valid = bool(calls), False
+    if calls and calls[0]["function"]["name"] == tool_name(subject):
+        try:
+            valid = jsonschema.Draft202012Validator(SCHEMAS[subject]).is_valid(
+                json.loads(calls[0]["function"]["arguments"]))
+        except ValueError:
+            valid = False
+    return {"parses": parses, "valid": valid, "valid_lenient": valid, "finished": finished}
+
+
 def verdict(text: str, schema: dict, finished: bool) -> dict:
     """Whether `text` parses and meets `schema`, strictly (the whole text) and leniently (the first JSON value in it)."""
     import jsonschema
@@ -183,19 +257,57 @@ def verdict(text: str, schema: dict, finished: bool) -> dict:
     return {"parses": parses, "valid": valid, "valid_lenient": valid_lenient, "finished": finished}
 
 
-def validity(bench, cases: list, constraints: dict, args) -> tuple[dict, dict]:
-    """Every case through the three modes: (per mode, its rows' verdicts and texts; per mode, its runs' outputs)."""
-    tokenizer, selection = bench.tokenizer, bench.selection
-    arrivals = [Arrival(name, chat(tokenizer, prompt.format(name), SCHEMAS[name]), args.max_tokens)
-                for name, prompt in cases]
+def tool_request(openai_api, subject: str, request: str):
+    """Our server's reading of a chat request with the subject's tool, tool_choice "required"."""
+    return openai_api.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": request}], "tools": [tool_of(subject)], "tool_choice": "required"})
+
+
+def asks(bench, cases: list, constraints: dict, args) -> dict:
+    """Each mode of part 1: (how to make its engine, its arrivals, how a client reads a case's text)."""
+    tokenizer, selection, api = bench.tokenizer, bench.selection, bench.selection.openai_api
+    vocab_size = bench.mlx_model.args.vocab_size
     config = dict(token_budget=512, max_num_seqs=16, block_size=16, num_blocks=800, enable_prefix_caching=True)
-    makers = {MODES[0]: lambda: Constrained(selection, bench.week3_model(), tokenizer, constraints, **config),
-              MODES[1]: lambda: Constrained(selection, bench.week3_model(), tokenizer, {}, **config),
-              MODES[2]: lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=16)}
+
+    def arrivals(prompts):
+        return [Arrival(name, prompt, args.max_tokens) for (name, _), prompt in zip(cases, prompts)]
+
+    formatted = arrivals([chat(tokenizer, prompt.format(name), SCHEMAS[name]) for name, prompt in cases])
+    bodies = [tool_request(api, name, prompt.format(name)) for name, prompt in cases]
+    tools = {i: api.tool_calls_for(body, tokenizer, vocab_size) for i, body in enumerate(bodies)}
+    forced = arrivals([api.chat_prompt_ids(tokenizer, body.messages, tools=body.prompt_tools()) for body in bodies])
+    hermes = arrivals([tokenizer.apply_chat_template([{"role": "system", "content": hermes_system(tool_of(name))},
+                                                      {"role": "user", "content": prompt.format(name)}],
+                                                     add_generation_prompt=True) for name, prompt in cases])
+
+    def ours(engine_constraints):
+        return lambda: Constrained(selection, bench.week3_model(), tokenizer, engine_constraints, **config)
+
+    def as_text(i, text, finished):
+        return verdict(text, SCHEMAS[cases[i][0]], finished)
+
+    def our_call(i, text, finished):
+        message, _ = api.CallReader(tools[i], f"call_{i}").answer(text, "stop" if finished else "length")
+        return call_verdict(message.get("tool_calls") or [], cases[i][0], finished)
+
+    def their_call(i, text, finished):
+        return call_verdict(mlx_lm_server_calls(text, tool_of(cases[i][0])), cases[i][0], finished)
+
+    mlx_lm = lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=16)  # noqa: E731
+    return {MODES[0]: (ours(constraints), formatted, as_text), MODES[1]: (ours({}), formatted, as_text),
+            MODES[2]: (mlx_lm, formatted, as_text),
+            MODES[3]: (ours({i: calls.constraint for i, calls in tools.items()}), forced, our_call),
+            MODES[4]: (mlx_lm, hermes, their_call)}
+
+
+def validity(bench, cases: list, constraints: dict, args) -> tuple[dict, dict, dict]:
+    """Every case through each mode: per mode, its rows' verdicts and texts, its runs' outputs, its wall time."""
+    tokenizer = bench.tokenizer
+    modes = asks(bench, cases, constraints, args)
     if args.skip_mlx_lm:
-        del makers[MODES[2]]
-    results, outputs = {}, {}
-    for mode, make in lab.progress(list(makers.items()), "valid outputs"):
+        modes = {mode: ask for mode, ask in modes.items() if mode not in MLX_LM_MODES}
+    results, outputs, seconds = {}, {}, {}
+    for mode, (make, arrivals, read) in lab.progress(list(modes.items()), "valid outputs"):
         run = runner.run(make(), arrivals, mode, max_steps=20 * args.max_tokens * len(arrivals))
         rows = []
         for idx, (name, prompt) in enumerate(cases):
@@ -203,9 +315,11 @@ def validity(bench, cases: list, constraints: dict, args) -> tuple[dict, dict]:
             text_out = tokenizer.decode(tokens)
             finished = len(tokens) < args.max_tokens  # ended by EOS or a complete constrained output
             rows.append({"schema": name, "prompt": prompt, "text": text_out, "tokens": len(tokens),
-                         **verdict(text_out, SCHEMAS[name], finished)})
+                         **read(idx, text_out, finished)})
         results[mode], outputs[mode] = rows, run.outputs
-    return results, outputs
+        seconds[mode] = run.wall_s
+        print(f"{mode}: {run.wall_s:.0f} s, {sum(map(len, run.outputs.values()))} tokens")
+    return results, outputs, seconds
 
 
 def validity_summary(results: dict) -> list[dict]:
@@ -395,12 +509,12 @@ def throughput(bench, args) -> list[dict]:
 
 def plot(bench, valid_rows: list, masks: dict, rates: list):
     path = bench.figure_path("summary")
-    with lab.figure(path, bench.machine, ncols=3, figsize=(15, 4.2)) as (fig, (left, middle, right)):
+    with lab.figure(path, bench.machine, ncols=3, figsize=(16, 4.6)) as (fig, (left, middle, right)):
         modes = [row["mode"] for row in valid_rows]
         x = np.arange(len(modes))
         for offset, key, label in ((-0.2, "valid", "whole text"), (0.2, "valid_lenient", "first JSON value in it")):
             left.bar(x + offset, [100 * row[key] for row in valid_rows], width=0.4, label=label)
-        left.set_xticks(x, [m.replace(" (", "\n(") for m in modes], fontsize=8)
+        left.set_xticks(x, [m.replace(" (", "\n(").replace(", ", ",\n") for m in modes], fontsize=7)
         left.set(ylabel="outputs valid against the schema (%)", ylim=(0, 105), title="parses and validates")
         left.legend(fontsize=8, loc="upper right")
         rows = masks["schemas"]
@@ -430,7 +544,8 @@ def main(argv=None) -> int:
     if not 1 <= args.schemas <= len(SCHEMAS) or not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(user_error(PROG, f"--schemas must be 1 .. {len(SCHEMAS)} and --prompts 1 .. {len(PROMPTS)}"))
     lab.check_positive(PROG, args, "max_tokens", "batch", "batch_tokens")
-    bench = lab.start(args, ("engine", "structured", "qwen2_week3"))
+    bench = lab.start(args, ("engine", "structured", "qwen2_week3", "openai_api"))
+    weights = same_format(bench)
     tokenizer, vocab_size = bench.tokenizer, bench.mlx_model.args.vocab_size
     cases = [(name, prompt) for name in list(SCHEMAS)[: args.schemas] for prompt in PROMPTS[: args.prompts]]
     print(f"{len(cases)} requests ({args.schemas} schemas x {args.prompts} prompts), greedy, at most "
@@ -438,7 +553,7 @@ def main(argv=None) -> int:
     schema_constraints = {name: bench.selection.structured.make_constraint(SCHEMAS[name], tokenizer, vocab_size)
                           for name in dict.fromkeys(name for name, _ in cases)}
     constraints = {i: schema_constraints[name] for i, (name, _) in enumerate(cases)}
-    results, outputs = validity(bench, cases, constraints, args)
+    results, outputs, seconds = validity(bench, cases, constraints, args)
     valid_rows = validity_summary(results)
     lab.print_table("outputs that parse and meet their schema (jsonschema)", VALID_COLUMNS, valid_rows)
     same = None
@@ -455,9 +570,24 @@ def main(argv=None) -> int:
     print("over every step: " + ", ".join(f"{k} {v:.3f}" for k, v in mask_totals.items() if v is not None))
     rates = throughput(bench, args)
     lab.print_table(f"a batch of {args.batch}, {args.batch_tokens} tokens each", THROUGHPUT_COLUMNS, rates)
-    return bench.save({"validity": {"summary": valid_rows, "cases": results, "free_identical_to_mlx_lm": same},
+    return bench.save({"validity": {"summary": valid_rows, "cases": results, "free_identical_to_mlx_lm": same,
+                                    "wall_s": seconds, "mlx_lm_weights": weights},
                        "masks": {**masks, "totals": mask_totals}, "throughput": rates,
                        "throughput_goal": THROUGHPUT_GOAL}, plots=[plot(bench, valid_rows, masks, rates)])
+
+
+def same_format(bench) -> str:
+    """Dequantize mlx-lm's model in place when it is quantized (ours dequantizes at load): one format, float32 on
+    the CPU, for both engines. MLX's CPU quantized matmul runs at 2-3 GFLOPS where float32 BLAS runs near 100, so
+    a quantized mlx-lm would measure that kernel, not the engine. Returns what mlx-lm runs on, for the JSON."""
+    from mlx_lm.utils import dequantize_model
+
+    if not any(hasattr(module, "scales") for _, module in bench.mlx_model.named_modules()):
+        return "as loaded"
+    dequantize_model(bench.mlx_model)
+    mx.eval(bench.mlx_model.parameters())
+    print("mlx-lm runs on the dequantized weights, as ours (MLX's CPU quantized kernels are far slower)")
+    return "dequantized, as ours"
 
 
 def summarize_masks(rows: list[dict]) -> dict:

@@ -70,8 +70,10 @@ DAYS: list[Day] = [
     Day(4, 3, "Tensor parallelism", "week4-03-tensor-parallelism.md", ("tensor_parallel",), {1: 5, 2: 10, 3: 10, 4: 15, 5: 60}),
     Day(4, 4, "Serving across ranks", "week4-04-serving-across-ranks.md", ("distributed_engine",), {1: 10, 2: 10, 3: 15, 4: 50}),
     Day(4, 5, "Structured outputs", "week4-05-structured-outputs.md",
-        # The modules that call structured.py's functions come with it, so the day's engine and server run them.
-        ("structured", "model_runner", "engine", "openai_api", "server"), {1: 10, 2: 30, 3: 25, 4: 35},
+        # The modules that call structured.py's functions come with it, so the day's engine, server and speculation
+        # (the scheduler cuts a draft where the mask refuses a guess) run them.
+        ("structured", "model_runner", "engine", "openai_api", "server", "scheduler", "speculative"),
+        {1: 10, 2: 30, 3: 25, 4: 35},
         compare="engine"),
 ]
 

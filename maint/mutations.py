@@ -345,10 +345,10 @@ MUTATIONS = [
         ("structured", "        if automaton.accepts(state):\n            allowed[vocab.eos_token_ids] = True\n",
          "        allowed[vocab.eos_token_ids] = True\n"),), week=4),
     Mutation("utf8-split-refused", "tokens that are not whole UTF-8 characters never allowed (walked as text)", (5,), (
-        ("structured", "            allowed[level.tokens] = states[level.ends] != DEAD\n",
+        ("structured", "            allowed[level.tokens] = states.take(level.ends) != DEAD\n",
          "            whole = [vocab.token_bytes[t].decode('utf-8', 'replace').encode() == vocab.token_bytes[t]\n"
          "                     for t in level.tokens]\n"
-         "            allowed[level.tokens] = (states[level.ends] != DEAD) & np.array(whole, dtype=bool)\n"),), week=4),
+         "            allowed[level.tokens] = (states.take(level.ends) != DEAD) & np.array(whole, dtype=bool)\n"),), week=4),
     Mutation("state-from-kv-progress", "the state advanced by the tokens the KV cache lacks (num_computed_tokens): "
              "a preemption replays the output into it", (5,), (
         ("structured", "    for token in seq.output_token_ids[consumed:]:\n",

@@ -7,6 +7,11 @@ model with the reference's masks and with llguidance's (a constrained greedy run
 and the same engine without the constraint (what a constrained request's neighbours must still get). Served:
 the official `openai` client and LangChain's `ChatOpenAI` (what they parse is what OpenAI's API means), and
 the same request without tools (what tool_choice "none" must answer).
+
+Each task's tests take the student's code for that task alone (`solution(week=4, day=5, task=N)`): Task 2's
+masks are built over the reference's automaton (Task 1), and Task 3's engine, speculation, quantized pool and
+server run the reference's automaton and masks, so a bug in one task never costs another task's points. Task 4
+runs the student's week-3 engine with their whole day 4.5.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from hypothesis import strategies as st
 from tests.harness import reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE
 
-sol = solution(week=4, day=5)
+TASKS = {n: solution(week=4, day=5, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 STEP_LIMIT = 400  # no engine run here needs more steps; a run past it is a hung engine
@@ -164,7 +169,7 @@ def byte_walk(automaton, rng: random.Random, limit: int = 400) -> bytes | None:
 @given(st.data())
 def test_task_1_accepts_every_instance(data):
     schema = data.draw(schemas())
-    automaton = sol.structured.compile_schema(schema)
+    automaton = TASKS[1].structured.compile_schema(schema)
     value = instance(data.draw, schema, schema)
     for text in writings(value):
         assert automaton.matches(text), f"{text!r} meets {schema} but the automaton refuses it"
@@ -173,7 +178,7 @@ def test_task_1_accepts_every_instance(data):
 @QUICK
 @given(schemas(), st.integers(0, 2**32))
 def test_task_1_every_walk_meets_the_schema(schema, seed):
-    automaton = sol.structured.compile_schema(schema)
+    automaton = TASKS[1].structured.compile_schema(schema)
     rng = random.Random(seed)
     for _ in range(3):
         text = byte_walk(automaton, rng)
@@ -185,7 +190,7 @@ def test_task_1_every_walk_meets_the_schema(schema, seed):
 @given(st.data())
 def test_task_1_refuses_what_breaks_the_schema(data):
     schema = data.draw(schemas())
-    automaton = sol.structured.compile_schema(schema)
+    automaton = TASKS[1].structured.compile_schema(schema)
     text = bytearray(json.dumps(instance(data.draw, schema, schema)).encode())
     at = data.draw(st.integers(0, len(text)))
     text[at:at] = data.draw(st.sampled_from([b"}", b"]", b",", b'"', b"0", b"x", b"\xff", b"\x80"]))
@@ -220,7 +225,7 @@ def test_task_1_refuses_what_breaks_the_schema(data):
     ({"enum": ["é", 2]}, '"é"'.encode(), True),
 ], ids=range(17))
 def test_task_1_chosen_cases(schema, text, accepted):
-    assert sol.structured.compile_schema(schema).matches(text) == accepted
+    assert TASKS[1].structured.compile_schema(schema).matches(text) == accepted
 
 
 @pytest.mark.parametrize("schema, keyword", [
@@ -236,7 +241,7 @@ def test_task_1_chosen_cases(schema, text, accepted):
 ])
 def test_task_1_unsupported_keyword_is_named(schema, keyword):
     with pytest.raises(ValueError, match=keyword):
-        sol.structured.compile_schema(schema)
+        TASKS[1].structured.compile_schema(schema)
 
 
 # ---------------------------------------------------------------- Task 2: from characters to tokens
@@ -254,7 +259,7 @@ def vocab(model32):
 
 def constraint_for(schema, vocab):
     tokenizer, size, _, _ = vocab
-    return sol.structured.make_constraint(schema, tokenizer, size)
+    return TASKS[2].structured.make_constraint(schema, tokenizer, size)
 
 
 def tokenizations(text: bytes, vocab, rng: random.Random) -> list[list[int]]:
@@ -284,9 +289,18 @@ def test_task_2_every_tokenization_of_an_instance_is_allowed(vocab, data):
     for tokens in tokenizations(text, vocab, random.Random(data.draw(st.integers(0, 99)))):
         state = constraint.start
         for token in tokens:
-            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            check_token_and_eos(constraint, state, token, vocab, text)
             state = constraint.next_state(state, token)
         assert bool(constraint.index.mask(state)[eos_of(vocab)].item()), f"EOS refused after all of {text!r}"
+
+
+def check_token_and_eos(constraint, state: int, token: int, vocab, text: bytes) -> None:
+    """`token` (the next one of `text`) allowed in `state`; EOS there only where the output may end."""
+    mask = constraint.index.mask(state)
+    assert bool(mask[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+    if not constraint.automaton.accepts(state):
+        assert not bool(mask[eos_of(vocab)].item()), f"EOS allowed before {vocab[3][token]!r} in {text!r}, " \
+                                                      "where the output cannot end"
 
 
 @SLOW
@@ -345,7 +359,7 @@ def test_task_2_every_tokenization_of_an_answer(vocab):
     for tokens in tokenizations(text, vocab, random.Random(7)):
         state = constraint.start
         for token in tokens:
-            assert bool(constraint.index.mask(state)[token].item()), f"{vocab[3][token]!r} refused in {text!r}"
+            check_token_and_eos(constraint, state, token, vocab, text)
             state = constraint.next_state(state, token)
         assert constraint.is_complete(state), f"{text!r} should complete SCHEMA"
 
@@ -392,9 +406,9 @@ def constrained_rows(vocab, package):
 
 
 def test_task_3_apply_constraints_masks_only_constrained_rows(vocab):
-    constraint, seqs = constrained_rows(vocab, sol)
+    constraint, seqs = constrained_rows(vocab, TASKS[3])
     logits = mx.random.normal((3, vocab[1]), key=mx.random.key(5))
-    out = np.array(sol.structured.apply_constraints(logits, seqs))
+    out = np.array(TASKS[3].structured.apply_constraints(logits, seqs))
     raw = np.array(logits)
     assert np.array_equal(out[1], raw[1]), "an unconstrained row must come back unchanged"
     text = b'{"colour": "gr'
@@ -407,29 +421,29 @@ def test_task_3_apply_constraints_masks_only_constrained_rows(vocab):
     token = vocab[0].encode("ün", add_special_tokens=False)[0]
     seqs[0].output_token_ids = list(seqs[0].output_token_ids) + [token]
     seqs[0].num_computed_tokens = 0
-    out = np.array(sol.structured.apply_constraints(logits, seqs))
+    out = np.array(TASKS[3].structured.apply_constraints(logits, seqs))
     allowed = np.array(oracle.index.mask(oracle.automaton.walk(oracle.start, text + vocab[3][token])))
     assert np.all(out[0][~allowed] == -np.inf) and np.array_equal(out[0][allowed], raw[0][allowed]), \
         "the mask after one more token"
-    none = sol.structured.apply_constraints(logits[1:2], seqs[1:2])
+    none = TASKS[3].structured.apply_constraints(logits[1:2], seqs[1:2])
     assert np.array_equal(np.array(none), raw[1:2])
 
 
 def test_task_3_state_follows_the_output(vocab):
-    constraint, seqs = constrained_rows(vocab, sol)
+    constraint, seqs = constrained_rows(vocab, TASKS[3])
     seq = seqs[0]
     text = b'{"colour": "gr'
     expected = constraint.automaton.walk(constraint.start, text)
-    assert sol.structured.constraint_state(seq) == expected
+    assert TASKS[3].structured.constraint_state(seq) == expected
     output = list(seq.output_token_ids)
     for token in vocab[0].encode('ün", "animal": ', add_special_tokens=False):
         output.append(token)
         seq.output_token_ids = list(output)  # the whole list each time: while grading, `seq` is in the sandbox
         text += vocab[3][token]
-        assert sol.structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text)
+        assert TASKS[3].structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text)
     # Preempted: its blocks freed and nothing computed; its output kept, so its state too.
     seq.num_computed_tokens, seq.block_table = 0, []
-    assert sol.structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text), \
+    assert TASKS[3].structured.constraint_state(seq) == constraint.automaton.walk(constraint.start, text), \
         "after a preemption the state is still the one after the whole output"
 
 
@@ -465,12 +479,20 @@ def greedy_run(mlx_model, tokenizer, prompt: list[int], max_tokens: int) -> tupl
     return output, "length"
 
 
-def run_engine(package, model32, requests, **config) -> tuple[dict, dict, dict]:
-    """Every request through `package`'s engine: (tokens by id, finish reason by id, the Sequence by id)."""
+def run_engine(package, model32, requests, proposer=None, on_engine=None, **config) -> tuple[dict, dict, dict]:
+    """Every request through `package`'s engine (day 4.1's, with `proposer`'s guesses, when one is given):
+    (tokens by id, finish reason by id, the Sequence by id). `on_engine` is handed the engine first."""
     mlx_model, tokenizer = model32
-    engine = package.engine.LLMEngine(package.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer,
-                                      package.engine.EngineConfig(**{**PLAIN_ENGINE, **config}))
-    seqs = {rid: engine.add_request(prompt, sampling, rid) for rid, prompt, sampling in requests}
+    model, engine_config = package.qwen2_week3.Qwen2ModelWeek3(mlx_model), package.engine.EngineConfig(
+        **{**PLAIN_ENGINE, **config})
+    if proposer is None:
+        engine = package.engine.LLMEngine(model, tokenizer, engine_config)
+    else:
+        engine = package.speculative.SpeculativeEngine(model, tokenizer, engine_config, proposer=proposer,
+                                                       speculation=package.speculative.SpeculativeConfig(3))
+    if on_engine is not None:
+        on_engine(engine)
+    seqs = {rid: engine.add_request(prompt, sampling, request_id=rid) for rid, prompt, sampling in requests}
     tokens, reasons = {rid: [] for rid in seqs}, {}
     for _ in range(STEP_LIMIT):
         if not engine.has_work():
@@ -487,9 +509,10 @@ MAX_TOKENS = 45  # both constrained requests complete SCHEMA within it (40 and 4
 PROMPTS = ["Describe an animal as JSON.", "Once upon a time", "The colour of the sky is", "List three numbers:"]
 
 
-def check_constrained_engine(package, model32, **config) -> None:
+def check_constrained_engine(package, model32, on_engine=None, **config) -> None:
     """Constrained requests beside unconstrained ones on a pool small enough to preempt: every constrained
-    output equals the masked greedy oracle and meets SCHEMA; the neighbours get what they get alone."""
+    output equals the masked greedy oracle and meets SCHEMA; the neighbours get what they get alone.
+    `on_engine` is handed the engine of the mixed run."""
     mlx_model, tokenizer = model32
     constraint = package.structured.make_constraint(SCHEMA, tokenizer, mlx_model.args.vocab_size)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
@@ -497,7 +520,8 @@ def check_constrained_engine(package, model32, **config) -> None:
     bound = [(f"json{i}", prompts[i], package.sequence.SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint))
              for i in (0, 3)]
     options = dict(block_size=4, num_blocks=22, token_budget=32, max_num_seqs=4, **config)
-    tokens, reasons, seqs = run_engine(package, model32, free[:1] + bound[:1] + free[1:] + bound[1:], **options)
+    tokens, reasons, seqs = run_engine(package, model32, free[:1] + bound[:1] + free[1:] + bound[1:],
+                                       on_engine=on_engine, **options)
     alone, _, _ = run_engine(package, model32, free, **options)
     for rid, _, _ in free:
         assert tokens[rid] == alone[rid], f"{rid}: an unconstrained neighbour's tokens changed beside constrained ones"
@@ -511,7 +535,134 @@ def check_constrained_engine(package, model32, **config) -> None:
 
 
 def test_task_3_constrained_batch_with_neighbours(model32):
-    check_constrained_engine(sol, model32)
+    check_constrained_engine(TASKS[3], model32)
+
+
+# ---------------------------------------------------------------- Task 3 with the rest of the engine
+
+
+def test_task_3_constrained_requests_reuse_cached_blocks(model32):
+    """With the prefix cache on, the preempted constrained requests come back over their own cached blocks (their
+    output's included): the state still follows the whole output, and every token is the oracle's."""
+    mlx_model, _ = model32
+    hits = []
+    check_constrained_engine(TASKS[3], model32, enable_prefix_caching=True, on_engine=hits.append)
+    assert hits[0].prefix_cache_hit_rate > 0, "the workload was meant to find blocks in the prefix cache"
+
+
+class SchemaBreaker:
+    """A proposer whose guesses for a constrained request are its true constrained continuation (the oracle's) for
+    a random number of tokens, then a token the schema refuses there, then anything; for a free request, anything.
+    It counts the guesses the engine must verify: the true ones (the cut falls before the refused one), or the
+    whole draft of a free request."""
+
+    def __init__(self, truths: dict, constraint, vocab_size: int, seed: int):
+        self.truths, self.constraint, self.vocab_size = truths, constraint, vocab_size
+        self.rng = random.Random(seed)
+        self.expected = 0  # guesses that must reach verification, over every call
+
+    def propose(self, seq, k):
+        truth, done = self.truths.get(seq.request_id), list(seq.output_token_ids)
+        if truth is None:
+            self.expected += k
+            return [self.rng.randrange(self.vocab_size) for _ in range(k)]
+        assert truth[:len(done)] == done, f"{seq.request_id}: guesses asked after an output off the oracle's"
+        right = self.rng.randint(0, max(min(k - 1, len(truth) - len(done) - 1), 0))
+        guesses = truth[len(done):len(done) + right]
+        state = self.constraint.start
+        for token in done + guesses:
+            state = self.constraint.next_state(state, token)
+        refused = np.nonzero(~np.array(self.constraint.index.mask(state)))[0]
+        draft = guesses + [int(self.rng.choice(refused))]
+        self.expected += len(guesses)
+        return draft + [self.rng.randrange(self.vocab_size) for _ in range(k - len(draft))]
+
+    def forget(self, request_id):
+        pass
+
+
+def test_task_3_constraints_with_speculation(model32):
+    """Day 4.1's speculation with constrained requests: each proposal is cut before the first guess the mask refuses
+    (only the guesses before it are verified), each verify row is masked for the state its guesses reach, so the
+    accepted tokens are the constrained greedy ones; free neighbours keep all their guesses and their tokens."""
+    mlx_model, tokenizer = model32
+    package, vocab_size = TASKS[3], mlx_model.args.vocab_size
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    truths = {f"json{i}": greedy_oracle(mlx_model, tokenizer, prompts[i], MAX_TOKENS)[0] for i in (0, 3)}
+    proposer = SchemaBreaker(truths, oracle_constraint(tokenizer, vocab_size), vocab_size, seed=3)
+    constraint = package.structured.make_constraint(SCHEMA, tokenizer, vocab_size)
+    free = [(f"free{i}", prompts[i], package.sequence.SamplingParams(max_tokens=12)) for i in (1, 2)]
+    bound = [(f"json{i}", prompts[i], package.sequence.SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint))
+             for i in (0, 3)]
+    options = dict(block_size=4, num_blocks=128, token_budget=32, max_num_seqs=4)
+    engines = []
+    tokens, reasons, _ = run_engine(package, model32, free + bound, proposer=proposer, on_engine=engines.append,
+                                    **options)
+    alone, _, _ = run_engine(package, model32, free, **options)
+    for rid, _, _ in free:
+        assert tokens[rid] == alone[rid], f"{rid}: a free neighbour's tokens changed beside constrained ones"
+    for rid, prompt, _ in bound:
+        expected, reason = greedy_oracle(mlx_model, tokenizer, prompt, MAX_TOKENS)
+        assert (tokens[rid], reasons[rid]) == (expected, reason), \
+            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
+    engine = engines[0]
+    assert engine.speculation.proposed == proposer.expected, \
+        f"{engine.speculation.proposed} guesses verified; a constrained draft cut before its first refused guess " \
+        f"(and free drafts whole) make {proposer.expected}"
+    assert engine.speculation.accepted > 0, "the true guesses were meant to be accepted"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks left held"
+
+
+def wide_model(mlx_model):
+    """The embedded model's weights read as heads of 32 features (2 query heads, 1 KV head): a quantized KV pool
+    needs groups of 32 at least, and the embedded model's heads have 16."""
+    from mlx_lm.models import qwen2 as mlx_qwen2
+
+    args = mlx_qwen2.ModelArgs.from_dict({**vars(mlx_model.args), "num_attention_heads": 2, "num_key_value_heads": 1})
+    model = mlx_qwen2.Model(args)
+    model.update(mlx_model.parameters())
+    return model
+
+
+def masked_greedy_over(mlx_model, tokenizer, prompt: list[int], max_tokens: int, make_cache) -> tuple[list[int], str]:
+    """mlx-lm's `mlx_model` on the request alone over the caches `make_cache()` gives, each step masked by the
+    reference's constraint for SCHEMA."""
+    constraint = oracle_constraint(tokenizer, mlx_model.args.vocab_size)
+    cache = [make_cache() for _ in mlx_model.layers]
+    feed, output, state = list(prompt), [], constraint.start
+    for _ in range(max_tokens):
+        logits = mlx_model(mx.array([feed]), cache=cache)[0, -1]
+        token = mx.argmax(mx.where(constraint.index.mask(state), logits, -mx.inf)).item()
+        if token in tokenizer.eos_token_ids:
+            return output, "stop"
+        output.append(token)
+        feed = [token]
+        state = constraint.next_state(state, token)
+        if constraint.is_complete(state):
+            return output, "stop"
+    return output, "length"
+
+
+def test_task_3_constraints_on_a_quantized_pool(model32):
+    """Day 4.2's 8-bit pool, small enough to preempt: each constrained output is mlx-lm's greedy one over a cache
+    that stores MLX's own quantize-dequantize of each key and value, masked by the schema."""
+    from tests.week3_stack import RoundTripCache
+
+    mlx_model, tokenizer = model32
+    wide = wide_model(mlx_model)
+    package = TASKS[3]
+    constraint = package.structured.make_constraint(SCHEMA, tokenizer, mlx_model.args.vocab_size)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    bound = [(f"json{i}", prompts[i], package.sequence.SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint))
+             for i in (0, 3)]
+    free = [(f"free{i}", prompts[i], package.sequence.SamplingParams(max_tokens=20)) for i in (1, 2)]
+    tokens, reasons, seqs = run_engine(package, (wide, tokenizer), free[:1] + bound[:1] + free[1:] + bound[1:],
+                                       kv_bits=8, block_size=4, num_blocks=22, token_budget=32, max_num_seqs=4)
+    for rid, prompt, _ in bound:
+        expected, reason = masked_greedy_over(wide, tokenizer, prompt, MAX_TOKENS, lambda: RoundTripCache(8))
+        assert (tokens[rid], reasons[rid]) == (expected, reason), \
+            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
+    assert any(seqs[rid].num_preemptions for rid, _, _ in bound), "the pool was meant to preempt a constrained request"
 
 
 # ---------------------------------------------------------------- Task 3 against a peer library: llguidance
@@ -575,11 +726,11 @@ def peer_greedy(mlx_model, tokenizer, prompt: list[int]) -> tuple[list[int], str
 def test_task_3_greedy_equals_llguidance(model32):
     """Your engine's greedy constrained output is the peer library's on the same model, schema and prompts."""
     mlx_model, tokenizer = model32
-    constraint = sol.structured.make_constraint(PEER_SCHEMA, tokenizer, mlx_model.args.vocab_size)
+    constraint = TASKS[3].structured.make_constraint(PEER_SCHEMA, tokenizer, mlx_model.args.vocab_size)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PEER_PROMPTS]
-    requests = [(f"json{i}", prompt, sol.sequence.SamplingParams(max_tokens=PEER_MAX_TOKENS, constraint=constraint))
+    requests = [(f"json{i}", prompt, TASKS[3].sequence.SamplingParams(max_tokens=PEER_MAX_TOKENS, constraint=constraint))
                 for i, prompt in enumerate(prompts)]
-    tokens, reasons, _ = run_engine(sol, model32, requests, block_size=8, num_blocks=64, token_budget=64)
+    tokens, reasons, _ = run_engine(TASKS[3], model32, requests, block_size=8, num_blocks=64, token_budget=64)
     for (rid, prompt, _), text in zip(requests, PEER_PROMPTS):
         expected, reason = peer_greedy(mlx_model, tokenizer, prompt)
         assert (tokens[rid], reasons[rid]) == (expected, reason), \
@@ -604,14 +755,14 @@ def test_task_4_your_stack_so_far(model32):
 def served(model32):
     """(app factory, tokenizer): the day's server on a fresh engine over the embedded model."""
     mlx_model, tokenizer = model32
-    model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    model = TASKS[3].qwen2_week3.Qwen2ModelWeek3(mlx_model)
     # MLX streams are thread-local: materialize the model's lazy arrays here, before the engine thread runs it.
-    sol.engine.generate(model, tokenizer, [[1]], sol.sequence.SamplingParams(max_tokens=1))
+    TASKS[3].engine.generate(model, tokenizer, [[1]], TASKS[3].sequence.SamplingParams(max_tokens=1))
 
     def app():
-        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+        engine = TASKS[3].engine.LLMEngine(model, tokenizer, TASKS[3].engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
                                                                                     block_size=8))
-        return sol.server.create_app(engine, tokenizer, "tiny")
+        return TASKS[3].server.create_app(engine, tokenizer, "tiny")
     return app, tokenizer
 
 
@@ -629,8 +780,6 @@ def test_task_3_server_parses_with_the_openai_client(served):
         kind: Literal["cat", "dög"]
         happy: bool
 
-    # Task 1 first, in this process: unwritten, it fails here by name instead of as the server's 500 below.
-    sol.structured.compile_schema(Pet.model_json_schema())
     app, _ = served
     with running_server(app()) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -728,7 +877,6 @@ def test_task_3_server_tool_calls_with_the_openai_client(served):
     from tests.serve_fakes import running_server
 
     weather, _ = tool_models()
-    sol.structured.compile_schema(weather.model_json_schema())  # Task 1 first: unwritten, it fails here by name
     app, tokenizer = served
     tools = tool_specs()
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -788,7 +936,6 @@ def test_task_3_server_tools_with_langchain(served):
     from tests.serve_fakes import running_server
 
     weather, _ = tool_models()
-    sol.structured.compile_schema(weather.model_json_schema())
     app, _ = served
     question = [HumanMessage("Weather in Paris?")]
     with running_server(app()) as url:
@@ -817,7 +964,6 @@ def test_task_3_server_tool_refusals(served):
 
     from tests.serve_fakes import running_server
 
-    sol.structured.compile_schema({"type": "boolean"})  # Task 1 first: the server refuses what it cannot compile
     app, _ = served
     tools = tool_specs()
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}
@@ -849,9 +995,9 @@ def test_task_3_server_tool_refusals(served):
 def tool_reader(tool_choice, tokenizer, vocab_size: int):
     """A fresh `CallReader` of the day's server protocol for `tool_choice` over `tool_specs()`."""
     # As the server reads a body: from its JSON text (which also crosses to a sandboxed submission as it is).
-    body = sol.openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
+    body = TASKS[3].openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
         {"messages": [{"role": "user", "content": "x"}], "tools": tool_specs(), "tool_choice": tool_choice}))
-    return sol.openai_api.CallReader(sol.openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
+    return TASKS[3].openai_api.CallReader(TASKS[3].openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
 
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": false}}'

@@ -31,6 +31,7 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_for
 from .order_policy import FirstComeFirstServed
 from .sequence import Sequence, SequenceStatus
+from .structured import allowed_guesses
 
 FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
 
@@ -239,9 +240,13 @@ class Scheduler:
 
         The guesses' positions get their blocks now (the caller cut the draft to what the held and free
         blocks cover: speculation never preempts); the chunk moves to the end of the prefills, where the
-        model runs multi-token chunks.
+        model runs multi-token chunks. A constrained sequence's draft ends before the first guess its mask
+        refuses (day 4.5); with none left, the chunk stays a plain decode.
         """
         seq = chunk.seq
+        draft = allowed_guesses(seq, draft)
+        if not draft:
+            return
         self.block_manager.allocate(seq, seq.num_tokens + len(draft))
         plan.decodes.remove(chunk)
         plan.prefills.append(VerifyChunk(seq, chunk.start, 1 + len(draft), draft))

@@ -12,10 +12,15 @@ Three steps, one per task:
    plus the end-of-sequence token when the state accepts. Built the first time a state is met and cached.
 3. `constraint_state` and `apply_constraints`: in week 3's step, each constrained sequence's state
    after its output so far, and one masked `mx.where` over the constrained rows before sampling.
+
+With day 4.1's speculation (provided, on top of Task 3): a proposal is cut at the first guess the mask
+refuses (`allowed_guesses`), and each row of a verify chunk is masked for the state its guesses reach
+(`constrain_guess_rows`), so the accepted tokens stay inside the schema.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from typing import NamedTuple
@@ -34,6 +39,7 @@ SUPPORTED = {"type", "properties", "required", "additionalProperties", "items", 
 WHITESPACE = b" "
 MAX_COUNT = 256  # the largest minLength/maxLength/minItems/maxItems served: each count is a copy in the NFA
 DEAD = 0  # the automaton state no bytes lead out of: the empty set of NFA states
+UNKNOWN = -1  # in `Automaton.table`, a row not filled yet (its state not expanded)
 
 
 # ---------------------------------------------------------------- the NFA and its lazy DFA (provided)
@@ -109,16 +115,18 @@ class Nfa:
 
 
 class Automaton:
-    """The DFA of an NFA, made lazily: state ids index `table`, a (capacity x 256) array of successors."""
+    """The DFA of an NFA, made lazily: state ids index `table`, a (capacity x 256) array of successors
+    (UNKNOWN in the rows of states not expanded yet)."""
 
     def __init__(self, nfa: Nfa, start: int, accept: int):
         self.nfa = nfa
         self.accept = accept
         self.sets: list[frozenset[int]] = [frozenset()]  # DEAD first
         self.ids: dict[frozenset[int], int] = {frozenset(): DEAD}
-        self.table = np.zeros((64, 256), dtype=np.int32)
+        self.table = np.full((64, 256), UNKNOWN, dtype=np.int32)
+        self.table[DEAD] = DEAD  # every byte leads from DEAD to DEAD
         self.expanded = np.zeros(64, dtype=bool)
-        self.expanded[DEAD] = True  # every byte leads from DEAD to DEAD
+        self.expanded[DEAD] = True
         self.start = self.state_of(nfa.closure([start]))
 
     def state_of(self, nfa_states: frozenset[int]) -> int:
@@ -127,7 +135,7 @@ class Automaton:
             self.ids[nfa_states] = len(self.sets)
             self.sets.append(nfa_states)
             if len(self.sets) > len(self.expanded):  # grow the table by doubling
-                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self.table = np.concatenate([self.table, np.full_like(self.table, UNKNOWN)])
                 self.expanded = np.concatenate([self.expanded, np.zeros_like(self.expanded)])
         return self.ids[nfa_states]
 
@@ -135,19 +143,21 @@ class Automaton:
         """Fill `state`'s row of `table`: its successor on every byte."""
         if self.expanded[state]:
             return
-        targets: list[set[int]] = [set() for _ in range(256)]
-        for nfa_state in self.sets[state]:
-            for lo, hi, dst in self.nfa.edges[nfa_state]:
-                for b in range(lo, hi + 1):
-                    targets[b].add(dst)
-        row = [DEAD] * 256
-        made: dict[frozenset[int], int] = {}  # bytes with the same targets share one closure
-        for b, dst in enumerate(targets):
+        edges = [edge for nfa_state in self.sets[state] for edge in self.nfa.edges[nfa_state]]
+        # The bytes between two consecutive range ends share every edge's verdict: one target set per stretch.
+        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        targets: list[set[int]] = [set() for _ in cuts]  # of the stretch cuts[i] .. cuts[i + 1] - 1
+        for lo, hi, dst in edges:
+            for stretch in range(bisect.bisect_left(cuts, lo), bisect.bisect_left(cuts, hi + 1)):
+                targets[stretch].add(dst)
+        row = np.full(256, DEAD, dtype=np.int32)
+        made: dict[frozenset[int], int] = {}  # stretches with the same targets share one closure
+        for stretch, dst in enumerate(targets):
             if dst:
                 key = frozenset(dst)
                 if key not in made:
                     made[key] = self.state_of(self.nfa.closure(key))
-                row[b] = made[key]
+                row[cuts[stretch]:cuts[stretch + 1]] = made[key]
         self.table[state] = row  # after state_of, which may have grown the table
         self.expanded[state] = True
 
@@ -155,6 +165,15 @@ class Automaton:
         """Expand every state in `states` not expanded yet."""
         for state in np.unique(states[~self.expanded[states]]):
             self.expand(int(state))
+
+    def successors_of(self, states: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """The state after byte `labels[i]` from `states[i]`, for every i at once; states met for the first time
+        are expanded (a row still UNKNOWN shows them: one check, not a look-up per state)."""
+        found = self.table.reshape(-1).take(states * 256 + labels)
+        if found.min() == UNKNOWN:
+            self.expand_all(states[found == UNKNOWN])
+            found = self.table.reshape(-1).take(states * 256 + labels)  # the table may have grown: read it again
+        return found
 
     def step(self, state: int, byte: int) -> int:
         self.expand(state)
@@ -497,8 +516,8 @@ class TokenIndex:
     def build(self, state: int) -> mx.array:
         """The mask of `state`, walked over the vocabulary's trie one level (one byte position) at a time."""
         # TODO: the root starts at `state`; level by level, each node's state is its parent's moved by its label
-        # TODO: (expand_all the parents' states first, then table[parent states, labels]); a token is allowed if
-        # TODO: its end node is not DEAD; stop once every node is DEAD; EOS only if the state accepts
+        # TODO: (automaton.successors_of(parent states, labels)); a token is allowed if its end node is not DEAD;
+        # TODO: stop once every node is DEAD; EOS only if the state accepts
         raise NotImplementedError(
             "Week 4 Day 5 Task 2 (book/src/week4-05-structured-outputs.md): the allowed tokens of one state"
         )
@@ -563,3 +582,42 @@ def is_complete(seq) -> bool:
     """A constrained `seq` whose output is finished: accepted with nothing allowed after (provided)."""
     constraint = seq.sampling.constraint
     return constraint is not None and constraint.is_complete(constraint_state(seq))
+
+
+# ---------------------------------------------------------------- with day 4.1's speculation (provided)
+
+
+def allowed_guesses(seq, draft: list[int]) -> list[int]:
+    """The guesses of `draft` up to the first one the mask refuses (provided).
+
+    Each guess is checked against the mask of the state the output and the guesses before it reach: a
+    guess the constraint refuses can never be accepted (its row's mask refuses it too), so verifying it and
+    every guess after it would be wasted. Unconstrained sequences keep their whole draft.
+    """
+    constraint = seq.sampling.constraint
+    if constraint is None:
+        return draft
+    state = constraint_state(seq)
+    for at, token in enumerate(draft):
+        if not constraint.index.mask(state)[token].item():
+            return draft[:at]
+        state = constraint.next_state(state, token)
+    return draft
+
+
+def constrain_guess_rows(logits: mx.array, seq, draft: list[int]) -> mx.array:
+    """A verify chunk's `1 + len(draft)` rows of logits, row i masked for the state after the output and the
+    first i guesses (provided): the target's token at each row is then what a constrained step would pick.
+
+    The draft went through `allowed_guesses`, so every state is alive but the one after an EOS guess, which
+    ends the sequence: that row is never read and stays as it is.
+    """
+    constraint = seq.sampling.constraint
+    if constraint is None:
+        return logits
+    states = [constraint_state(seq)]
+    for token in draft:
+        states.append(constraint.next_state(states[-1], token))
+    everything = mx.ones(logits.shape[-1], dtype=mx.bool_)
+    allowed = mx.stack([everything if state == DEAD else constraint.index.mask(state) for state in states])
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -39,6 +39,7 @@ from .logits_processors import TokenLogprobs, process_logits, token_logprobs
 from .sampler import seed_draw
 from .scheduler import ScheduledChunk, StepOutput, StepPlan, VerifyChunk
 from .sequence import Sequence
+from .structured import apply_constraints, constrain_guess_rows
 from .validation import check_int
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -298,7 +299,7 @@ class SpeculativeRunner:
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> list[int]:
         """Week 3's sampling for ordinary chunks, after each request's logits processing, with its logprobs."""
-        tokens = self.runner.sample(process_logits(logits, seqs), seqs)
+        tokens = self.runner.sample(apply_constraints(process_logits(logits, seqs), seqs), seqs)
         self.logprobs = token_logprobs(logits, seqs, tokens)  # only for the requests that ask
         return tokens
 
@@ -411,8 +412,11 @@ class SpeculativeEngine(LLMEngine):
         return outputs
 
     def verify(self, chunk: VerifyChunk, logits: mx.array) -> list[int]:
-        """The tokens the chunk's sequence gains, from its `1 + k` rows of logits (provided)."""
+        """The tokens the chunk's sequence gains, from its `1 + k` rows of logits (provided).
+
+        A constrained sequence's rows are masked first, each for the state its guesses reach (day 4.5)."""
         params = chunk.seq.sampling
+        logits = constrain_guess_rows(logits, chunk.seq, chunk.draft)
         if params.greedy:
             return accept_greedy(chunk.draft, mx.argmax(logits, axis=-1).tolist())
         seed_draw(params, len(chunk.seq.output_token_ids))  # as week 3's runner: whatever shares the batch
