@@ -77,8 +77,8 @@ MAX_WORKERS = 4  # each worker loads its own models and starts its own servers: 
 def with_workers(pytest_args: list[str], whole_suite: bool) -> list[str]:
     """The whole suite on one worker per core (pytest-xdist), unless the arguments choose (`-n`) or xdist is not
     installed; tests/conftest.py keeps a file's tests on one worker and lets an `alone` test run by itself."""
-    chosen = any(arg == "-n" or arg.startswith(("--numprocesses", "--dist")) or (arg.startswith("-n") and arg[2:].isalnum())
-                 for arg in pytest_args)
+    chosen = any(arg in ("-n", "no:xdist") or arg.startswith(("--numprocesses", "--dist"))
+                 or (arg.startswith("-n") and arg[2:].isalnum()) for arg in pytest_args)
     if not whole_suite or chosen or importlib.util.find_spec("xdist") is None:
         return list(pytest_args)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

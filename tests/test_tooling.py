@@ -329,6 +329,25 @@ def test_pdm_run_test_gives_every_test_the_graders_time_limit(tmp_path):
     assert done.returncode == 1 and "Timeout" in done.stdout and "test_spins_forever" in done.stdout, done.stdout
 
 
+def test_pdm_run_test_spreads_only_the_whole_suite_over_workers(monkeypatch):
+    """A day or a week in one process (a student reads its failures in order); the whole suite on one worker per
+    core, unless the arguments choose; one core: one process."""
+    import importlib.util
+
+    from scripts import run_tests
+
+    monkeypatch.setattr(run_tests.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(run_tests.os, "cpu_count", lambda: 2)
+    assert run_tests.with_workers(["-q"], whole_suite=False) == ["-q"]
+    for chosen in (["-n", "0"], ["-n3"], ["--numprocesses=3"], ["-p", "no:xdist"]):
+        assert run_tests.with_workers(["-q", *chosen], whole_suite=True) == ["-q", *chosen]
+    if importlib.util.find_spec("xdist") is not None:
+        assert run_tests.with_workers(["-q"], whole_suite=True) == ["-n", "2", "--dist", "loadgroup", "-q"]
+    monkeypatch.setattr(run_tests.os, "sched_getaffinity", lambda _: {0}, raising=False)
+    monkeypatch.setattr(run_tests.os, "cpu_count", lambda: 1)
+    assert run_tests.with_workers(["-q"], whole_suite=True) == ["-q"]
+
+
 # ---------------------------------------------------------------- the book check, on small synthetic books
 
 def make_book(root: Path) -> Path:
