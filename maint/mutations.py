@@ -1,7 +1,7 @@
 """Plant the bugs a student would make in weeks 3 and 4, one at a time, and check each costs most of a day's points.
 
     pdm run python -m maint.mutations                    # the honest solution, then every mutation
-    pdm run python -m maint.mutations --list             # the mutations, by name
+    pdm run python -m maint.mutations --list             # the mutations, by name (STALE: a patch that no longer applies)
     pdm run python -m maint.mutations eos-leaks-blocks   # some of them (the honest run comes first still)
     pdm run python -m maint.mutations --day 3.5          # the ones that must hurt day 3.5, graded on it alone
     pdm run python -m maint.mutations --day 4.3 4.4      # those of days 4.3 and 4.4 (tensor parallelism)
@@ -22,7 +22,9 @@ tests must take the other task from the reference, `solution(week, day, task=N)`
 code belongs to no task; its per-task losses are printed, never counted as leaks.
 
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
-the new code. Takes a few minutes (every mutation is a grading run); not part of CI.
+the new code (`--list` marks them without grading anything). Every mutation is a grading run of its
+day, so the whole set takes a while; gradings run side by side, one per core (`--jobs N`), each in
+its own scratch folder, and the lines come out in the list's order. Not part of CI.
 Exit status: 0 when every mutation is caught, 1 when one is not (or is stale), 2 on bad arguments.
 """
 
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -384,7 +388,8 @@ def plant(dest: Path, mutation: Mutation) -> list[str]:
 
 
 def grade(submission: Path, day_keys: list[tuple[int, int]], work: Path) -> dict[tuple[int, int], dict] | str:
-    """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}."""
+    """Grade the days with the grader, one run per week: (week, day) -> {"lost", "max", "failed": [(test, lost)]}.
+    `work` is this grading's own folder (its report goes there: gradings run side by side)."""
     results = {}
     for week in sorted({w for w, _ in day_keys}):
         graded = grade_week(submission, week, [d for w, d in day_keys if w == week], work)
@@ -400,7 +405,8 @@ def grade_week(submission: Path, week: int, days: list[int], work: Path, attempt
     A grading run that fails on the grader's side (exit 2: on a busy machine, a test process that does
     not start in time) is tried again once; if it fails again, the grader's last lines (a str).
     """
-    report = work / "results.json"
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / f"results-week{week}.json"
     command = [sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", str(week),
                "--day", *map(str, days), "--json", str(report), *GRADER_OPTIONS]
     for _ in range(attempts):
@@ -424,6 +430,44 @@ def grade_week(submission: Path, week: int, days: list[int], work: Path, attempt
             number = int(task[1]) if task else 0
             results[day]["by_task"][number] = results[day]["by_task"].get(number, 0.0) + lost
     return results
+
+
+def grade_honest(honest: Path, day_keys: list[tuple[int, int]], work: Path, pool: ThreadPoolExecutor
+                 ) -> dict[tuple[int, int], dict] | str:
+    """The honest submission graded on `day_keys`, each week in a grading of its own, side by side."""
+    weeks = sorted({w for w, _ in day_keys})
+    graded = pool.map(lambda week: grade(honest, [k for k in day_keys if k[0] == week], work / f"honest-week{week}"),
+                      weeks)
+    results: dict[tuple[int, int], dict] = {}
+    for result in graded:
+        if isinstance(result, str):
+            return result
+        results.update(result)
+    return results
+
+
+def try_mutation(mutation: Mutation, honest: Path, work: Path, baseline: dict) -> tuple[list[str], int]:
+    """Plant `mutation` in a copy of the honest submission and grade it: the lines to print, the problems found."""
+    submission = work / mutation.name / "tiny_llm"
+    shutil.copytree(honest, submission)
+    stale = plant(submission, mutation)
+    if stale:
+        return [f"STALE {mutation.name}: " + "; ".join(stale)], 1
+    results = grade(submission, mutation.day_keys, work / mutation.name)
+    if isinstance(results, str):
+        return [f"ERROR {mutation.name}: {results}"], 1
+    lines, problems = [], 0
+    planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
+    for (week, day), result in results.items():
+        caught = result["lost"] > result["max"] / 2
+        leaked = leaks(mutation, (week, day), result, baseline[(week, day)])
+        problems += not caught or bool(leaked)
+        lines.append(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}; in {planted}), day {week}.{day}: "
+                     f"lost {result['lost']:g} of {result['max']:g} ({describe_tasks(result['by_task'])}); failed: "
+                     f"{describe_failures(result['failed']) or 'nothing'}")
+        if leaked:
+            lines.append(f"LEAK {mutation.name}, day {week}.{day}: a correct task pays for it: {describe_tasks(leaked)}")
+    return lines, problems
 
 
 def stack_tasks(week: int, day: int) -> set[int]:
@@ -467,33 +511,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--day", nargs="+", default=None, metavar="W.D",
                         help="only the mutations that hurt these days, e.g. 4.3 4.4 (default: all)")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help="each day's time budget, passed to the grader (default: the grader's, 1.5x the recorded "
-                             "honest run: too tight on a busy machine, where a cut-off test reads as a caught bug)")
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+                        help="each day's time budget, passed to the grader (default: the grader's, 3x the recorded "
+                             "honest run plus one test's limit: too tight on a busy machine, where a cut-off test "
+                             "reads as a caught bug)")
+    parser.add_argument("--jobs", type=int, default=default_jobs(), metavar="N",
+                        help="gradings run at once (default: one per core, %(default)s here; a grading keeps about "
+                             "one core busy, so more than the cores makes each slower than its day's budget expects)")
+    parser.add_argument("--list", action="store_true",
+                        help="list the mutations, each marked STALE whose patch no longer applies, and exit")
     return parser
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def list_mutations(mutations: list[Mutation]) -> int:
+    """Print each mutation (STALE first where a patch no longer applies: found by planting, nothing graded)."""
+    stale_count = 0
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
+        honest_submission(Path(tmp) / "honest")
+        for mutation in mutations:
+            submission = Path(tmp) / mutation.name
+            shutil.copytree(Path(tmp) / "honest", submission)
+            stale = plant(submission, mutation)
+            stale_count += bool(stale)
+            planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
+            print(f"{'STALE ' if stale else ''}{mutation.name:36} day(s) "
+                  f"{', '.join(f'{w}.{d}' for w, d in mutation.day_keys)} ({planted}): {mutation.what}"
+                  + "".join(f"\n      {line}" for line in stale))
+    print(f"{len(mutations)} mutations, {stale_count} stale")
+    return 1 if stale_count else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.list:
-        for mutation in MUTATIONS:
-            planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
-            print(f"{mutation.name:36} day(s) {', '.join(f'{w}.{d}' for w, d in mutation.day_keys)} ({planted}): "
-                  f"{mutation.what}")
-        return 0
     unknown = set(args.names) - {m.name for m in MUTATIONS}
     if unknown:
         build_parser().error(f"unknown mutation(s): {', '.join(sorted(unknown))} (see --list)")
+    if args.jobs < 1:
+        build_parser().error("--jobs must be at least 1")
     if args.day_budget is not None:
         GRADER_OPTIONS[:] = ["--day-budget", str(args.day_budget)]
     days = {tuple(int(part) for part in day.split(".")) for day in args.day or []}
     chosen = [m for m in MUTATIONS if (not args.names or m.name in args.names)
               and (not days or days & set(m.day_keys))]
+    if args.list:
+        return list_mutations(chosen)
     problems, started = 0, time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-mutations-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         honest = Path(tmp) / "honest"
         honest_submission(honest)
-        baseline = grade(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp))
+        baseline = grade_honest(honest, sorted({key for m in chosen for key in m.day_keys}), Path(tmp), pool)
         if isinstance(baseline, str):
             print(f"FAIL honest solution: {baseline}")
             return 1
@@ -503,32 +573,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ok  ' if ok else 'FAIL'} honest solution, day {week}.{day}: "
                   f"{result['max'] - result['lost']:g}/{result['max']:g}"
                   + ("" if ok else f"; failed: {describe_failures(result['failed'])}"), flush=True)
-        for mutation in chosen:
-            submission = Path(tmp) / mutation.name
-            shutil.copytree(honest, submission)
-            stale = plant(submission, mutation)
-            if stale:
-                problems += 1
-                print(f"STALE {mutation.name}: " + "; ".join(stale), flush=True)
-                continue
-            results = grade(submission, mutation.day_keys, Path(tmp))
-            if isinstance(results, str):
-                problems += 1
-                print(f"ERROR {mutation.name}: {results}", flush=True)
-                continue
-            planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
-            for (week, day), result in results.items():
-                caught = result["lost"] > result["max"] / 2
-                leaked = leaks(mutation, (week, day), result, baseline[(week, day)])
-                problems += not caught or bool(leaked)
-                print(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}; in {planted}), day {week}.{day}: "
-                      f"lost {result['lost']:g} of {result['max']:g} ({describe_tasks(result['by_task'])}); failed: "
-                      f"{describe_failures(result['failed']) or 'nothing'}", flush=True)
-                if leaked:
-                    print(f"LEAK {mutation.name}, day {week}.{day}: a correct task pays for it: "
-                          f"{describe_tasks(leaked)}", flush=True)
+        # Each mutation is graded on its own (--jobs at once); the lines come out in MUTATIONS' order.
+        for lines, found in pool.map(lambda m: try_mutation(m, honest, Path(tmp), baseline), chosen):
+            problems += found
+            print("\n".join(lines), flush=True)
     print(f"mutations: {'every one caught, no leak' if not problems else f'{problems} problem(s)'} "
-          f"({len(chosen)} mutations in {time.monotonic() - started:.0f} s)")
+          f"({len(chosen)} mutations in {time.monotonic() - started:.0f} s, {args.jobs} at once)")
     return 1 if problems else 0
 
 

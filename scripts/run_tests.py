@@ -6,10 +6,14 @@
     pdm run test-ref                         # every test against the reference
 
 Every test has the grader's time limit (60 s; `-- --timeout=N` changes it): one that runs longer
-fails with its name and where it was.
+fails with its name and where it was. A day or a week runs in one process, its failures in order; the
+whole suite runs on one worker per core (pytest-xdist, at most 4; `-- -n 0` for one process, `-- -n N`
+for N workers): much of it waits on subprocesses (sandboxes starting, time limits running out).
 """
 
 import argparse
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,11 +71,26 @@ def with_time_limit(pytest_args: list[str]) -> list[str]:
     return [f"--timeout={TEST_TIME_LIMIT:g}", *pytest_args]
 
 
+MAX_WORKERS = 4  # each worker loads its own models and starts its own servers: more costs memory, not time
+
+
+def with_workers(pytest_args: list[str], whole_suite: bool) -> list[str]:
+    """The whole suite on one worker per core (pytest-xdist), unless the arguments choose (`-n`) or xdist is not
+    installed; tests/conftest.py keeps a file's tests on one worker and lets an `alone` test run by itself."""
+    chosen = any(arg in ("-n", "no:xdist") or arg.startswith(("--numprocesses", "--dist"))
+                 or (arg.startswith("-n") and arg[2:].isalnum()) for arg in pytest_args)
+    if not whole_suite or chosen or importlib.util.find_spec("xdist") is None:
+        return list(pytest_args)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cores, MAX_WORKERS)
+    return list(pytest_args) if workers < 2 else ["-n", str(workers), "--dist", "loadgroup", *pytest_args]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     solution = "ref" if args.ref else args.solution
-    pytest_args = with_time_limit(args.pytest_args)
     targets = test_targets(args.week, args.day)
+    pytest_args = with_workers(with_time_limit(args.pytest_args), whole_suite=args.week is None)
     print(f"[tiny-llm] testing the {'reference' if solution == 'ref' else 'student'} solution: "
           f"{' '.join(targets)}", flush=True)
     # The same pytest command as the grader's, in its own process; its output goes straight to the terminal.

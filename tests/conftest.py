@@ -1,4 +1,9 @@
-"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, readable "not implemented" failures."""
+"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, readable "not implemented" failures, and how
+the tests share out over pytest-xdist's workers (`pdm run test-ref`)."""
+
+import contextlib
+import fcntl
+from pathlib import Path
 
 from course import fast_mlx
 
@@ -50,3 +55,47 @@ def model32(embedded_model):
     copy.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     mx.eval(copy.parameters())
     return copy, tokenizer
+
+
+# ---------------------------------------------------------------- the whole suite on several workers (pytest-xdist)
+# A file's tests run on one worker, in order: its module-scoped fixtures (a two-rank launch, a server, a model) start
+# once. The files below hold tests that each grade or check on their own, in subprocesses: they spread over workers.
+SPREAD_FILES = {"test_tooling.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # one process: nothing to share out
+        return
+    for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Outside pytest-timeout's wrapper: the wait for a turn does not count toward a test's time limit.
+    with machine_turn(item):
+        yield
+
+
+@contextlib.contextmanager
+def machine_turn(item):
+    """Under xdist, a test marked `alone` runs while no other worker runs a test (it loads the machine on purpose,
+    which would push a neighbour past its time limit); other tests run side by side. A readers-writer lock on a
+    file the run's workers share: byte 0 is the gate an `alone` test holds throughout (so a stream of other tests
+    cannot keep it waiting), byte 1 is held shared by every running test and exclusively by an `alone` one."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    # Every worker's basetemp is a folder of the run's own basetemp: the lock file lives beside them.
+    lock_path = Path(item.config.option.basetemp).parent / "machine-turns.lock"
+    with open(lock_path, "a+b") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX, 1, 0)
+        fcntl.lockf(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, 1, 1)
+        if not alone:
+            fcntl.lockf(lock, fcntl.LOCK_UN, 1, 0)
+        try:
+            yield
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN, 2, 0)  # closing the file would release them too

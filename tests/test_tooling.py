@@ -329,6 +329,25 @@ def test_pdm_run_test_gives_every_test_the_graders_time_limit(tmp_path):
     assert done.returncode == 1 and "Timeout" in done.stdout and "test_spins_forever" in done.stdout, done.stdout
 
 
+def test_pdm_run_test_spreads_only_the_whole_suite_over_workers(monkeypatch):
+    """A day or a week in one process (a student reads its failures in order); the whole suite on one worker per
+    core, unless the arguments choose; one core: one process."""
+    import importlib.util
+
+    from scripts import run_tests
+
+    monkeypatch.setattr(run_tests.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(run_tests.os, "cpu_count", lambda: 2)
+    assert run_tests.with_workers(["-q"], whole_suite=False) == ["-q"]
+    for chosen in (["-n", "0"], ["-n3"], ["--numprocesses=3"], ["-p", "no:xdist"]):
+        assert run_tests.with_workers(["-q", *chosen], whole_suite=True) == ["-q", *chosen]
+    if importlib.util.find_spec("xdist") is not None:
+        assert run_tests.with_workers(["-q"], whole_suite=True) == ["-n", "2", "--dist", "loadgroup", "-q"]
+    monkeypatch.setattr(run_tests.os, "sched_getaffinity", lambda _: {0}, raising=False)
+    monkeypatch.setattr(run_tests.os, "cpu_count", lambda: 1)
+    assert run_tests.with_workers(["-q"], whole_suite=True) == ["-q"]
+
+
 # ---------------------------------------------------------------- the book check, on small synthetic books
 
 def make_book(root: Path) -> Path:
@@ -614,7 +633,9 @@ ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2)
 # recorded honest time plus 60 s, which is what `day_cap` is tested for below), each is cut in seconds, not minutes.
 QUICK_CAP = ["--timeout", "3", "--day-budget", "8"]
 ATTACK_ARGS = {"memory": ["--memory-mb", "2560"], "sleep": QUICK_CAP, "hang": QUICK_CAP}
-MARKERS = ("sleep 4242", "sleep 4243", "sleep 4244")  # the command lines of the processes attacks leave
+# attack -> the command line of the processes it starts, to outlive the grade (none may be left after it). Each test
+# looks for its own attack's only: another attack's may be alive in a grade running beside it (pytest-xdist).
+MARKERS = {"zombie_parent": "sleep 4242", "fork_bomb": "sleep 4243", "outlives_day": "sleep 4244"}
 
 
 def _reference_links(submission: Path) -> None:
@@ -720,10 +741,12 @@ def attack_submission(tmp_path: Path, attack: str) -> Path:
     return submission
 
 
-def leftover_processes() -> list[str]:
-    """The processes attacks start that are still alive (read from /proc)."""
+def leftover_processes(attack: str) -> list[str]:
+    """The processes `attack` starts that are still alive (read from /proc)."""
     import os
 
+    if attack not in MARKERS:
+        return []
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -731,7 +754,7 @@ def leftover_processes() -> list[str]:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if command in MARKERS:
+        if command == MARKERS[attack]:
             found.append(f"{entry}: {command}")
     return found
 
@@ -760,9 +783,13 @@ def grade_submission(tmp_path: Path, submission: Path, *args: str, day: tuple[in
     return done, results, seconds
 
 
-def repository_state() -> str:
-    return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO_ROOT,
-                          capture_output=True, text=True).stdout
+def repository_state() -> list[str]:
+    """Every file git sees changed, untracked or ignored, less the caches the test processes themselves write (a
+    module's bytecode, Hypothesis's constants): a test beside this one (pytest-xdist) may write them any time. The
+    sandboxed submission sees no repository at all (test_the_sandbox_confines_the_submission)."""
+    listed = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO_ROOT,
+                            capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listed if "__pycache__/" not in line and not line[3:].startswith(".hypothesis/")]
 
 
 def test_every_attack_fixture_is_in_the_table_and_never_collected():
@@ -797,7 +824,7 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     assert results["score"] == 0 and results["extra_data"]["max_score"] == 10, done.stdout
     assert results["extra_data"]["sandboxed"] is True
     assert repository_state() == before, "the attack changed the repository"
-    assert leftover_processes() == [], "the attack left processes behind"
+    assert leftover_processes(attack) == [], "the attack left processes behind"
     named = ATTACK_FILES.get(attack)
     if named is not None:  # the integrity report names it, for the instructor
         assert named in done.stdout and "Integrity report" in done.stdout
@@ -831,7 +858,7 @@ def test_an_attack_on_the_pipe_scores_what_the_skeleton_scores(tmp_path, attack)
     assert results["extra_data"]["max_score"] == sum(find_day(week, day).points.values())
     assert results["extra_data"]["sandboxed"] is True
     assert repository_state() == before, "the attack changed the repository"
-    assert leftover_processes() == [], "the attack left processes behind"
+    assert leftover_processes(attack) == [], "the attack left processes behind"
     assert "\x1b" not in done.stdout and "\x1b" not in json.dumps(results, ensure_ascii=False)
 
 
@@ -1210,6 +1237,7 @@ def test_a_days_cap_is_flat_three_times_its_honest_run_plus_one_tests_limit(monk
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
+@pytest.mark.alone  # its load would push a test beside it past that test's time limit
 def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
     """Ten busy processes beside the grader (load 10 on two cores): the flat cap (3x the honest run plus one test's
     limit) still fits the reference submitted as a student's work. The busy processes
