@@ -297,6 +297,7 @@ class Worker:
         self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
         self.fds = tuple(fd for pair in self.ends for fd in pair)
         self.endpoint = None
+        self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
         if not ranks:
             self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
             self.endpoint.explain_loss = self._why_it_ended
@@ -417,7 +418,13 @@ class RemoteSelection:
             raise AttributeError(module)
         if os.environ.get(RANK_PIPES_VARIABLE):
             return getattr(RankLink.get().selection(*self._key), module)
-        return self._worker().endpoint.request("getattr", 0, module)
+        worker = self._worker()
+        found = worker.modules.get(module)
+        if found is None:
+            found = worker.endpoint.request("getattr", 0, module)
+            if type(found) is remote.Handle:  # a module stays one object: `sol.engine` in a loop is one round trip
+                worker.modules[module] = found
+        return found
 
 
 class RankLink:
