@@ -253,6 +253,9 @@ def _is_data(value, depth: int = 0) -> bool:
     data = plain(value)
     if value is None or type(data) in (bool, int, float, str):
         return True
+    kind = type(value)
+    if (kind is np.ndarray and value.dtype.kind in "biufc") or ("mlx" in kind.__module__ and kind is _mlx().array):
+        return True  # an array crosses as its raw bytes: a dataclass of arrays (a step's batch) goes whole
     if type(data) in (list, tuple, set, frozenset):
         return all(_is_data(v, depth + 1) for v in data)
     if type(data) is dict:

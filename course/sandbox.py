@@ -297,6 +297,7 @@ class Worker:
         self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
         self.fds = tuple(fd for pair in self.ends for fd in pair)
         self.endpoint = None
+        self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
         if not ranks:
             self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
             self.endpoint.explain_loss = self._why_it_ended
@@ -340,13 +341,18 @@ class Worker:
         except OSError:
             return ""
 
-    def stop(self, wait: float = 2, keep_log: bool = False) -> None:
-        """Close the pipes so the worker ends on its own (and is counted in CPU time); kill it if it does not."""
+    def close_pipes(self) -> None:
+        """The worker's pipes closed: it ends on its own (and is counted in CPU time)."""
         for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self.fds = ()  # closed once: the numbers may belong to other files by now
+
+    def stop(self, wait: float = 2, keep_log: bool = False) -> None:
+        """Close the pipes so the worker ends on its own; kill it if it does not."""
+        self.close_pipes()
         try:
             self.process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
@@ -412,7 +418,13 @@ class RemoteSelection:
             raise AttributeError(module)
         if os.environ.get(RANK_PIPES_VARIABLE):
             return getattr(RankLink.get().selection(*self._key), module)
-        return self._worker().endpoint.request("getattr", 0, module)
+        worker = self._worker()
+        found = worker.modules.get(module)
+        if found is None:
+            found = worker.endpoint.request("getattr", 0, module)
+            if type(found) is remote.Handle:  # a module stays one object: `sol.engine` in a loop is one round trip
+                worker.modules[module] = found
+        return found
 
 
 class RankLink:
@@ -477,6 +489,8 @@ def needs_restart() -> bool:
 
 def stop_workers() -> None:
     for worker in RemoteSelection._workers.values():
+        worker.close_pipes()  # every worker ends at once, not one after the other
+    for worker in RemoteSelection._workers.values():
         worker.stop()
     RemoteSelection._workers.clear()
 
@@ -533,6 +547,33 @@ def _start_ring(week: str, day: str, threads: str, fds: list[str]) -> None:
         worker.wait()
 
 
+def _defer_mlx_lm_start_up() -> None:
+    """Make `import mlx_lm.models.qwen2` cost its model files alone in the worker: mlx-lm's package start-up
+    (its `load`, `generate` and tokenizers: transformers, huggingface_hub, jinja2) runs on the first attribute
+    read of `mlx_lm` itself, not before. The worker builds every model the judge hands over from
+    `mlx_lm.models` (course/remote.py) and day 4.1's reference imports `mlx_lm.models.cache`: 2-3 s of imports
+    per worker it never used (what the student's code reads of `mlx_lm` is there all the same)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or spec.loader is None or "mlx_lm" in sys.modules:
+        return
+    package, lock, started = importlib.util.module_from_spec(spec), threading.RLock(), []
+
+    def start_up(name: str):
+        with lock:  # another thread asking meanwhile waits for the whole start-up
+            if not started:
+                started.append(True)
+                spec.loader.exec_module(package)  # the package's own __init__, in the package's namespace
+                del package.__getattr__
+        if name not in package.__dict__:
+            raise AttributeError(f"module 'mlx_lm' has no attribute {name!r}")
+        return package.__dict__[name]
+
+    package.__getattr__ = start_up
+    sys.modules["mlx_lm"] = package
+
+
 def _worker_main(argv: list[str]) -> None:
     week, day, kind, threads, *fds = argv
     if kind == "ranks":
@@ -540,6 +581,7 @@ def _worker_main(argv: list[str]) -> None:
     from course import fast_mlx
 
     fast_mlx.setup(quiet=True)
+    _defer_mlx_lm_start_up()
     if kind == "rank":
         import mlx.core as mx
 

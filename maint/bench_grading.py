@@ -21,7 +21,9 @@ With `--solution student` the first two run your `src/tiny_llm` (`pdm run test -
 The first two alternate their order from one day to the next, so a burst of load on a shared machine
 falls on either. It prints each command's wall time, the ratios (graded / unsandboxed: the sandbox's
 cost; sleeper / graded: the budgets' bound, at most 1.5 intended) per day, per week and overall, with the
-load average before each day, and saves them to benches/results/grading_cost.json (--out).
+load average before each day, and saves them to benches/results/grading_cost.json (--out). Where a cgroup can be
+made (Linux as root), each command's CPU seconds too, with everything it started (the sandboxed workers
+included): on a busy machine the wall times move with the load, the CPU times far less.
 """
 
 import argparse
@@ -36,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from course import cgroup
 from course.course_map import DAYS
 from course.user_errors import OneLineParser
 
@@ -68,13 +71,50 @@ def sleeper_submission(dest: Path) -> Path:
     return package
 
 
+def cpu_group() -> tuple[Path, str] | None:
+    """A new cgroup that counts CPU time (v1 cpuacct, or v2's cpu.stat), and the file to read; None where this user
+    cannot make one. Accounting only: the scheduling of what runs in it does not change."""
+    name = f"tiny-llm-bench-{os.getpid()}-{time.monotonic_ns()}"
+    v2 = cgroup._v2_root()
+    for base, counter in ((cgroup.MOUNTS / "cpuacct", "cpuacct.usage"), (v2, "cpu.stat")):
+        if base is not None and (base / counter).exists():
+            try:
+                (base / name).mkdir()
+                return base / name, counter
+            except OSError:
+                continue
+    return None
+
+
+def cpu_seconds(group: tuple[Path, str]) -> float | None:
+    directory, counter = group
+    try:
+        text = (directory / counter).read_text()
+    except OSError:
+        return None
+    try:
+        directory.rmdir()
+    except OSError:
+        pass  # a process outlived the command: the group stays, empty once it ends
+    if counter == "cpu.stat":  # "usage_usec N" (v2)
+        return int(dict(line.split() for line in text.splitlines())["usage_usec"]) / 1e6
+    return int(text) / 1e9  # nanoseconds (v1)
+
+
 def timed(command: list[str], report: Path | None = None) -> dict:
-    """Wall seconds of one command, and the score it reported (graded commands)."""
+    """Wall seconds of one command, its CPU seconds with everything it started, and the score it reported (graded
+    commands). The CPU time counts the sandboxed workers too (bubblewrap does not pass their use on to its parent's
+    rusage): a cgroup's count, where one can be made; on a busy machine it moves far less than the wall time."""
+    group = cpu_group()
+    join = (lambda: (group[0] / "cgroup.procs").write_text(str(os.getpid()))) if group else None
     began = time.monotonic()
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, preexec_fn=join,
                           env={**os.environ, "PDM_CHECK_UPDATE": "false", "PYTHONPATH": "src:src_ref:."})
     seconds = time.monotonic() - began
     result = {"seconds": round(seconds, 2), "status": done.returncode}
+    cpu = cpu_seconds(group) if group else None
+    if cpu is not None:
+        result["cpu"] = round(cpu, 2)
     if report is not None and report.exists():
         results = json.loads(report.read_text())
         result["score"], result["max_score"] = results["score"], results["extra_data"]["max_score"]
@@ -94,7 +134,9 @@ def ratio(a: float, b: float) -> str:
 
 
 def table(rows: list[dict], sleeper: bool) -> str:
+    cpu = all("cpu" in r["unsandboxed"] and "cpu" in r["graded"] for r in rows)
     lines = [f"{'day':>5} {'load':>5} {'unsandboxed':>11} {'graded':>8} {'ratio':>6}"
+             + (f" {'cpu: unsandboxed':>16} {'graded':>7} {'ratio':>6}" if cpu else "")
              + (f" {'sleeper':>8} {'ratio':>6}" if sleeper else "") + "  graded score"]
     groups = [(f"{r['week']}.{r['day']}", [r]) for r in rows]
     weeks = sorted({r["week"] for r in rows})
@@ -104,6 +146,9 @@ def table(rows: list[dict], sleeper: bool) -> str:
         graded = sum(r["graded"]["seconds"] for r in group)
         load = sum(r["load"] for r in group) / len(group)
         line = f"{name:>5} {load:5.1f} {plain:10.1f}s {graded:7.1f}s {ratio(graded, plain)}"
+        if cpu:
+            plain_cpu, graded_cpu = (sum(r[k]["cpu"] for r in group) for k in ("unsandboxed", "graded"))
+            line += f" {plain_cpu:15.1f}s {graded_cpu:6.1f}s {ratio(graded_cpu, plain_cpu)}"
         if sleeper:
             slept = sum(r["sleeper"]["seconds"] for r in group)
             line += f" {slept:7.1f}s {ratio(slept, graded)}"
