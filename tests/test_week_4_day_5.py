@@ -509,6 +509,21 @@ MAX_TOKENS = 45  # both constrained requests complete SCHEMA within it (40 and 4
 PROMPTS = ["Describe an animal as JSON.", "Once upon a time", "The colour of the sky is", "List three numbers:"]
 
 
+def check_mixed_outputs(package, model32, tokens, reasons, free, bound, options) -> None:
+    """A mixed run's outputs: each free request's tokens as when it runs without the constrained ones, each
+    constrained one's the oracle's greedy output under the schema (and, where it ended, text the schema accepts)."""
+    mlx_model, tokenizer = model32
+    alone, _, _ = run_engine(package, model32, free, **options)
+    for rid, _, _ in free:
+        assert tokens[rid] == alone[rid], f"{rid}: an unconstrained neighbour's tokens changed beside constrained ones"
+    for rid, prompt, _ in bound:
+        expected, reason = greedy_oracle(mlx_model, tokenizer, prompt, MAX_TOKENS)
+        assert (tokens[rid], reasons[rid]) == (expected, reason), \
+            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
+        if reason == "stop":
+            checked_text(tokenizer.decode(tokens[rid]).encode(), SCHEMA)
+
+
 def check_constrained_engine(package, model32, on_engine=None, **config) -> None:
     """Constrained requests beside unconstrained ones on a pool small enough to preempt: every constrained
     output equals the masked greedy oracle and meets SCHEMA; the neighbours get what they get alone.
@@ -522,15 +537,7 @@ def check_constrained_engine(package, model32, on_engine=None, **config) -> None
     options = dict(block_size=4, num_blocks=22, token_budget=32, max_num_seqs=4, **config)
     tokens, reasons, seqs = run_engine(package, model32, free[:1] + bound[:1] + free[1:] + bound[1:],
                                        on_engine=on_engine, **options)
-    alone, _, _ = run_engine(package, model32, free, **options)
-    for rid, _, _ in free:
-        assert tokens[rid] == alone[rid], f"{rid}: an unconstrained neighbour's tokens changed beside constrained ones"
-    for rid, prompt, _ in bound:
-        expected, reason = greedy_oracle(mlx_model, tokenizer, prompt, MAX_TOKENS)
-        assert (tokens[rid], reasons[rid]) == (expected, reason), \
-            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
-        if reason == "stop":
-            checked_text(tokenizer.decode(tokens[rid]).encode(), SCHEMA)
+    check_mixed_outputs(package, model32, tokens, reasons, free, bound, options)
     assert any(seqs[rid].num_preemptions for rid, _, _ in bound), "the pool was meant to preempt a constrained request"
 
 
@@ -598,13 +605,7 @@ def test_task_3_constraints_with_speculation(model32):
     engines = []
     tokens, reasons, _ = run_engine(package, model32, free + bound, proposer=proposer, on_engine=engines.append,
                                     **options)
-    alone, _, _ = run_engine(package, model32, free, **options)
-    for rid, _, _ in free:
-        assert tokens[rid] == alone[rid], f"{rid}: a free neighbour's tokens changed beside constrained ones"
-    for rid, prompt, _ in bound:
-        expected, reason = greedy_oracle(mlx_model, tokenizer, prompt, MAX_TOKENS)
-        assert (tokens[rid], reasons[rid]) == (expected, reason), \
-            f"{rid}: {tokenizer.decode(tokens[rid])!r} ({reasons[rid]}), expected {tokenizer.decode(expected)!r} ({reason})"
+    check_mixed_outputs(package, model32, tokens, reasons, free, bound, options)
     engine = engines[0]
     assert engine.speculation.proposed == proposer.expected, \
         f"{engine.speculation.proposed} guesses verified; a constrained draft cut before its first refused guess " \
@@ -751,19 +752,31 @@ def test_task_4_your_stack_so_far(model32):
 # ---------------------------------------------------------------- Task 3, served: response_format over HTTP
 
 
-@pytest.fixture(scope="module")
-def served(model32):
-    """(app factory, tokenizer): the day's server on a fresh engine over the embedded model."""
+def app_factory(package, model32):
+    """(app factory, tokenizer): `package`'s server on a fresh engine over the embedded model."""
     mlx_model, tokenizer = model32
-    model = TASKS[3].qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    model = package.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     # MLX streams are thread-local: materialize the model's lazy arrays here, before the engine thread runs it.
-    TASKS[3].engine.generate(model, tokenizer, [[1]], TASKS[3].sequence.SamplingParams(max_tokens=1))
+    package.engine.generate(model, tokenizer, [[1]], package.sequence.SamplingParams(max_tokens=1))
 
     def app():
-        engine = TASKS[3].engine.LLMEngine(model, tokenizer, TASKS[3].engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
-                                                                                    block_size=8))
-        return TASKS[3].server.create_app(engine, tokenizer, "tiny")
+        engine = package.engine.LLMEngine(model, tokenizer, package.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                                  block_size=8))
+        return package.server.create_app(engine, tokenizer, "tiny")
     return app, tokenizer
+
+
+@pytest.fixture(scope="module")
+def served(model32):
+    """The day's server with your Task 3 (and the reference's Tasks 1-2)."""
+    return app_factory(TASKS[3], model32)
+
+
+@pytest.fixture(scope="module")
+def served_task_1(model32):
+    """The day's server with your Task 1 (the schema compiler that refuses, and reads calls), the reference's
+    Tasks 2-3."""
+    return app_factory(TASKS[1], model32)
 
 
 def test_task_3_server_parses_with_the_openai_client(served):
@@ -958,13 +971,15 @@ def test_task_3_server_tools_with_langchain(served):
         assert isinstance(answer.content, str) and not answer.tool_calls
 
 
-def test_task_3_server_tool_refusals(served):
+def test_task_1_server_tool_refusals(served_task_1, vocab):
     """Tools and tool messages the server cannot serve: a 400 naming the field (and the schema keyword)."""
     import httpx
 
     from tests.serve_fakes import running_server
 
-    app, _ = served
+    app, _ = served_task_1
+    tokenizer, size, _, _ = vocab
+    tool_reader("required", tokenizer, size)  # the tools it serves compile (a refusal is not "refuse everything")
     tools = tool_specs()
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}
     patterned = [{"type": "function", "function": {"name": "f", "parameters": {
@@ -993,11 +1008,12 @@ def test_task_3_server_tool_refusals(served):
 
 
 def tool_reader(tool_choice, tokenizer, vocab_size: int):
-    """A fresh `CallReader` of the day's server protocol for `tool_choice` over `tool_specs()`."""
+    """A fresh `CallReader` of the day's server protocol for `tool_choice` over `tool_specs()`, reading calls with
+    your Task 1's automaton (the rest is the reference's)."""
     # As the server reads a body: from its JSON text (which also crosses to a sandboxed submission as it is).
-    body = TASKS[3].openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
+    body = TASKS[1].openai_api.ChatCompletionRequest.model_validate_json(json.dumps(
         {"messages": [{"role": "user", "content": "x"}], "tools": tool_specs(), "tool_choice": tool_choice}))
-    return TASKS[3].openai_api.CallReader(TASKS[3].openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
+    return TASKS[1].openai_api.CallReader(TASKS[1].openai_api.tool_calls_for(body, tokenizer, vocab_size), "call_1")
 
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": false}}'
@@ -1014,7 +1030,7 @@ AUTO_READS = [  # (text the model wrote, finish reason): is it a call? (tool_cho
 ]
 
 
-def test_task_3_auto_reads_a_call_out_of_the_text(vocab):
+def test_task_1_auto_reads_a_call_out_of_the_text(vocab):
     """tool_choice "auto": the answer is a call exactly when the call's automaton accepts the whole text; streamed,
     nothing goes out while it may still be a call, and the pieces add up to the whole answer whatever the cuts."""
     tokenizer, size, _, _ = vocab
@@ -1039,7 +1055,7 @@ def test_task_3_auto_reads_a_call_out_of_the_text(vocab):
             assert "".join(d.get("content", "") for d in deltas + [last]) == text, text
 
 
-def test_task_3_forced_call_streams_its_arguments(vocab):
+def test_task_1_forced_call_streams_its_arguments(vocab):
     """A forced call ("required"): its head (id, type, name) goes out once the name is written, then the arguments
     as they come, holding back only a "}" that may close the call; cut short, the arguments as far as they got."""
     tokenizer, size, _, _ = vocab
