@@ -1,11 +1,17 @@
-"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, readable "not implemented" failures, and how
+"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, no TF32 on CUDA, readable "not implemented" failures, and how
 the tests share out over pytest-xdist's workers (`pdm run test-ref`)."""
 
 import contextlib
 import fcntl
+import os
 from pathlib import Path
 
 from course import fast_mlx
+
+# MLX's CUDA backend multiplies float32 matrices in TF32 by default (a 10-bit mantissa), which the tests'
+# float32 tolerances against MLX's own operations and mlx-lm read as wrong answers. On an H100, every week-1
+# and week-2 test that failed that way passed with TF32 off. Metal and the CPU never use TF32.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 fast_mlx.setup(quiet=True)
 

@@ -1,7 +1,7 @@
 """Week 2 Day 3: quantized weights (book/src/week2-03-quantized-weights.md).
 
 Oracles: mx.quantize and mx.dequantize, bit for bit; mx.quantized_matmul (MLX's fused kernel) for the
-quantized linear layer; mlx-lm's own Qwen2 quantized in-process to 4 bits for the logits, and the same
+quantized linear layer (each on MLX's CPU when the GPU is CUDA's: tests/mlx_oracles.py); mlx-lm's own Qwen2 quantized in-process to 4 bits for the logits, and the same
 checkpoint dequantized on load (mx.dequantize) for the greedy tokens.
 """
 
@@ -10,6 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tests import mlx_oracles as oracle
 from tests.harness import class_of, solution
 
 sol = solution(week=2, day=3)
@@ -37,7 +38,7 @@ def assert_equal_bits(actual, expected, what):
 def test_task_1_quantize_matches_mlx_bit_for_bit(bits, group_size, dtype):
     w = random_weight((40, 384), seed=bits * group_size, dtype=dtype)
     packed, scales, biases = sol.quantize.quantize(w, group_size=group_size, bits=bits)
-    e_packed, e_scales, e_biases = mx.quantize(w, group_size=group_size, bits=bits)
+    e_packed, e_scales, e_biases = oracle.quantize(w, group_size=group_size, bits=bits)
     assert_equal_bits(packed, e_packed, "packed weights (uint32, in*bits/32 per row)")
     assert_equal_bits(scales, e_scales, "scales")
     assert_equal_bits(biases, e_biases, "biases")
@@ -53,7 +54,7 @@ def test_task_1_quantize_awkward_groups():
     w = mx.array(np.stack(rows).astype(np.float32))
     for bits in (4, 8):
         got = sol.quantize.quantize(w, group_size=64, bits=bits)
-        expected = mx.quantize(w, group_size=64, bits=bits)
+        expected = oracle.quantize(w, group_size=64, bits=bits)
         for name, a, e in zip(("packed", "scales", "biases"), got, expected, strict=True):
             assert_equal_bits(a, e, f"{bits}-bit {name}")
 
@@ -62,7 +63,7 @@ def test_task_1_quantize_error_is_within_a_step():
     # Rounding costs at most half a step; pinning the edge can stretch the far end by up to another half.
     w = random_weight((16, 256), seed=7)
     packed, scales, biases = sol.quantize.quantize(w, group_size=64, bits=4)
-    restored = mx.dequantize(packed, scales, biases, group_size=64, bits=4)  # MLX's, not yours
+    restored = oracle.dequantize(packed, scales, biases, group_size=64, bits=4)  # MLX's, not yours
     step = mx.repeat(mx.abs(scales), 64, axis=1)
     assert bool(mx.all(mx.abs(restored - w) <= step + 1e-6)), "a value landed more than one step away"
 
@@ -80,10 +81,10 @@ def test_task_1_quantize_rejects_bad_arguments():
 @pytest.mark.parametrize("bits,group_size", FORMATS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_task_2_dequantize_matches_mlx_bit_for_bit(bits, group_size, dtype):
-    packed, scales, biases = mx.quantize(random_weight((24, 256), seed=bits + group_size, dtype=dtype),
+    packed, scales, biases = oracle.quantize(random_weight((24, 256), seed=bits + group_size, dtype=dtype),
                                          group_size=group_size, bits=bits)
     got = sol.quantize.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
-    assert_equal_bits(got, mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits), "weights")
+    assert_equal_bits(got, oracle.dequantize(packed, scales, biases, group_size=group_size, bits=bits), "weights")
 
 
 def test_task_2_dequantize_unpacks_low_bits_first():
@@ -100,16 +101,16 @@ def test_task_2_dequantize_unpacks_low_bits_first():
 
 def test_task_2_dequantize_leading_axes():
     # An embedding lookup dequantizes gathered rows: batch x tokens x words.
-    packed, scales, biases = mx.quantize(random_weight((10, 128), seed=3), group_size=64, bits=4)
+    packed, scales, biases = oracle.quantize(random_weight((10, 128), seed=3), group_size=64, bits=4)
     ids = mx.array([[1, 7, 7], [0, 9, 2]])
     got = sol.quantize.dequantize(packed[ids], scales[ids], biases[ids], group_size=64, bits=4)
-    assert_equal_bits(got, mx.dequantize(packed, scales, biases, group_size=64, bits=4)[ids], "gathered rows")
+    assert_equal_bits(got, oracle.dequantize(packed, scales, biases, group_size=64, bits=4)[ids], "gathered rows")
 
 
 # ---------------------------------------------------------------- Task 3: the quantized linear layer
 
 def quantized_weight(shape, seed, bits, group_size):
-    packed, scales, biases = mx.quantize(random_weight(shape, seed), group_size=group_size, bits=bits)
+    packed, scales, biases = oracle.quantize(random_weight(shape, seed), group_size=group_size, bits=bits)
     return sol.quantize.QuantizedWeight(packed, scales, biases, group_size, bits)
 
 
@@ -119,7 +120,8 @@ def test_task_3_quantized_linear_matches_quantized_matmul(bits, group_size, x_sh
     w = quantized_weight((72, 256), seed=11, bits=bits, group_size=group_size)
     x = mx.random.normal(x_shape, key=mx.random.key(12))
     bias = mx.random.normal((72,), key=mx.random.key(13))
-    fused = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True, group_size=group_size, bits=bits)
+    fused = oracle.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True, group_size=group_size,
+                                    bits=bits)
     np.testing.assert_allclose(np.array(sol.quantize.quantized_linear(x, w)), np.array(fused), atol=1e-4)
     np.testing.assert_allclose(np.array(sol.quantize.quantized_linear(x, w, bias)), np.array(fused + bias),
                                atol=1e-4)
@@ -177,7 +179,9 @@ def test_task_3_model_runs_quantized_checkpoint(quantized_checkpoint, model_uses
     assert class_of(ours.embedding) is sol.quantize.QuantizedEmbedding
     prompt = tokenizer.encode("A quantized model reads a quarter of the bytes per token.")
     logits = ours(mx.array([prompt]), 0, ours.make_cache())
-    np.testing.assert_allclose(np.array(logits), np.array(mlx_model(mx.array([prompt]))), atol=1e-3,
+    with oracle.quantization_oracle():
+        expected = mlx_model(mx.array([prompt]))
+    np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-3,
                                err_msg="logits against mlx-lm's own model on the same 4-bit weights")
 
     dequantized_on_load = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model)  # mx.dequantize, then float weights
