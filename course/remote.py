@@ -343,6 +343,8 @@ def _perform_for_the_judge(op: str, target, args: list):
         return target(*args[0], **args[1])
     if op == "__await__":
         return target
+    if op == "import" and args == ["tests.actor_fakes"]:  # the fakes that need no trust (tests/harness.py)
+        return importlib.import_module(args[0])
     if op == "fetch":
         objects, paths = args
         if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):

@@ -23,9 +23,9 @@ import mlx.core as mx
 import pytest
 
 from tests.chi_square import assert_distribution, chi_square_p_value
-from tests.harness import class_of, fetch, reference, solution, stack
-from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer
-from tests.week3_fakes import PLAIN_ENGINE, FakeWeek3Model, mlx_lm_greedy
+from tests.actor_fakes import EOS, VOCAB
+from tests.harness import actor_fakes, class_of, fetch, reference, solution, stack
+from tests.week3_fakes import PLAIN_ENGINE, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
 
 TASKS = {n: solution(week=4, day=1, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
@@ -172,7 +172,8 @@ def fake_engine(sol, logits_of=fake_logits, proposer=None, num_speculative_token
                 probe_interval=8, **config):
     """`sol`'s SpeculativeEngine over the fake runner; `config` holds EngineConfig's fields."""
     speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
-    engine = sol.speculative.SpeculativeEngine(FakeWeek3Model(), FakeTokenizer(), sol.engine.EngineConfig(**{**PLAIN_ENGINE, **config}),
+    fakes = actor_fakes(sol)  # read at every step: built where the engine runs
+    engine = sol.speculative.SpeculativeEngine(fakes.FakeWeek3Model(), fakes.FakeTokenizer(), sol.engine.EngineConfig(**{**PLAIN_ENGINE, **config}),
                                                speculation=speculation, proposer=proposer)
     engine.runner = FakeSpeculativeRunner(engine, sol, logits_of)
     return engine
@@ -426,17 +427,9 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
     requests, 27 outcomes of (t2, t3, t4); false-alarm rate FALSE_ALARM.
     """
     sol, Params = for_task(3)
-
-    class Ones:
-        def propose(self, seq, k):
-            return [1] * k
-
-        def forget(self, request_id):
-            pass
-
     temperature = 0.8
     mx.random.seed(1234)
-    engine = fake_engine(sol, markov_logits, proposer=Ones(), num_speculative_tokens=2, token_budget=512,
+    engine = fake_engine(sol, markov_logits, proposer=actor_fakes(sol).FixedGuess(1), num_speculative_tokens=2, token_budget=512,
                          max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
     add_request, params = engine.add_request, Params(temperature=temperature, max_tokens=4)
