@@ -49,6 +49,16 @@ class FixedGuess:
         pass
 
 
+class ManualClock:
+    """A clock the test sets (`clock.now = step`): every reading returns `now`."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # ---------------------------------------------------------------- week 3's stack (tests/week3_stack.py)
 
 STACK_VOCAB = 64

@@ -23,6 +23,7 @@ import json
 import random
 import traceback
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import httpx
 
@@ -36,7 +37,7 @@ from tests.actor_fakes import STACK_EOS as EOS  # five of the nine pressure requ
 from tests.actor_fakes import STACK_VOCAB as VOCAB
 from tests.actor_fakes import ModelFailure, ModelProbe  # noqa: F401  (built where the engine runs: new_probe)
 from tests.actor_fakes import StackTokenizer as Tokenizer
-from tests.harness import actor_fakes, reference
+from tests.harness import actor_fakes, fetch, reference
 from tests.serve_fakes import running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 
@@ -155,6 +156,15 @@ def expected(request: Request) -> tuple[list[int], str]:
 # ---------------------------------------------------------------- driving an engine
 
 
+class Output(NamedTuple):
+    """What a test keeps of a StepOutput."""
+
+    request_id: object
+    token: int | None
+    finished: bool
+    finish_reason: str | None
+
+
 class Run:
     """One workload on one engine: every StepOutput, by request, and the steps they came in."""
 
@@ -171,7 +181,8 @@ class Run:
     def drive(self, until_done=True, after_step=None):
         """Step to the end (or once): requests join and abort at their steps; `after_step(self)` after each."""
         pending = self.pending
-        while pending or self.engine.has_work() or any(r.abort is not None and r.abort >= self.step_index
+        step, has_work = self.engine.step, self.engine.has_work  # while grading, read once: not a round trip a step
+        while pending or has_work() or any(r.abort is not None and r.abort >= self.step_index
                                                         for r in self.requests):
             if self.step_index >= self.step_limit:
                 raise AssertionError(f"the engine made no progress in {self.step_limit} steps ({self.rule}): "
@@ -184,8 +195,9 @@ class Run:
                 if request.abort == self.step_index:
                     self.engine.abort(request.request_id)
                     self.aborted.add(request.request_id)
-            self.record(self.engine.step())
-            if self.engine.num_waiting and self.engine.num_running < self.max_num_seqs:
+            self.record(step())
+            [(waiting, running)] = fetch([self.engine], "num_waiting", "num_running")
+            if waiting and running < self.max_num_seqs:
                 self.refusals += 1
             self.step_index += 1
             if after_step:
@@ -194,7 +206,8 @@ class Run:
                 return
 
     def record(self, outputs):
-        for output in outputs:
+        # Each StepOutput's fields at once, kept as data (while grading, one round trip a step, not four an output).
+        for output in map(Output._make, fetch(outputs, *Output._fields)):
             stream = self.streams.get(output.request_id)
             assert stream is not None, f"step {self.step_index}: a StepOutput for unknown request {output.request_id!r}"
             assert not (stream and stream[-1][1].finished), \
