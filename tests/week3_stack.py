@@ -617,7 +617,10 @@ def workload_serving(package, day):
     cut = next(r for r in finishing if len(wants[r.request_id][0]) >= 6)
     full = text_of(wants[cut.request_id][0])
     stop = f" {wants[cut.request_id][0][2]} "
-    leave_budget = 120  # the leavers' max_tokens: an engine that never aborts them generates all of it
+    # The leavers' max_tokens: an engine that never aborts them generates all of it. Room for the steps an honest engine
+    # runs before a client's leaving reaches it (the model is tiny: while grading, a step takes a millisecond or two);
+    # the model holds 512 positions.
+    leave_budget = 400
 
     async def clients(url):
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client:
