@@ -32,12 +32,15 @@ class FakeRunner:
         self.fail_on_step = fail_on_step
         self.slots: dict[int, tuple] = {}
         self.plans = []
+        self.block_size = None
 
     def run(self, plan):
         self.plans.append(plan)
         if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
             raise RuntimeError("the model failed")
-        block_size = self.engine.block_manager.block_size
+        if self.block_size is None:  # read once (while grading, the engine is the submission's: round trips)
+            self.block_size = self.engine.block_manager.block_size
+        block_size = self.block_size
         tokens = []
         # Every chunk's fields at once (while grading, the plan lives in the submission's process: one round trip).
         chunks = fetch(plan.chunks, "seq.request_id", "seq.block_table", "seq.token_ids", "start", "length", "samples")
