@@ -124,9 +124,10 @@ def test_task_2_stop_strings_when_streaming(chars, stops):
     """Feeding text a character at a time: the pieces sent never include a stop string, never take back
     text, and add up to the text before the first stop string; nothing is held back that cannot be a stop."""
     sent, stopped = "", False
+    find_stop = sol.server.find_stop  # read once (while grading, a round trip)
     for n in range(1, len(chars) + 1):
         text = "".join(chars[:n])
-        end, stopped = sol.server.find_stop(text, stops)
+        end, stopped = find_stop(text, stops)
         assert end >= len(sent) and text[:len(sent)] == sent
         sent = text[:end]
         if stopped:
@@ -161,7 +162,8 @@ MULTIBYTE_TEXT = "héllo wörld, 世界 and 🙂🚀 ünïcödé — “quotes�
 
 def stream_text(tokenizer, tokens: list[int]) -> list[str]:
     detokenizer = sol.server.IncrementalDetokenizer(tokenizer)
-    return [detokenizer.add(token) for token in tokens] + [detokenizer.flush()]
+    add = detokenizer.add  # read once (while grading, a round trip)
+    return [add(token) for token in tokens] + [detokenizer.flush()]
 
 
 def test_task_3_pieces_add_up_to_decode(tokenizer):
