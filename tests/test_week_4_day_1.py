@@ -207,8 +207,10 @@ def random_prompts(n, seed, longest=30):
 
 def blocks_are_sound(engine, shared: bool = False):
     """No block in two tables (unless `shared`: the prefix cache) or both held and free; none past a sequence's tokens."""
-    [(block_size, num_free, num_blocks)] = fetch([engine.block_manager], "block_size", "num_free_blocks", "num_blocks")
-    running = fetch(engine.scheduler.running, "request_id", "block_table", "num_tokens")
+    [(block_size, num_free, num_blocks, running)] = fetch([engine], "block_manager.block_size",
+                                                          "block_manager.num_free_blocks", "block_manager.num_blocks",
+                                                          "scheduler.running")
+    running = fetch(running, "request_id", "block_table", "num_tokens")
     held = [b for _, table, _ in running for b in table]
     if not shared:
         assert len(held) == len(set(held)), "a block is in two block tables"

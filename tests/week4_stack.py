@@ -104,8 +104,10 @@ def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate
 def check_blocks_after_every_step(engine):
     """No running sequence holds a block past its tokens (rejected guesses give theirs back); none leaked."""
     # Read at once (while grading, the engine is the submission's: one round trip each, not one per attribute).
-    [(num_free, num_blocks, block_size)] = fetch([engine.block_manager], "num_free_blocks", "num_blocks", "block_size")
-    running = fetch(engine.scheduler.running, "request_id", "block_table", "num_tokens")
+    [(num_free, num_blocks, block_size, running)] = fetch([engine], "block_manager.num_free_blocks",
+                                                          "block_manager.num_blocks", "block_manager.block_size",
+                                                          "scheduler.running")
+    running = fetch(running, "request_id", "block_table", "num_tokens")
     held = {block for _, table, _ in running for block in table}
     assert len(held) + num_free == num_blocks, f"{num_blocks - num_free - len(held)} blocks are neither held nor free"
     for request_id, table, num_tokens in running:
