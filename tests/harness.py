@@ -37,6 +37,16 @@ def class_of(obj) -> type:
     return cls
 
 
+def actor_fakes(sol):
+    """tests/actor_fakes.py where `sol`'s code runs: while grading, the worker's copy (its fakes are built there and
+    read in place by the engine under test, with no round trip); otherwise this process's own module."""
+    if type(sol) is sandbox.RemoteSelection:
+        return sol._worker().endpoint.request("import", 0, "tests.actor_fakes")
+    from tests import actor_fakes as here
+
+    return here
+
+
 def solution_name() -> str:
     name = os.environ.get("TINY_LLM_SOLUTION", "student")
     if name not in ("student", "ref"):

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-VOCAB = 40
-EOS = VOCAB - 1
+from tests.actor_fakes import EOS, VOCAB, FakeTokenizer  # noqa: F401  (one tokenizer for every fake model)
 
 
 class ModelFailure(Exception):
@@ -40,18 +39,6 @@ def expected_tokens(prompt: list[int], max_seq_len: int, eos: bool = True) -> tu
         history.append(token)
         if len(history) >= max_seq_len:
             return output, "length"
-
-
-class FakeTokenizer:
-    """Characters to token ids 0..38 and back; EOS is 39."""
-
-    eos_token_ids = {EOS}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) % EOS for c in text]
-
-    def decode(self, tokens: list[int]) -> str:
-        return "".join(chr(ord("0") + t) for t in tokens)
 
 
 class FakeLayerCache:

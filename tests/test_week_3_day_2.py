@@ -19,9 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import fetch, reference, solution, stack
-from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected,
-                                mlx_lm_greedy)
+from tests.harness import actor_fakes, fetch, reference, solution, stack
+from tests.week3_fakes import EOS, PLAIN_ENGINE, FakeRunner, fake_expected, mlx_lm_greedy
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=2)
@@ -43,17 +42,19 @@ def make_engine(package, model, tokenizer, **kwargs):
 
 
 def fake_engine(**kwargs):
-    engine = make_engine(sol, FakeWeek3Model(), FakeTokenizer(), **kwargs)
+    fakes = actor_fakes(sol)  # read at every step: built where the engine runs
+    engine = make_engine(sol, fakes.FakeWeek3Model(), fakes.FakeTokenizer(), **kwargs)
     engine.runner = FakeRunner(engine)
     return engine
 
 
 def run_to_end(engine, check=True, max_steps=2000):
     """Step until done, checking the pool after every step; a scheduler that stops making progress fails."""
+    has_work, step = engine.has_work, engine.step  # read once (while grading, a round trip each)
     for _ in range(max_steps):
-        if not engine.has_work():
+        if not has_work():
             return
-        engine.step()
+        step()
         if check:
             check_pool(engine)
     raise AssertionError(f"the engine made no progress in {max_steps} steps (every request ends, preempted ones "
@@ -62,16 +63,19 @@ def run_to_end(engine, check=True, max_steps=2000):
 
 def check_pool(engine):
     """The pool's accounting: every block free or held by exactly one running sequence, and enough of them."""
-    manager, scheduler = engine.block_manager, engine.scheduler
-    running = fetch(scheduler.running, "block_table", "num_computed_tokens")  # one round trip while grading
+    # Read at once (while grading, the engine is the submission's: a round trip per fetch, not per attribute).
+    [(running, waiting, free, num_free, num_blocks, block_size)] = fetch(
+        [engine], "scheduler.running", "scheduler.waiting", "block_manager.free_blocks",
+        "block_manager.num_free_blocks", "block_manager.num_blocks", "block_manager.block_size")
+    running = fetch(running, "block_table", "num_computed_tokens")
     held = [b for table, _ in running for b in table]
     assert len(held) == len(set(held)), "a block is held twice"
-    assert not set(held) & set(manager.free_blocks), "a held block is also free"
-    assert len(held) + manager.num_free_blocks == manager.num_blocks, "blocks leaked"
-    for table, computed in fetch(scheduler.waiting, "block_table", "num_computed_tokens"):
+    assert not set(held) & set(free), "a held block is also free"
+    assert len(held) + num_free == num_blocks, "blocks leaked"
+    for table, computed in fetch(waiting, "block_table", "num_computed_tokens"):
         assert table == [] and computed == 0
     for table, computed in running:
-        assert len(table) * manager.block_size >= computed
+        assert len(table) * block_size >= computed
 
 
 # ---------------------------------------------------------------- Task 1: blocks

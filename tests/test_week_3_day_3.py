@@ -39,14 +39,20 @@ def make_seq(request_id, token_ids):
 
 @pytest.fixture
 def week3_model(model32):
-    mlx_model, tokenizer = model32
-    return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer
+    return model32
+
+
+def model_of(sol, week3_model):
+    """The week-3 model of `sol`'s package, beside the engine that calls it (while grading, in the sandbox: each
+    step's batch never crosses the pipe), and the tokenizer."""
+    mlx_model, tokenizer = week3_model
+    return sol.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer
 
 
 def engines(sol, week3_model, monkeypatch):
     """Engines whose prefix cache is `sol`'s (the rest of the engine is the reference's)."""
     monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
-    model, tokenizer = week3_model
+    model, tokenizer = model_of(sol, week3_model)
 
     def make(enable_prefix_caching=True, **kwargs):
         options = dict(PLAIN_ENGINE, token_budget=64, max_num_seqs=8, block_size=BLOCK, num_blocks=64)
@@ -303,7 +309,7 @@ def test_task_4_reset_forgets_cache_and_counters(engine_factory):
 def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
     sol = TASKS[4]
     monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
-    model, tokenizer = week3_model
+    model, tokenizer = model_of(sol, week3_model)
     now = [0.0]
     lines = []
 

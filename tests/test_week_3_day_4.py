@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from tests.harness import reference, solution, stack
+from tests.harness import actor_fakes, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE
 from tests.week3_stack import check_stack
 
@@ -60,7 +60,7 @@ def complete(plan):
             seq.output_token_ids = seq.output_token_ids + [7]  # set whole: a read of a submission's list is a copy
 
 
-STEP_CLOCKS: dict[int, list[int]] = {}  # id(engine) -> the list its clock reads
+STEP_CLOCKS: dict[int, object] = {}  # id(engine) -> its clock (an `actor_fakes.ManualClock`)
 
 
 @pytest.fixture
@@ -68,18 +68,19 @@ def engine_factory(model32, monkeypatch):
     """`make(sol, **config)`: an engine whose priority policies and preemption are `sol`'s (the rest of the engine
     is the reference's)."""
     mlx_model, tokenizer = model32
-    model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
 
     def make(sol, **kwargs):
         monkeypatch.setattr(sol.engine, "PriorityPolicy", sol.order_policy.PriorityPolicy)
         monkeypatch.setattr(sol.engine, "ShortestPrefillFirst", sol.order_policy.ShortestPrefillFirst)
-        now = [0]
         options = dict(PLAIN_ENGINE, token_budget=32, max_num_seqs=4, block_size=4, num_blocks=64,
                        scheduling_policy="priority")
         options.update(kwargs)
-        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**options), clock=lambda: now[0])
-        STEP_CLOCKS[id(engine)] = now  # the test advances the clock by one per step (kept here: the engine is
-        return engine  # the submission's, and a list set on it would be its own copy)
+        # The model and the clock beside the engine (while grading, in the sandbox): read at every step in place.
+        clock = actor_fakes(sol).ManualClock()
+        model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+        engine = sol.engine.LLMEngine(model, tokenizer, sol.engine.EngineConfig(**options), clock=clock)
+        STEP_CLOCKS[id(engine)] = clock  # the test advances the clock by one per step
+        return engine
 
     return make
 
@@ -93,7 +94,7 @@ def run_steps(engine, arrivals, max_steps=400):
             seqs[request_id] = engine.add_request(prompt, params, request_id=request_id, priority=priority)
         engine.step()
         step += 1
-        STEP_CLOCKS[id(engine)][0] = step
+        STEP_CLOCKS[id(engine)].now = step
     assert not engine.has_work(), f"the engine made no progress in {max_steps} steps (every request ends, however " \
                                   f"urgent the others): {engine.num_running} running, {engine.num_waiting} waiting"
     return seqs

@@ -31,13 +31,17 @@ MODEL = "tiny-test-model"
 
 @pytest.fixture(scope="module")
 def model(model32):
-    """(week-3 model, tokenizer) on the embedded model's weights, float32."""
+    """(week-3 model, tokenizer, week-3 model of Task 4's package) on the embedded model's weights, float32: the
+    first is the oracles' (the reference's, here), the last the served engines' (while grading, in the sandbox
+    beside the server's engine thread, so a step never crosses the pipe)."""
     mlx_model, tokenizer = model32
     week3_model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    served_model = served.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     # MLX streams are thread-local: arrays the model left lazy on this thread cannot be evaluated on the
     # server's engine thread. One tiny generation here materializes them.
     ref.engine.generate(week3_model, tokenizer, [[1]], ref.sequence.SamplingParams(max_tokens=1))
-    return week3_model, tokenizer
+    served.engine.generate(served_model, tokenizer, [[1]], served.sequence.SamplingParams(max_tokens=1))
+    return week3_model, tokenizer, served_model
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +49,11 @@ def tokenizer(model):
     return model[1]
 
 
-def make_engine(model):
-    return ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
-                                                                             max_num_seqs=16, block_size=8))
+def make_engine(model, **options):
+    """An engine for the server under test, of Task 4's package (the reference's engine) on its own model."""
+    config = served.engine.EngineConfig(**{**PLAIN_ENGINE, "token_budget": 64, "max_num_seqs": 16, "block_size": 8,
+                                           **options})
+    return served.engine.LLMEngine(model[2], model[1], config)
 
 
 def in_process(model, prompt_text: str, max_tokens: int) -> str:
@@ -58,7 +64,8 @@ def in_process(model, prompt_text: str, max_tokens: int) -> str:
 
 def in_process_tokens(model, prompt_text: str, max_tokens: int) -> list[int]:
     """The token ids the engine alone generates for this prompt (greedy), EOS excluded."""
-    engine = make_engine(model)
+    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
+                                                                               max_num_seqs=16, block_size=8))
     seq = engine.add_request(prompt_text, ref.sequence.SamplingParams(max_tokens=max_tokens))
     run_until_done(engine, rule="a request ends at EOS or max_tokens")
     return seq.output_token_ids
@@ -117,9 +124,10 @@ def test_task_2_stop_strings_when_streaming(chars, stops):
     """Feeding text a character at a time: the pieces sent never include a stop string, never take back
     text, and add up to the text before the first stop string; nothing is held back that cannot be a stop."""
     sent, stopped = "", False
+    find_stop = sol.server.find_stop  # read once (while grading, a round trip)
     for n in range(1, len(chars) + 1):
         text = "".join(chars[:n])
-        end, stopped = sol.server.find_stop(text, stops)
+        end, stopped = find_stop(text, stops)
         assert end >= len(sent) and text[:len(sent)] == sent
         sent = text[:end]
         if stopped:
@@ -154,7 +162,8 @@ MULTIBYTE_TEXT = "héllo wörld, 世界 and 🙂🚀 ünïcödé — “quotes�
 
 def stream_text(tokenizer, tokens: list[int]) -> list[str]:
     detokenizer = sol.server.IncrementalDetokenizer(tokenizer)
-    return [detokenizer.add(token) for token in tokens] + [detokenizer.flush()]
+    add = detokenizer.add  # read once (while grading, a round trip)
+    return [add(token) for token in tokens] + [detokenizer.flush()]
 
 
 def test_task_3_pieces_add_up_to_decode(tokenizer):
@@ -251,8 +260,7 @@ def test_task_4_metrics_endpoint(model, tokenizer):
 def test_task_4_latency_phases_add_up(model, tokenizer):
     """vLLM's request phases: queue, prefill and decode follow each other inside the end-to-end latency; a
     request that leaves while it waits in the engine's queue counts in none of them."""
-    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(**PLAIN_ENGINE, token_budget=64,
-                                                                               max_num_seqs=1, block_size=8))
+    engine = make_engine(model, max_num_seqs=1)
     step = engine.step
     engine.step = lambda: (time.sleep(0.02), step())[1]  # 400 tokens take 8 s: time to queue the second request
     app = served.server.create_app(engine, tokenizer, MODEL)
@@ -680,8 +688,7 @@ def test_task_4_several_choices(model, tokenizer):
 
 def test_task_4_http_extras(model, tokenizer):
     """API key, CORS, request id, GET /v1/models/{id}, OpenAI's max_tokens precedence, priorities."""
-    engine = ref.engine.LLMEngine(model[0], model[1], ref.engine.EngineConfig(
-        **{**PLAIN_ENGINE, "scheduling_policy": "priority"}, token_budget=64, max_num_seqs=16, block_size=8))
+    engine = make_engine(model, scheduling_policy="priority")
     priorities = []
     add_request = engine.add_request
 
@@ -896,8 +903,7 @@ def test_task_4_ignore_eos_runs_to_max_tokens(model, tokenizer):
 
 def test_task_4_cached_tokens_in_usage(model, tokenizer):
     """`usage.prompt_tokens_details.cached_tokens`: 0 the first time, the shared full blocks the second."""
-    engine = ref.engine.LLMEngine(model[0], tokenizer, ref.engine.EngineConfig(
-        **{**PLAIN_ENGINE, "enable_prefix_caching": True}, token_budget=64, max_num_seqs=16, block_size=8))
+    engine = make_engine(model, enable_prefix_caching=True)
     app = served.server.create_app(engine, tokenizer, MODEL)
     prompt = "a shared beginning that is long enough to fill a few blocks of eight tokens each, and then some"
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))

@@ -13,25 +13,14 @@ checks a limit of its own), so a bug that stops progress fails its test at once,
 using up the test's time.
 """
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from course.engines import PLAIN_ENGINE  # noqa: F401  (the plain engine the tests ask for; one dict with the labs)
+from tests.actor_fakes import FakeWeek3Model  # noqa: F401  (built where the engine runs: actor_fakes(sol))
 from tests.harness import fetch
 from tests.scheduler_fakes import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401
 
-
-
-class FakeWeek3Model:
-    """What LLMEngine needs of a model when the runner is a FakeRunner."""
-
-    args = SimpleNamespace(vocab_size=VOCAB)
-    max_position = 10**6
-
-    def make_kv_pool(self, num_blocks, block_size):
-        return None
 
 
 class FakeRunner:
@@ -43,12 +32,15 @@ class FakeRunner:
         self.fail_on_step = fail_on_step
         self.slots: dict[int, tuple] = {}
         self.plans = []
+        self.block_size = None
 
     def run(self, plan):
         self.plans.append(plan)
         if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
             raise RuntimeError("the model failed")
-        block_size = self.engine.block_manager.block_size
+        if self.block_size is None:  # read once (while grading, the engine is the submission's: round trips)
+            self.block_size = self.engine.block_manager.block_size
+        block_size = self.block_size
         tokens = []
         # Every chunk's fields at once (while grading, the plan lives in the submission's process: one round trip).
         chunks = fetch(plan.chunks, "seq.request_id", "seq.block_table", "seq.token_ids", "start", "length", "samples")

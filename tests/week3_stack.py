@@ -23,6 +23,7 @@ import json
 import random
 import traceback
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import httpx
 
@@ -32,18 +33,16 @@ from mlx.utils import tree_map
 from mlx_lm.models import qwen2 as mlx_qwen2
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from tests.harness import reference
+from tests.actor_fakes import STACK_EOS as EOS  # five of the nine pressure requests meet it: "stop" endings
+from tests.actor_fakes import STACK_VOCAB as VOCAB
+from tests.actor_fakes import ModelFailure, ModelProbe  # noqa: F401  (built where the engine runs: new_probe)
+from tests.actor_fakes import StackTokenizer as Tokenizer
+from tests.harness import actor_fakes, fetch, reference
 from tests.serve_fakes import running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 
-VOCAB = 64
-EOS = 60  # five of the nine pressure requests meet it: "stop" endings without any trick in the model
 STEP_LIMIT = 400  # no workload here needs more than about 100 steps; more means the engine stopped progressing
 ref = reference()
-
-
-class ModelFailure(Exception):
-    """What the probe raises on its chosen call: the model failed mid-step."""
 
 
 @functools.cache
@@ -93,45 +92,6 @@ class RoundTripCache(KVCache):
 
     def update_and_fetch(self, keys, values):
         return super().update_and_fetch(self.round_trip(keys), self.round_trip(values))
-
-
-class Tokenizer:
-    """What the engine needs of a tokenizer when prompts are token ids: the EOS ids."""
-
-    eos_token_ids = {EOS}
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) % VOCAB for c in text]
-
-    def decode(self, tokens):
-        return " ".join(map(str, tokens))
-
-
-class ModelProbe:
-    """The student's week-3 model, watched: tokens per call, a fake clock, a failure on a chosen call."""
-
-    def __init__(self, model, fail_on_call: int | None = None, base_seconds=0.002, seconds_per_token=0.00025):
-        self.model = model
-        self.fail_on_call = fail_on_call
-        self.base_seconds, self.seconds_per_token = base_seconds, seconds_per_token
-        self.now = 0.0
-        self.calls: list[tuple[int, int, float]] = []  # (tokens, decode tokens, seconds on the fake clock)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)  # args, max_position, dtype, make_kv_pool, ...
-
-    def clock(self) -> float:
-        return self.now
-
-    def __call__(self, batch, pool):
-        if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
-            self.calls.append((0, 0, 0.0))
-            raise ModelFailure(f"the model failed on call {self.fail_on_call}, on purpose")
-        num_tokens = batch.token_ids.shape[0]
-        seconds = self.base_seconds + self.seconds_per_token * (num_tokens - batch.num_decodes)
-        self.now += seconds
-        self.calls.append((num_tokens, batch.num_decodes, seconds))
-        return self.model(batch, pool)
 
 
 @dataclass
@@ -196,6 +156,15 @@ def expected(request: Request) -> tuple[list[int], str]:
 # ---------------------------------------------------------------- driving an engine
 
 
+class Output(NamedTuple):
+    """What a test keeps of a StepOutput."""
+
+    request_id: object
+    token: int | None
+    finished: bool
+    finish_reason: str | None
+
+
 class Run:
     """One workload on one engine: every StepOutput, by request, and the steps they came in."""
 
@@ -212,7 +181,8 @@ class Run:
     def drive(self, until_done=True, after_step=None):
         """Step to the end (or once): requests join and abort at their steps; `after_step(self)` after each."""
         pending = self.pending
-        while pending or self.engine.has_work() or any(r.abort is not None and r.abort >= self.step_index
+        step, has_work = self.engine.step, self.engine.has_work  # while grading, read once: not a round trip a step
+        while pending or has_work() or any(r.abort is not None and r.abort >= self.step_index
                                                         for r in self.requests):
             if self.step_index >= self.step_limit:
                 raise AssertionError(f"the engine made no progress in {self.step_limit} steps ({self.rule}): "
@@ -225,8 +195,9 @@ class Run:
                 if request.abort == self.step_index:
                     self.engine.abort(request.request_id)
                     self.aborted.add(request.request_id)
-            self.record(self.engine.step())
-            if self.engine.num_waiting and self.engine.num_running < self.max_num_seqs:
+            self.record(step())
+            [(waiting, running)] = fetch([self.engine], "num_waiting", "num_running")
+            if waiting and running < self.max_num_seqs:
                 self.refusals += 1
             self.step_index += 1
             if after_step:
@@ -235,7 +206,8 @@ class Run:
                 return
 
     def record(self, outputs):
-        for output in outputs:
+        # Each StepOutput's fields at once, kept as data (while grading, one round trip a step, not four an output).
+        for output in map(Output._make, fetch(outputs, *Output._fields)):
             stream = self.streams.get(output.request_id)
             assert stream is not None, f"step {self.step_index}: a StepOutput for unknown request {output.request_id!r}"
             assert not (stream and stream[-1][1].finished), \
@@ -290,11 +262,15 @@ def engine_options(day: int) -> dict:
 
 def make_engine(package, probe: ModelProbe, **options):
     """The one place an engine is built here: `options` are `EngineConfig`'s fields."""
-    return package.engine.LLMEngine(probe, Tokenizer(), package.engine.EngineConfig(**options), clock=probe.clock)
+    return package.engine.LLMEngine(probe, actor_fakes(package).StackTokenizer(), package.engine.EngineConfig(**options),
+                                    clock=probe.clock)
 
 
-def new_probe(package, **kwargs) -> ModelProbe:
-    return ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(tiny_mlx_model()), **kwargs)
+def new_probe(package, model=None, **kwargs) -> ModelProbe:
+    """A probe around `package`'s week-3 model of `model` (the tiny one by default), built where the engine runs:
+    the engine calls it and reads its clock at every step, and the test reads its `calls` back as data."""
+    week3_model = package.qwen2_week3.Qwen2ModelWeek3(tiny_mlx_model() if model is None else model)
+    return actor_fakes(package).ModelProbe(week3_model, **kwargs)
 
 
 def run(package, day, requests, probe=None, step_limit=STEP_LIMIT, rule="every request ends", **options) -> Run:
@@ -342,7 +318,7 @@ def workload_model_failure(package, day):
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14,
                          **engine_options(day))
     failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4)
-    with pytest.raises(ModelFailure):
+    with pytest.raises(actor_fakes(package).ModelFailure):
         failing.drive()
     failing.check_clean()
     again = [Request(f"again-{r.request_id}", r.prompt, r.max_tokens, arrive=r.arrive, priority=r.priority)
@@ -633,7 +609,7 @@ def workload_serving(package, day):
     warm_up(package, probe)
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=128,
                          **engine_options(day))
-    app = package.server.create_app(engine, Tokenizer(), "tiny")
+    app = package.server.create_app(engine, actor_fakes(package).StackTokenizer(), "tiny")
     finishing = [Request(r.request_id, r.prompt, r.max_tokens) for r in pressure_requests(day)]
     wants = {r.request_id: expected(r) for r in finishing}
     assert {"stop", "length"} <= {reason for _, reason in wants.values()}, "the workload must end by EOS and length"
@@ -641,7 +617,10 @@ def workload_serving(package, day):
     cut = next(r for r in finishing if len(wants[r.request_id][0]) >= 6)
     full = text_of(wants[cut.request_id][0])
     stop = f" {wants[cut.request_id][0][2]} "
-    leave_budget = 120  # the leavers' max_tokens: an engine that never aborts them generates all of it
+    # The leavers' max_tokens: an engine that never aborts them generates all of it. Room for the steps an honest engine
+    # runs before a client's leaving reaches it (the model is tiny: while grading, a step takes a millisecond or two);
+    # the model holds 512 positions.
+    leave_budget = 400
 
     async def clients(url):
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client:

@@ -41,8 +41,8 @@ from mlx_lm.models.cache import KVCache
 
 from tests import week3_stack as w3
 from tests.chi_square import assert_distribution
-from tests.harness import solution_name
-from tests.week3_stack import (EOS, VOCAB, ModelFailure, ModelProbe, Request, RoundTripCache, Run, Tokenizer, expected,
+from tests.harness import actor_fakes, fetch, solution_name
+from tests.week3_stack import (EOS, VOCAB, ModelProbe, Request, RoundTripCache, Run, expected,
                                tokens)
 
 K = 3  # guesses per verify chunk in the speculative workloads
@@ -97,20 +97,23 @@ def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate
     merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **w3.engine_options(4))
     merged.update(options)
     speculation = package.speculative.SpeculativeConfig(K, min_acceptance_rate=min_acceptance_rate)
-    return package.speculative.SpeculativeEngine(probe, Tokenizer(), package.engine.EngineConfig(**merged),
+    return package.speculative.SpeculativeEngine(probe, actor_fakes(package).StackTokenizer(), package.engine.EngineConfig(**merged),
                                                  speculation=speculation, proposer=proposer, clock=probe.clock)
 
 
 def check_blocks_after_every_step(engine):
     """No running sequence holds a block past its tokens (rejected guesses give theirs back); none leaked."""
-    manager = engine.block_manager
-    held = {block for seq in engine.scheduler.running for block in seq.block_table}
-    assert len(held) + manager.num_free_blocks == manager.num_blocks, \
-        f"{manager.num_blocks - manager.num_free_blocks - len(held)} blocks are neither held nor free"
-    for seq in engine.scheduler.running:
-        most = -(-seq.num_tokens // manager.block_size)
-        assert len(seq.block_table) <= most, \
-            f"{seq.request_id!r} holds {len(seq.block_table)} blocks for {seq.num_tokens} tokens: rejected positions kept"
+    # Read at once (while grading, the engine is the submission's: one round trip each, not one per attribute).
+    [(num_free, num_blocks, block_size, running)] = fetch([engine], "block_manager.num_free_blocks",
+                                                          "block_manager.num_blocks", "block_manager.block_size",
+                                                          "scheduler.running")
+    running = fetch(running, "request_id", "block_table", "num_tokens")
+    held = {block for _, table, _ in running for block in table}
+    assert len(held) + num_free == num_blocks, f"{num_blocks - num_free - len(held)} blocks are neither held nor free"
+    for request_id, table, num_tokens in running:
+        most = -(-num_tokens // block_size)
+        assert len(table) <= most, \
+            f"{request_id!r} holds {len(table)} blocks for {num_tokens} tokens: rejected positions kept"
 
 
 def drive_speculative(package, requests, proposer, probe=None, after_step=None, min_acceptance_rate=0.0,
@@ -188,7 +191,7 @@ def workload_speculative_model_failure(package):
     probe = w3.new_probe(package, fail_on_call=6)
     engine = speculative_engine(package, probe, package.speculative.NgramProposer(2, 1), num_blocks=14)
     failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4)
-    with pytest.raises(ModelFailure):
+    with pytest.raises(actor_fakes(package).ModelFailure):
         failing.drive()
     failing.check_clean()
     again = [Request(f"again-{r.request_id}", r.prompt, r.max_tokens, arrive=failing.step_index + r.arrive)
@@ -264,20 +267,6 @@ TEMPERATURE = 2.0
 NUM_SAMPLED = 600
 
 
-class FixedGuess:
-    """Always guesses one token: the target's most likely second token (so most guesses are accepted, and a
-    wrong acceptance or residual rule shows in how often it comes out)."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def propose(self, seq, k):
-        return [self.token] * k
-
-    def forget(self, request_id):
-        pass
-
-
 class ExactCache(KVCache):
     """mlx-lm's KV cache without its room to grow: keys and values exactly as long as what was fed, so a batch of
     thousands of one-token continuations attends to a few keys each."""
@@ -332,7 +321,7 @@ def workload_speculative_sampling(package):
     requests = [Request(f"t{i}", SAMPLED_PROMPT, max_tokens=4, sampling=dict(temperature=TEMPERATURE))
                 for i in range(NUM_SAMPLED)]
     mx.random.seed(2024)
-    result = drive_speculative(package, requests, FixedGuess(guess), token_budget=512, max_num_seqs=128,
+    result = drive_speculative(package, requests, actor_fakes(package).FixedGuess(guess), token_budget=512, max_num_seqs=128,
                                num_blocks=512)
     result.check_clean()
     for index, law, name in ((1, law2, "second"), (2, law3, "third")):
@@ -613,7 +602,7 @@ def quantized_engine(package, probe: ModelProbe, bits: int, num_blocks: int, **o
 
 
 def wide_probe(package, **kwargs) -> ModelProbe:
-    return ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(w3.wide_mlx_model()), **kwargs)
+    return w3.new_probe(package, w3.wide_mlx_model(), **kwargs)
 
 
 def quantized_run(package, requests, bits: int, num_blocks: int, **options) -> Run:
@@ -650,7 +639,7 @@ def workload_quantized_model_failure(package):
     probe = wide_probe(package, fail_on_call=6)
     engine = quantized_engine(package, probe, 8, num_blocks=14)
     failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens, kv_bits=8) for r in requests], 4)
-    with pytest.raises(ModelFailure):
+    with pytest.raises(actor_fakes(package).ModelFailure):
         failing.drive()
     failing.check_clean()
     again = [Request(f"again-{r.request_id}", r.prompt, r.max_tokens, arrive=failing.step_index + r.arrive, kv_bits=8)
@@ -742,21 +731,6 @@ def greedy_alone(model, make_cache, request: Request) -> tuple[list[int], str]:
     return output, "length"
 
 
-class DtypeProbe(ModelProbe):
-    """The probe, checking that every model call computes in the model's own dtype."""
-
-    def __init__(self, model, dtype: mx.Dtype):
-        super().__init__(model)
-        self.want = dtype
-
-    def __call__(self, batch, pool):
-        logits = super().__call__(batch, pool)
-        assert logits.dtype == self.want, \
-            f"a {self.want} model computed {logits.dtype} logits over the quantized pool: gather must return keys " \
-            f"and values in the pool's dtype (the model's, {self.want}), or attention promotes every later layer"
-        return logits
-
-
 def sized_pool_run(package, probe: ModelProbe, requests: list[Request], bits: int, num_blocks: int, per_token: int,
                    why: str) -> Run:
     """`requests` to the end on the student's engine over a `bits` pool that `kv_cache_bytes` sizes to `num_blocks`
@@ -820,7 +794,7 @@ def workload_quantized_half_precision(package):
     for dtype in (mx.float16, mx.bfloat16):
         model = wide_model_in(dtype)
         for bits in (8, 4):
-            probe = DtypeProbe(package.qwen2_week3.Qwen2ModelWeek3(model), dtype)
+            probe = w3.new_probe(package, model, logits_dtype=dtype)
             requests = small_requests(3, 610)
             result = sized_pool_run(package, probe, requests, bits, 24, bytes_per_token(2, 2, 32, bits, 32),
                                     "head_dim 32: one group of 32 per head")
@@ -834,7 +808,7 @@ def workload_quantized_wide_heads(package):
     groups of 64); a pool small enough to preempt."""
     model = head128_mlx_model()
     for bits in (8, 4):
-        probe = ModelProbe(package.qwen2_week3.Qwen2ModelWeek3(model))
+        probe = w3.new_probe(package, model)
         requests = small_requests(5, 620, max_tokens=10)
         result = sized_pool_run(package, probe, requests, bits, 12, bytes_per_token(2, 2, 128, bits, 64),
                                 "head_dim 128 in groups of kv_group_size(128, 64) = 64: two scales and biases a head")

@@ -1,0 +1,117 @@
+"""Fakes that need no trust, built where the code under test runs (`actor_fakes(sol)` in tests/harness.py).
+
+While grading, the engine under test runs in the sandboxed worker; a fake the engine reads at every step (a model's
+configuration, a tokenizer's EOS ids, a proposer that always guesses the same) would cost a round trip to the
+trusted process per read if the test built it there. Built in the worker instead, from this module (the sandbox's
+root holds a copy of it, and nothing else of tests/), it is read in place. Nothing here decides a verdict: the
+oracles and the fakes that record evidence (a runner checking every slot, a probe counting tokens) stay with the
+tests. Plain Python and MLX only: the worker imports this file alone.
+"""
+
+from types import SimpleNamespace
+
+VOCAB = 40
+EOS = VOCAB - 1
+
+
+class FakeTokenizer:
+    """Characters to token ids 0..38 and back; EOS is 39."""
+
+    eos_token_ids = {EOS}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % EOS for c in text]
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(chr(ord("0") + t) for t in tokens)
+
+
+class FakeWeek3Model:
+    """What LLMEngine needs of a model when the runner is a fake: its vocabulary size and longest sequence."""
+
+    args = SimpleNamespace(vocab_size=VOCAB)
+    max_position = 10**6
+
+    def make_kv_pool(self, num_blocks, block_size):
+        return None
+
+
+class FixedGuess:
+    """A proposer that always guesses one token, `k` times."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, seq, k):
+        return [self.token] * k
+
+    def forget(self, request_id):
+        pass
+
+
+class ManualClock:
+    """A clock the test sets (`clock.now = step`): every reading returns `now`."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------- week 3's stack (tests/week3_stack.py)
+
+STACK_VOCAB = 64
+STACK_EOS = 60
+
+
+class StackTokenizer:
+    """What the engine needs of a tokenizer when prompts are token ids: the EOS ids (and a decode for the server)."""
+
+    eos_token_ids = {STACK_EOS}
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % STACK_VOCAB for c in text]
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
+
+
+class ModelFailure(Exception):
+    """What the probe raises on its chosen call: the model failed mid-step."""
+
+
+class ModelProbe:
+    """The student's week-3 model, watched: tokens per call, a fake clock, a failure on a chosen call, and (with
+    `logits_dtype`) a check that every call computes in the model's own dtype. Its `calls` are the trace a test reads
+    back as data: (tokens, decode tokens, seconds on the fake clock) per call."""
+
+    def __init__(self, model, fail_on_call: int | None = None, base_seconds=0.002, seconds_per_token=0.00025,
+                 logits_dtype=None):
+        self.model = model
+        self.fail_on_call = fail_on_call
+        self.base_seconds, self.seconds_per_token = base_seconds, seconds_per_token
+        self.logits_dtype = logits_dtype  # not `dtype`: the engine reads the model's own through the probe
+        self.now = 0.0
+        self.calls: list[tuple[int, int, float]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)  # args, max_position, dtype, make_kv_pool, ...
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, batch, pool):
+        if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
+            self.calls.append((0, 0, 0.0))
+            raise ModelFailure(f"the model failed on call {self.fail_on_call}, on purpose")
+        num_tokens = batch.token_ids.shape[0]
+        seconds = self.base_seconds + self.seconds_per_token * (num_tokens - batch.num_decodes)
+        self.now += seconds
+        self.calls.append((num_tokens, batch.num_decodes, seconds))
+        logits = self.model(batch, pool)
+        want = self.logits_dtype
+        assert want is None or logits.dtype == want, \
+            f"a {want} model computed {logits.dtype} logits over the quantized pool: gather must return keys " \
+            f"and values in the pool's dtype (the model's, {want}), or attention promotes every later layer"
+        return logits
