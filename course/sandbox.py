@@ -20,10 +20,9 @@ which starts the worker on first use (`start_worker`):
 as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
 files except its private /tmp, and limits on CPU time, address space, file size and open files. Its
 processes and memory are bounded by a cgroup where the machine lets one be made (course/cgroup.py: the
-kernel counts every process, and the whole group is frozen and killed when the worker stops); elsewhere
-by RLIMIT_NPROC (which the kernel does not apply to root) and a watchdog that counts the worker's
-descendants, and by the PID namespace, which dies with its init. Its output goes to a file of the
-trusted side, cut off at the file-size limit.
+kernel counts every process, and the whole group is killed when the worker stops); elsewhere by
+RLIMIT_NPROC (which the kernel does not apply to root) and the PID namespace, which dies with its init.
+Its output goes to a file of the trusted side, cut off at the file-size limit.
 
 Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
 sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
@@ -48,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from course import cgroup, remote
@@ -63,7 +61,7 @@ UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 MAX_OUTPUT_BYTES = 16 << 20
-MAX_PROCESSES = 64  # without a cgroup: what the watchdog allows (processes, read from /proc)
+MAX_PROCESSES = 64  # without a cgroup, for a grader that is not root: RLIMIT_NPROC beyond this user's processes
 # With a cgroup: its pids.max, which counts threads as well as processes (day 3.5's server, its client and MLX's
 # pools run many; at 64, an honest day 3.5 hung in a thread that could not start).
 MAX_TASKS = 512
@@ -149,8 +147,6 @@ def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week:
         if graded.get(path.stem):
             text = strip_task_bodies(text, graded[path.stem])
         (target / path.name).write_text(text)
-    for path in [dest, *dest.rglob("*")]:
-        path.chmod(0o555 if path.is_dir() else 0o444)
     return dest
 
 
@@ -195,32 +191,14 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
 
 
 def _processes_of_this_user() -> int:
+    """How many processes this user runs now (RLIMIT_NPROC counts them all, so the worker's limit starts there)."""
     uid, count = os.getuid(), 0
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    for entry in os.listdir("/proc"):
         try:
             count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
         except OSError:
             pass
     return count
-
-
-def _descendants(root: int) -> list[int]:
-    """Every descendant of `root`, read from /proc. A process in state Z is followed too: a thread-group leader
-    that exited while its other threads run shows as Z, and its children are still its own."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None, group: cgroup.Group | None):
@@ -274,9 +252,9 @@ class Worker:
         kind = "ranks" if ranks else kind
         inner = [inner_python, "-s", "-m", "course.sandbox", str(week), str(day), kind, str(threads_per_rank or 0),
                  *inside]
-        # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
-        # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
-        counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
+        # Without a cgroup, RLIMIT_NPROC bounds a non-root grader's processes (it counts all of this user's); the
+        # kernel exempts root's, even in a user namespace: there the PID namespace's end is the bound.
+        counted = sys.platform.startswith("linux") and os.getuid() != 0
         processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
         memory = (memory_mb << 20) if memory_mb else None
         self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS, memory)
@@ -301,22 +279,6 @@ class Worker:
         if not ranks:
             self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
             self.endpoint.explain_loss = self._why_it_ended
-        self.too_many: int | None = None
-        if self.group is None:
-            threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
-
-    def _count_processes(self) -> None:
-        """Without a cgroup: stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root)."""
-        while self.process.poll() is None:
-            count = len(_descendants(self.process.pid))
-            if count > MAX_PROCESSES:
-                self.too_many = count
-                try:
-                    os.killpg(self.process.pid, 9)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                return
-            time.sleep(0.1)
 
     def _why_it_ended(self) -> str:
         try:
@@ -324,8 +286,6 @@ class Worker:
         except subprocess.TimeoutExpired:
             return ""
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
-        if self.too_many:
-            how = f"stopped: it ran {self.too_many} processes, more than {MAX_PROCESSES}"
         limit = self.group.hit_limit() if self.group is not None else None
         if limit:
             how += f"; it reached the sandbox's limit on {limit}"
@@ -483,8 +443,7 @@ def _forward_seeds() -> None:
 
 def needs_restart() -> bool:
     """Whether a worker broke during the test that just finished (its objects are gone: start afresh)."""
-    broken = any(w.endpoint.broken for w in RemoteSelection._workers.values())
-    return broken or RemoteSelection._restart_needed["flag"]
+    return RemoteSelection._restart_needed["flag"] or any(w.endpoint.broken for w in RemoteSelection._workers.values())
 
 
 def stop_workers() -> None:
@@ -493,6 +452,7 @@ def stop_workers() -> None:
     for worker in RemoteSelection._workers.values():
         worker.stop()
     RemoteSelection._workers.clear()
+    RemoteSelection._restart_needed["flag"] = False
 
 
 # ---------------------------------------------------------------- the worker (inside the sandbox)

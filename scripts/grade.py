@@ -276,11 +276,8 @@ def trusted_file(name: str) -> Path:
 
 
 def make_grading_dir(dest: Path) -> Path:
-    """A fresh, read-only directory for the trusted test process: tests, tooling and reference, no student code."""
-    dest.mkdir(parents=True)
-    scratch.copy_repository(dest, TRUSTED_FOLDERS)
-    read_only(dest)
-    return dest
+    """A fresh directory for the trusted test process: tests, tooling and reference, no student code."""
+    return scratch.copy_repository(dest, TRUSTED_FOLDERS)
 
 
 def make_package(dest: Path, submission: Submission) -> Path:
@@ -297,27 +294,6 @@ def make_package(dest: Path, submission: Submission) -> Path:
         else:
             shutil.copyfile(trusted_file(path.name), dest / path.name)
     return dest
-
-
-def read_only(root: Path) -> None:
-    for path in [root, *root.rglob("*")]:
-        if path.is_symlink():
-            continue
-        mode = path.stat().st_mode
-        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-
-
-def remove_tree(root: Path) -> None:
-    """Delete a grading directory that was made read-only (and whatever a test wrote into it)."""
-    if not root.exists():
-        return
-    for path in [root, *root.rglob("*")]:
-        if not path.is_symlink():
-            try:
-                path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR | stat.S_IXUSR)
-            except OSError:
-                pass
-    shutil.rmtree(root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scoring
@@ -687,7 +663,7 @@ def grade(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         cgroup.remove_all(groups)
-        remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.record_times:
         record_times(graded)
     summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
