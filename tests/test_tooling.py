@@ -620,7 +620,8 @@ ATTACK_FILES = {
     "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
     "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
     # issue 31: the bounds around the sandbox
-    "scan_crash": "src/tiny_llm/nested.py", "ansi_table": None, "carriage_return": None,
+    "scan_crash": None,  # the scan walks the tree without recursion: the file is read whole, nothing to flag
+    "ansi_table": None, "carriage_return": None,
     "zombie_parent": "src/tiny_llm/basics.py", "fork_bomb": "src/tiny_llm/basics.py",
     "outlives_day": "src/tiny_llm/basics.py",
 }
