@@ -1,37 +1,20 @@
 """The submission's code runs here: a worker process in an OS sandbox, reached through course/remote.py.
 
-The grader (scripts/grade.py) prepares, for each day, a sandbox root holding only what the student's
-code needs (`prepare_root`): the package being graded, a copy of the reference with the graded day's
-task bodies removed (the selector fills the other days' tasks from it, function by function), and the
-few tooling files the worker runs (this module's worker, course/remote.py, course/selector.py and what
-they import). The grader's own code, the tests and their expected values are not in it. The tests of
-one task (`solution(week, day, task=N)`) run in a worker of their own, on a root made beside the day's
-on first use (`task_root`) whose reference lacks only Task N's bodies: the code graded there can never
-call its own answer, and takes the day's other tasks from the reference as the selector says.
+For each day the grader (scripts/grade.py) prepares a sandbox root (`prepare_root`): the package being graded,
+a copy of the reference with the graded day's task bodies removed (the selector fills the other days' tasks from
+it, function by function) and the few tooling files the worker runs; never the grader, the tests or their
+expected values. One task's tests (`solution(week, day, task=N)`) get a worker of their own on a root whose
+reference lacks only Task N's bodies (`task_root`). In the trusted pytest process, `solution(week, day)`
+(tests/harness.py) returns `RemoteSelection`, which starts the worker (`Worker`) under bubblewrap: user
+"nobody", no network, its own PID namespace, the system, Python and the root read-only, a private /tmp, limits
+on CPU time, address space, file size and open files, and a cgroup bounding its processes and memory where the
+machine lets one be made (course/cgroup.py; elsewhere RLIMIT_NPROC, which the kernel does not apply to root,
+and the PID namespace, which dies with its init). Its output goes to a file of the trusted side.
 
-In the trusted pytest process, `solution(week, day)` (tests/harness.py) returns `RemoteSelection`,
-which starts the worker on first use (`start_worker`):
-
-    bwrap --unshare-all --uid 65534 --gid 65534 --die-with-parent --new-session --clearenv
-          --ro-bind <system and Python directories> --ro-bind <sandbox root> /grade
-          --tmpfs /tmp (the scratch directory, thrown away) --proc /proc --dev /dev
-          python -m course.sandbox <pipe fds> <week> <day>
-
-as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
-files except its private /tmp, and limits on CPU time, address space, file size and open files. Its
-processes and memory are bounded by a cgroup where the machine lets one be made (course/cgroup.py: the
-kernel counts every process, and the whole group is killed when the worker stops); elsewhere by
-RLIMIT_NPROC (which the kernel does not apply to root) and the PID namespace, which dies with its init.
-Its output goes to a file of the trusted side, cut off at the file-size limit.
-
-Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
-sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
-and runs the rank programs outside it, each reaching its rank's worker through its pipes (`RankLink`):
-the checks a rank program makes stay out of the submission's reach, as every test's do.
-
-Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
-process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
-says what that means; the trusted side still makes every verdict.
+Days 4.3 and 4.4 run one sandbox of N workers (`start_ranks`) in an `mx.distributed` ring on the sandbox's own
+loopback; the rank programs run outside, each reaching its rank's worker through its pipes (`RankLink`).
+Without bubblewrap (macOS) the worker is a plain child process with the same protocol and the limits the
+platform has (`unsandboxed_warning()` says what that means); the verdict is still the trusted side's.
 """
 
 from __future__ import annotations
@@ -72,13 +55,13 @@ INSIDE = "/grade"
 
 def bwrap_path() -> str | None:
     """bubblewrap, where it is installed and can start a sandbox (a container may forbid namespaces)."""
-    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux"):
-        return None
     found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
-    if found and found not in _working:
+    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux") or not found:
+        return None
+    if found not in _working:
         probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
                                 str(NOBODY), "true"], capture_output=True)
-        if probe.returncode != 0:
+        if probe.returncode != 0:  # remembered for this process and its children
             os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
             return None
         _working.add(found)
@@ -90,23 +73,18 @@ _working: set[str] = set()
 
 def why_unsandboxed() -> str:
     """One line: why bubblewrap cannot start a sandbox here."""
-    if sys.platform == "darwin":
-        return "macOS has no bubblewrap"
     broken = os.environ.get(UNSANDBOXED_VARIABLE)
-    if broken:
-        return f"bubblewrap is installed but cannot start a sandbox here ({broken.splitlines()[0]}): user " \
-               "namespaces may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)"
-    return "bubblewrap is not installed: `sudo apt-get install bubblewrap`"
+    if sys.platform == "darwin" or not broken:
+        return "macOS has no bubblewrap" if sys.platform == "darwin" else "bubblewrap is not installed"
+    return f"bubblewrap cannot start a sandbox here ({broken.splitlines()[0]}): user namespaces may be disabled"
 
 
 def unsandboxed_warning() -> str | None:
     """None where the sandbox is used; otherwise what running without it means, and why it cannot be used."""
-    if bwrap_path():
-        return None
-    return ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
-            "network; results are still decided outside its process, but a submission could read the "
-            "reference or change files. Fine for grading your own work; not for grading someone else's "
-            f"({why_unsandboxed()}).")
+    return None if bwrap_path() else (
+        "grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and network; "
+        "results are still decided outside its process, but a submission could read the reference or change "
+        f"files. Fine for grading your own work; not for grading someone else's ({why_unsandboxed()}).")
 
 
 # ---------------------------------------------------------------- the sandbox root (prepared by the grader)
