@@ -249,11 +249,6 @@ def trusted_file(name: str) -> Path:
     return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
-def make_grading_dir(dest: Path) -> Path:
-    """A fresh directory for the trusted test process: tests, tooling and reference, no student code."""
-    return scratch.copy_repository(dest, TRUSTED_FOLDERS)
-
-
 def make_package(dest: Path, submission: Submission) -> Path:
     """The package being graded: the submission's course modules, the untouched skeleton's for a module it
     lacks, the reference's provided code, and an `__init__.py` the grader writes."""
@@ -589,7 +584,7 @@ def grade(args: argparse.Namespace) -> int:
             notes += submission_notes(submission, args, warning)
             integrity = submission.findings
             extra = {"ignored_files": submission.ignored, "integrity_flags": integrity, "sandboxed": warning is None}
-        trusted = make_grading_dir(tmp / "trusted")  # for every test process: tests, tooling, reference
+        trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
         package = make_package(tmp / "package", submission) if student else None
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
         times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None

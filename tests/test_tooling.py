@@ -163,8 +163,12 @@ TESTS = {
         import pytest
         from tests.harness import solution
 
-        def test_task_1_add():
-            assert solution(1, 1).alpha.add(1, 2) == 3
+        @pytest.fixture(scope="module")
+        def alpha():  # held across tests: after a worker breaks, the next test must get it built afresh
+            return solution(1, 1).alpha
+
+        def test_task_1_add(alpha):
+            assert alpha.add(1, 2) == 3
 
         @pytest.mark.parametrize("a", [0, 1, 2])
         def test_task_1_add_cases(a):
@@ -179,8 +183,8 @@ TESTS = {
         def test_task_3_crash():
             assert solution(1, 1).alpha.crash() == 0
 
-        def test_task_1_runs_after_the_crash():
-            assert solution(1, 1).alpha.add(2, 2) == 4
+        def test_task_1_runs_after_the_crash(alpha):
+            assert alpha.add(2, 2) == 4
     ''',
     "test_week_1_day_2.py": '''
         from tests.harness import solution
@@ -872,7 +876,8 @@ def test_grade_untouched_skeleton_scores_zero(tmp_path):
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_the_sandbox_confines_the_submission(tmp_path):
     """What the worker can see and do, asked from inside: nobody, no network, no answers, no grader, own /proc."""
-    from course.remote import RemoteGone
+    import os
+
     from course.sandbox import Worker, prepare_root
 
     package = tmp_path / "package"
@@ -932,11 +937,9 @@ def test_the_sandbox_confines_the_submission(tmp_path):
         worker.stop()
     for hide in (False, True):
         worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
-        try:  # a cgroup refuses the forks past the limit; without one, a watchdog stops the worker
+        try:  # a cgroup refuses the forks past its pids.max, RLIMIT_NPROC past a user's share; root has neither
             forked = worker.endpoint.request("getattr", 0, "probe").fork_bomb(hide)
-            assert worker.group is not None and forked < sandbox.MAX_TASKS, forked
-        except RemoteGone as gone:
-            assert worker.group is None and "processes" in str(gone)
+            assert forked < sandbox.MAX_TASKS or (worker.group is None and os.getuid() == 0), forked
         finally:
             worker.stop()
     assert (seen["uid"], seen["gid"]) == (65534, 65534)
