@@ -13,6 +13,7 @@ sandboxed worker that cannot reach it, course/sandbox.py).
 
 import json
 import os
+import signal
 import sys
 
 import pytest
@@ -50,7 +51,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _state["reports"][nodeid] = []
+    _state["reports"][nodeid], _state["left"] = [], 0.0
     _emit(start=nodeid)
 
 
@@ -58,20 +59,45 @@ def pytest_runtest_logreport(report):
     _state["reports"].setdefault(report.nodeid, []).append(report)
 
 
-@pytest.hookimpl(tryfirst=True)
+def _clock(runs: bool) -> None:
+    """pytest-timeout's clock (a SIGALRM timer) runs while a test's set-up, call or tear-down runs, never between
+    them: a limit that fired while pytest writes a failure's report would stop the whole process (INTERNALERROR),
+    not one test."""
+    if runs and _state.get("left"):
+        signal.setitimer(signal.ITIMER_REAL, _state["left"])
+    elif not runs:
+        _state["left"] = signal.setitimer(signal.ITIMER_REAL, 0)[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield  # pytest-timeout started the clock
+    _clock(runs=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _clock(runs=True)
+    yield
+    _clock(runs=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """While grading, a worker that broke during this test (stopped at a time limit, crashed) took its objects
-    with it, some held by module fixtures: every fixture is torn down now and every worker stopped, so the next
+    with it, some held by module fixtures: every fixture is torn down first and every worker stopped, so the next
     test sets up afresh on new workers and a broken task costs only its own tests."""
+    _clock(runs=True)
     sandbox = sys.modules.get("course.sandbox")
-    if sandbox is None or not sandbox.needs_restart():
-        return
-    try:
-        item.session._setupstate.teardown_exact(None)  # pytest's own tear-down of everything, as at the end
-    except Exception:  # noqa: BLE001 - finalizers of objects the broken worker held: gone either way
-        pass
-    finally:
-        sandbox.stop_workers()
+    if sandbox is not None and sandbox.needs_restart():
+        try:
+            item.session._setupstate.teardown_exact(None)  # pytest's own tear-down of everything, as at the end
+        except Exception:  # noqa: BLE001 - finalizers of objects the broken worker held: gone either way
+            pass
+        finally:
+            sandbox.stop_workers()
+    yield
+    _clock(runs=False)
 
 
 def _outcome(reports) -> tuple[str, str]:

@@ -1380,3 +1380,26 @@ def test_a_tasks_sandbox_root_hides_that_tasks_answer_only(tmp_path):
     assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" in task_copy, "Task 5 is the reference's there"
     assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" not in day_copy and day_copy.count(hidden) >= 5
     assert [p.name for p in tmp_path.iterdir()].count("sandbox-4.1-task2") == 1 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_time_limit_never_fires_while_pytest_writes_a_report(tmp_path):
+    """The judge runs once per day: a per-test limit that fired while pytest built a failure's report (slow on a loaded
+    machine) stopped the whole process (INTERNALERROR), and every test after it went unrun. The clock now stops
+    between a test's phases (course/pytest_events.py)."""
+    from course.isolated_pytest import child_env, run_test_file
+
+    (tmp_path / "conftest.py").write_text(textwrap.dedent('''
+        import time
+        import pytest
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(item, call):
+            if call.when == "call" and call.excinfo is not None:
+                time.sleep(1.5)  # a report slower than the test's limit, as on a loaded machine
+            yield
+    '''))
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_fails():\n    time.sleep(0.5)\n    assert False\n\n"
+                                           "def test_after():\n    pass\n")
+    run = run_test_file("test_slow.py", tmp_path, child_env("ref", (str(REPO_ROOT),)), timeout=1)
+    assert {nodeid: result.outcome for nodeid, result in run.results.items()} == {
+        "test_slow.py::test_fails": "failed", "test_slow.py::test_after": "passed"}, run.results
