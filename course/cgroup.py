@@ -1,24 +1,20 @@
 """The sandbox's processes as one group the kernel counts: a cgroup, where this machine lets us make one.
 
-A cgroup's limits count every process in it however it was started (a double fork, a thread-group leader
-that exited, a new session), which a walk of /proc cannot promise, and its whole group can be frozen, then
-killed, so that nothing forks a replacement meanwhile. Used, in this order, where it can be made:
-
-- cgroup v2 (`pids.max`, `memory.max`, `cgroup.kill`) under the root of a cgroup2 mount that enables the
-  pids and memory controllers for its children (a root shell on a unified-hierarchy Linux);
-- cgroup v1's pids, memory and freezer hierarchies (`pids.max`, `memory.limit_in_bytes`, `freezer.state`),
-  each under this process's own cgroup there, where they are writable (a root shell on a v1 Linux);
-- none (macOS; an unprivileged Linux user): course/sandbox.py falls back on RLIMIT_NPROC, RLIMIT_AS and
-  bubblewrap's PID namespace, whose init takes every process in it when it dies.
-
-Groups are named `<prefix><random>`; `remove_all(prefix)` ends every group a grading run made, even those of
-a test process killed before it could end its own.
+A cgroup's limits count every process in it however it was started (a double fork, a thread-group leader that
+exited, a new session), and the whole group can be killed (v2's `cgroup.kill`; else frozen first, so that
+nothing forks a replacement meanwhile). Made where it can be: cgroup v2 under the root of a cgroup2 mount that
+enables the pids and memory controllers for its children (a root shell on a unified-hierarchy Linux); else
+cgroup v1's pids, memory and freezer hierarchies, under this process's own cgroup in each (a root shell on a v1
+Linux); else none (macOS, an unprivileged Linux user: course/sandbox.py says what bounds the worker there).
+Groups are named `<prefix><random>`; `remove_all(prefix)` ends every group a grading run made, even those of a
+test process killed before it could end its own.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from contextlib import suppress
 import time
 import uuid
 from pathlib import Path
@@ -125,22 +121,17 @@ class Group:
             return None
 
     def kill(self) -> None:
-        """Kill every process in the group: frozen first, so that none can fork while the others die."""
+        """Kill every process in the group: at once with v2's cgroup.kill, else frozen first, then thawed to die."""
         if self.v2 and self._file("cgroup.kill").exists():
             self._write("cgroup.kill", 1)
         else:
-            freeze = ("cgroup.freeze", "1", "0") if self.v2 else ("freezer.state", "FROZEN", "THAWED")
-            try:
-                self._write(freeze[0], freeze[1])
+            freeze, frozen, thawed = ("cgroup.freeze", 1, 0) if self.v2 else ("freezer.state", "FROZEN", "THAWED")
+            with suppress(OSError):
+                self._write(freeze, frozen)
                 for pid in self.pids():
                     os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                try:
-                    self._write(freeze[0], freeze[2])  # a frozen process dies when it thaws
-                except OSError:
-                    pass
+            with suppress(OSError):
+                self._write(freeze, thawed)
         for _ in range(200):
             if not self.pids():
                 return
@@ -150,10 +141,8 @@ class Group:
         """Kill what is left, and remove the group's directories."""
         self.kill()
         for directory in self.dirs:
-            try:
+            with suppress(OSError):
                 directory.rmdir()
-            except OSError:
-                pass
 
 
 def remove_all(prefix: str) -> int:

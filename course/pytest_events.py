@@ -1,29 +1,22 @@
-"""A small pytest plugin that reports each test as it starts and finishes, one JSON line per event.
+"""The judge's results plugin: one JSON line per test, written as it happens, for course/isolated_pytest.py.
 
-The grader and the per-day check (course/isolated_pytest.py) load it with `-p course.pytest_events`
-and watch the file from another process. Each line is written with one `os.write` as soon as the
-event happens, so when a test hangs or kills the interpreter, every earlier result is already on disk
-and the watcher knows exactly which test was running.
+Every pytest run of the tooling loads it (`-p course.pytest_events`); it writes only where TINY_LLM_EVENTS names
+a file (read once, then removed from the environment). Lines: {"collected": [ids]}, {"collect_error": id,
+"output": text}, {"start": id}, {"finish": id, "outcome": ..., "output": text}, {"done": exit status}, each
+with one `os.write`, so when the process is killed every earlier line is on disk and the reader knows which test
+was running. Outcomes: passed, failed, error (in set-up or tear-down), skipped, xfailed, timeout.
 
-Environment (read once, then removed from `os.environ` so the code under test does not see it):
-    TINY_LLM_EVENTS   the file to append events to
-    TINY_LLM_SKIP     (optional) a JSON list of test ids not to run again (they have a result already)
-
-The per-test time limit is pytest-timeout's (`--timeout`, signal method): at the limit it fails the test
-in place, and this plugin reports that failure as the outcome `timeout`. A test the signal cannot stop
-(stuck in C code) is ended by the watcher, which kills the process (course/isolated_pytest.py).
-
-No line is signed: while grading, the submission's code runs in a sandbox that cannot reach this process
-or its files (course/sandbox.py), so only this plugin writes the stream.
-
-Events: {"event": "collected", "items": [...]}, {"event": "collect_error", "nodeid", "output"},
-{"event": "start", "nodeid"}, {"event": "finish", "nodeid", "outcome", "output", "duration"},
-{"event": "session_finish", "exitstatus"}. Outcomes: passed, failed, error, skipped, xfailed, timeout.
+The per-test limit is pytest-timeout's (`--timeout`, signal method): a test past it fails in place, reported as
+`timeout`. No line is signed: only trusted code runs in this process (while grading, the submission runs in a
+sandboxed worker that cannot reach it, course/sandbox.py).
 """
 
 import json
 import os
+import signal
 import sys
+
+import pytest
 
 MAX_OUTPUT = 6000
 TIMEOUT_MESSAGE = "Timeout (>"  # how pytest-timeout's failure starts: "Timeout (>60.0s) from pytest-timeout."
@@ -31,15 +24,14 @@ TIMEOUT_MESSAGE = "Timeout (>"  # how pytest-timeout's failure starts: "Timeout 
 _state = {"fd": None, "reports": {}, "timeout": 0.0}
 
 
-def _emit(event: dict) -> None:
+def _emit(**event) -> None:
     if _state["fd"] is not None:
         os.write(_state["fd"], (json.dumps(event) + "\n").encode())
 
 
 def _clip(text: str) -> str:
-    if len(text) <= MAX_OUTPUT:
-        return text
-    return text[: MAX_OUTPUT // 2] + "\n... (output shortened) ...\n" + text[-MAX_OUTPUT // 2:]
+    half = MAX_OUTPUT // 2
+    return text if len(text) <= MAX_OUTPUT else f"{text[:half]}\n... (output shortened) ...\n{text[-half:]}"
 
 
 def pytest_configure(config):
@@ -49,78 +41,87 @@ def pytest_configure(config):
     _state["timeout"] = float(config.getoption("timeout", None) or 0)  # pytest-timeout's limit, for the message
 
 
-def pytest_collection_modifyitems(session, config, items):
-    # After a hang or a crash the watcher starts pytest again on the same file, skipping the tests that
-    # already have a result (listed in a file, not on the command line, so any test id works).
-    skip_file = os.environ.pop("TINY_LLM_SKIP", None)
-    if not skip_file:
-        return
-    with open(skip_file) as f:
-        done = set(json.load(f))
-    kept = [item for item in items if item.nodeid not in done]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
-        items[:] = kept
-
-
 def pytest_collectreport(report):
     if report.failed:
-        _emit({"event": "collect_error", "nodeid": report.nodeid, "output": _clip(report.longreprtext)})
+        _emit(collect_error=report.nodeid or "collection", output=_clip(report.longreprtext))
 
 
 def pytest_collection_finish(session):
-    _emit({"event": "collected", "items": [item.nodeid for item in session.items]})
+    _emit(collected=[item.nodeid for item in session.items])
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _state["reports"][nodeid] = []
-    _emit({"event": "start", "nodeid": nodeid})
+    _state["reports"][nodeid], _state["left"] = [], 0.0
+    _emit(start=nodeid)
 
 
 def pytest_runtest_logreport(report):
     _state["reports"].setdefault(report.nodeid, []).append(report)
 
 
+def _clock(runs: bool) -> None:
+    """pytest-timeout's clock (a SIGALRM timer) runs while a test's set-up, call or tear-down runs, never between
+    them: a limit that fired while pytest writes a failure's report would stop the whole process (INTERNALERROR),
+    not one test."""
+    if runs and _state.get("left"):
+        signal.setitimer(signal.ITIMER_REAL, _state["left"])
+    elif not runs:
+        _state["left"] = signal.setitimer(signal.ITIMER_REAL, 0)[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield  # pytest-timeout started the clock
+    _clock(runs=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _clock(runs=True)
+    yield
+    _clock(runs=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """While grading, a worker that broke during this test (stopped at a time limit, crashed) took its objects
+    with it, some held by module fixtures: every fixture is torn down first and every worker stopped, so the next
+    test sets up afresh on new workers and a broken task costs only its own tests."""
+    _clock(runs=True)
+    sandbox = sys.modules.get("course.sandbox")
+    if sandbox is not None and sandbox.needs_restart():
+        try:
+            item.session._setupstate.teardown_exact(None)  # pytest's own tear-down of everything, as at the end
+        except Exception:  # noqa: BLE001 - finalizers of objects the broken worker held: gone either way
+            pass
+        finally:
+            sandbox.stop_workers()
+    yield
+    _clock(runs=False)
+
+
 def _outcome(reports) -> tuple[str, str]:
     """One outcome for a test from its setup/call/teardown reports, and the text worth showing."""
-    outcome, texts = "passed", []
+    outcome, texts = ("passed" if reports else "error"), []
     for report in reports:
         if hasattr(report, "wasxfail") and report.skipped:
             outcome = "xfailed"
         elif report.failed:
             outcome = "failed" if report.when == "call" else "error"
-            texts.append(report.longreprtext)
-            texts.extend(f"--- {name} ---\n{content}" for name, content in report.sections)
+            texts += [report.longreprtext, *(f"--- {name} ---\n{content}" for name, content in report.sections)]
         elif report.skipped and outcome == "passed":
             outcome = "skipped"
             texts.append(report.longreprtext)
-    if not reports:
-        outcome = "error"
+    if outcome == "failed" and any(TIMEOUT_MESSAGE in r.longreprtext for r in reports if r.failed):
+        outcome = "timeout"
+        texts.insert(0, f"timed out: still running after {_state['timeout']:g} s, so it was stopped.")
     return outcome, "\n".join(t for t in texts if t)
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    reports = _state["reports"].pop(nodeid, [])
-    outcome, output = _outcome(reports)
-    if outcome == "failed" and any(TIMEOUT_MESSAGE in getattr(r, "longreprtext", "") for r in reports if r.failed):
-        outcome = "timeout"
-        output = f"timed out: still running after {_state['timeout']:g} s, so it was stopped.\n{output}"
-    duration = sum(getattr(r, "duration", 0.0) for r in reports)
-    _emit({"event": "finish", "nodeid": nodeid, "outcome": outcome, "output": _clip(output),
-           "duration": round(duration, 3)})
-    _restart_if_the_worker_broke()
-
-
-def _restart_if_the_worker_broke() -> None:
-    """While grading, a sandboxed worker stopped at a time limit or crashed takes its objects with it (a
-    module-scoped fixture may hold some): this process ends cleanly, and the watcher starts a new one on the
-    tests left, as after a crash."""
-    sandbox = sys.modules.get("course.sandbox")
-    if sandbox is not None and sandbox.needs_restart():
-        sandbox.stop_workers()
-        _emit({"event": "session_finish", "exitstatus": 0})
-        os._exit(0)
+    outcome, output = _outcome(_state["reports"].pop(nodeid, []))
+    _emit(finish=nodeid, outcome=outcome, output=_clip(output))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _emit({"event": "session_finish", "exitstatus": int(exitstatus)})
+    _emit(done=int(exitstatus))

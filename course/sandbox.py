@@ -1,38 +1,20 @@
 """The submission's code runs here: a worker process in an OS sandbox, reached through course/remote.py.
 
-The grader (scripts/grade.py) prepares, for each day, a sandbox root holding only what the student's
-code needs (`prepare_root`): the package being graded, a copy of the reference with the graded day's
-task bodies removed (the selector fills the other days' tasks from it, function by function), and the
-few tooling files the worker runs (this module's worker, course/remote.py, course/selector.py and what
-they import). The grader's own code, the tests and their expected values are not in it. The tests of
-one task (`solution(week, day, task=N)`) run in a worker of their own, on a root made beside the day's
-on first use (`task_root`) whose reference lacks only Task N's bodies: the code graded there can never
-call its own answer, and takes the day's other tasks from the reference as the selector says.
+For each day the grader (scripts/grade.py) prepares a sandbox root (`prepare_root`): the package being graded,
+a copy of the reference with the graded day's task bodies removed (the selector fills the other days' tasks from
+it, function by function) and the few tooling files the worker runs; never the grader, the tests or their
+expected values. One task's tests (`solution(week, day, task=N)`) get a worker of their own on a root whose
+reference lacks only Task N's bodies (`task_root`). In the trusted pytest process, `solution(week, day)`
+(tests/harness.py) returns `RemoteSelection`, which starts the worker (`Worker`) under bubblewrap: user
+"nobody", no network, its own PID namespace, the system, Python and the root read-only, a private /tmp, limits
+on CPU time, address space, file size and open files, and a cgroup bounding its processes and memory where the
+machine lets one be made (course/cgroup.py; elsewhere RLIMIT_NPROC, which the kernel does not apply to root,
+and the PID namespace, which dies with its init). Its output goes to a file of the trusted side.
 
-In the trusted pytest process, `solution(week, day)` (tests/harness.py) returns `RemoteSelection`,
-which starts the worker on first use (`start_worker`):
-
-    bwrap --unshare-all --uid 65534 --gid 65534 --die-with-parent --new-session --clearenv
-          --ro-bind <system and Python directories> --ro-bind <sandbox root> /grade
-          --tmpfs /tmp (the scratch directory, thrown away) --proc /proc --dev /dev
-          python -m course.sandbox <pipe fds> <week> <day>
-
-as user "nobody", with no network, its own PID namespace (its /proc shows only itself), read-only
-files except its private /tmp, and limits on CPU time, address space, file size and open files. Its
-processes and memory are bounded by a cgroup where the machine lets one be made (course/cgroup.py: the
-kernel counts every process, and the whole group is frozen and killed when the worker stops); elsewhere
-by RLIMIT_NPROC (which the kernel does not apply to root) and a watchdog that counts the worker's
-descendants, and by the PID namespace, which dies with its init. Its output goes to a file of the
-trusted side, cut off at the file-size limit.
-
-Days 4.3 and 4.4 run their code on several ranks: while grading, `course.ranks.launch` starts one
-sandbox of N workers (`start_ranks`) that form an `mx.distributed` ring on the sandbox's own loopback,
-and runs the rank programs outside it, each reaching its rank's worker through its pipes (`RankLink`):
-the checks a rank program makes stay out of the submission's reach, as every test's do.
-
-Where bubblewrap is missing (macOS, or Linux without the package), the worker runs as a plain child
-process with the same protocol and limits where the platform has them, and `unsandboxed_warning()`
-says what that means; the trusted side still makes every verdict.
+Days 4.3 and 4.4 run one sandbox of N workers (`start_ranks`) in an `mx.distributed` ring on the sandbox's own
+loopback; the rank programs run outside, each reaching its rank's worker through its pipes (`RankLink`).
+Without bubblewrap (macOS) the worker is a plain child process with the same protocol and the limits the
+platform has (`unsandboxed_warning()` says what that means); the verdict is still the trusted side's.
 """
 
 from __future__ import annotations
@@ -48,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from course import cgroup, remote
@@ -64,7 +45,7 @@ CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names i
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
 ACTOR_FAKES = "tests/actor_fakes.py"  # the one file of tests/ the worker holds (see its docstring)
 MAX_OUTPUT_BYTES = 16 << 20
-MAX_PROCESSES = 64  # without a cgroup: what the watchdog allows (processes, read from /proc)
+MAX_PROCESSES = 64  # without a cgroup, for a grader that is not root: RLIMIT_NPROC beyond this user's processes
 # With a cgroup: its pids.max, which counts threads as well as processes (day 3.5's server, its client and MLX's
 # pools run many; at 64, an honest day 3.5 hung in a thread that could not start).
 MAX_TASKS = 512
@@ -75,13 +56,13 @@ INSIDE = "/grade"
 
 def bwrap_path() -> str | None:
     """bubblewrap, where it is installed and can start a sandbox (a container may forbid namespaces)."""
-    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux"):
-        return None
     found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
-    if found and found not in _working:
+    if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux") or not found:
+        return None
+    if found not in _working:
         probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
                                 str(NOBODY), "true"], capture_output=True)
-        if probe.returncode != 0:
+        if probe.returncode != 0:  # remembered for this process and its children
             os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
             return None
         _working.add(found)
@@ -93,23 +74,18 @@ _working: set[str] = set()
 
 def why_unsandboxed() -> str:
     """One line: why bubblewrap cannot start a sandbox here."""
-    if sys.platform == "darwin":
-        return "macOS has no bubblewrap"
     broken = os.environ.get(UNSANDBOXED_VARIABLE)
-    if broken:
-        return f"bubblewrap is installed but cannot start a sandbox here ({broken.splitlines()[0]}): user " \
-               "namespaces may be disabled (a container's seccomp profile, or kernel.unprivileged_userns_clone=0)"
-    return "bubblewrap is not installed: `sudo apt-get install bubblewrap`"
+    if sys.platform == "darwin" or not broken:
+        return "macOS has no bubblewrap" if sys.platform == "darwin" else "bubblewrap is not installed"
+    return f"bubblewrap cannot start a sandbox here ({broken.splitlines()[0]}): user namespaces may be disabled"
 
 
 def unsandboxed_warning() -> str | None:
     """None where the sandbox is used; otherwise what running without it means, and why it cannot be used."""
-    if bwrap_path():
-        return None
-    return ("grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and "
-            "network; results are still decided outside its process, but a submission could read the "
-            "reference or change files. Fine for grading your own work; not for grading someone else's "
-            f"({why_unsandboxed()}).")
+    return None if bwrap_path() else (
+        "grade: WARNING: running UNSANDBOXED. The submission's code runs as you, with your files and network; "
+        "results are still decided outside its process, but a submission could read the reference or change "
+        f"files. Fine for grading your own work; not for grading someone else's ({why_unsandboxed()}).")
 
 
 # ---------------------------------------------------------------- the sandbox root (prepared by the grader)
@@ -153,8 +129,6 @@ def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week:
         if graded.get(path.stem):
             text = strip_task_bodies(text, graded[path.stem])
         (target / path.name).write_text(text)
-    for path in [dest, *dest.rglob("*")]:
-        path.chmod(0o555 if path.is_dir() else 0o444)
     return dest
 
 
@@ -199,32 +173,14 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
 
 
 def _processes_of_this_user() -> int:
+    """How many processes this user runs now (RLIMIT_NPROC counts them all, so the worker's limit starts there)."""
     uid, count = os.getuid(), 0
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    for entry in os.listdir("/proc"):
         try:
             count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
         except OSError:
             pass
     return count
-
-
-def _descendants(root: int) -> list[int]:
-    """Every descendant of `root`, read from /proc. A process in state Z is followed too: a thread-group leader
-    that exited while its other threads run shows as Z, and its children are still its own."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _limits(cpu_seconds: float | None, memory_mb: int | None, processes: int | None, group: cgroup.Group | None):
@@ -278,9 +234,9 @@ class Worker:
         kind = "ranks" if ranks else kind
         inner = [inner_python, "-s", "-m", "course.sandbox", str(week), str(day), kind, str(threads_per_rank or 0),
                  *inside]
-        # The kernel exempts root's processes from RLIMIT_NPROC, even in a user namespace (CI runs as root):
-        # there a watchdog counts them (_count_processes). Otherwise the limit counts all of this user's.
-        counted = sys.platform.startswith("linux") and os.getuid() != 0  # this user's processes, read from /proc
+        # Without a cgroup, RLIMIT_NPROC bounds a non-root grader's processes (it counts all of this user's); the
+        # kernel exempts root's, even in a user namespace: there the PID namespace's end is the bound.
+        counted = sys.platform.startswith("linux") and os.getuid() != 0
         processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
         memory = (memory_mb << 20) if memory_mb else None
         self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS, memory)
@@ -305,22 +261,6 @@ class Worker:
         if not ranks:
             self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
             self.endpoint.explain_loss = self._why_it_ended
-        self.too_many: int | None = None
-        if self.group is None:
-            threading.Thread(target=self._count_processes, name="sandbox-processes", daemon=True).start()
-
-    def _count_processes(self) -> None:
-        """Without a cgroup: stop the worker past MAX_PROCESSES processes (RLIMIT_NPROC does not bind root)."""
-        while self.process.poll() is None:
-            count = len(_descendants(self.process.pid))
-            if count > MAX_PROCESSES:
-                self.too_many = count
-                try:
-                    os.killpg(self.process.pid, 9)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                return
-            time.sleep(0.1)
 
     def _why_it_ended(self) -> str:
         try:
@@ -328,8 +268,6 @@ class Worker:
         except subprocess.TimeoutExpired:
             return ""
         how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
-        if self.too_many:
-            how = f"stopped: it ran {self.too_many} processes, more than {MAX_PROCESSES}"
         limit = self.group.hit_limit() if self.group is not None else None
         if limit:
             how += f"; it reached the sandbox's limit on {limit}"
@@ -487,8 +425,7 @@ def _forward_seeds() -> None:
 
 def needs_restart() -> bool:
     """Whether a worker broke during the test that just finished (its objects are gone: start afresh)."""
-    broken = any(w.endpoint.broken for w in RemoteSelection._workers.values())
-    return broken or RemoteSelection._restart_needed["flag"]
+    return RemoteSelection._restart_needed["flag"] or any(w.endpoint.broken for w in RemoteSelection._workers.values())
 
 
 def stop_workers() -> None:
@@ -497,6 +434,7 @@ def stop_workers() -> None:
     for worker in RemoteSelection._workers.values():
         worker.stop()
     RemoteSelection._workers.clear()
+    RemoteSelection._restart_needed["flag"] = False
 
 
 # ---------------------------------------------------------------- the worker (inside the sandbox)

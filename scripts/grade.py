@@ -1,4 +1,4 @@
-"""Grade the student package: per week, day and task, a readable table and a machine-readable report.
+"""Grade the student package: per week, day and task, a readable table and Gradescope's results.json.
 
     pdm run grade                          # every day that has tests, against src/tiny_llm
     pdm run grade --week 2 --day 7         # one day: the score the day's chapter points to
@@ -6,32 +6,22 @@
     pdm run grade --json results.json      # also write Gradescope's results.json
     pdm run grade --src path/to/submission # grade a submission (a directory of module files)
     pdm run grade --solution ref           # grade the reference (every task at full points)
+    pdm run grade --make-autograder DIR    # write a Gradescope autograder
 
-What is graded: only the course's module files (the modules course/course_map.py lists for its days),
-copied from the submission into a package of their own; every other file of the submission is reported
-and ignored. The integrity scan (course/integrity.py) lists what it finds, for the instructor: it
-decides nothing.
+Only the course's module files are graded, staged as regular files (no links, devices or FIFOs, at most
+MAX_FILE_BYTES) into a package of their own; every other file is listed, never run. Each day's tests run in a
+trusted pytest process (the judge, course/isolated_pytest.py) that reaches the package in a sandboxed worker
+(course/sandbox.py) through a pipe that carries data only (course/remote.py): every verdict is made where the
+submission cannot reach. Per-test limits, a flat cap per day (CAP_FACTOR x the honest run's recorded time plus
+one test's limit) and a cgroup where the machine has one bound the run. With --json (or --require-sandbox) it
+refuses to grade where bubblewrap cannot start. Text the submission produced is escaped before it is shown, and
+results.json is rewritten atomically after each day. The integrity scan (course/integrity.py) lists, for the
+instructor, what is unusual in the files: it decides nothing.
 
-How: each day's test file runs in a trusted pytest process (course/isolated_pytest.py) that never imports the
-student's code either: `solution(week, day)` there reaches the day's package in a worker process in an
-OS sandbox (course/sandbox.py: bubblewrap, user nobody, no network, its own PID namespace, read-only
-files, a private scratch directory, limits), through a pipe that carries data, never code
-(course/remote.py). So every verdict is made where the submission's code cannot reach. Per-test time
-limits, a flat cap per day (3x the honest run's recorded time, course/grading_times.json, plus one
-test's limit), limits on memory and processes (a cgroup where the machine offers one), and every
-sandbox killed when its day ends bound the run. results.json is rewritten (atomically) after each day,
-so an interrupted run leaves a valid report. Submitted files are read as regular files only (no links,
-devices or FIFOs, at most MAX_FILE_BYTES); text the submission produced is escaped before it is shown.
-Without bubblewrap (macOS) the grade is refused with --json (--no-require-sandbox allows it, with a
-warning), and said plainly otherwise.
-
-Points are declared once, in course/course_map.py (`Day.points`: task -> points). A task's points are
-split evenly across its test functions (`test_task_N_...`), and a function's share evenly across its
-parametrized cases, in whole 1/10000 points, so every day's tests add up to exactly its points.
-
-Exit status: 0 when grading finished (whatever the score); 2 when the grader
-itself failed: bad arguments, an error in the grader, or a day whose tests could not be run at all (a
-course or environment problem, not the student's). With 2 the report is still written when possible.
+Points are declared once, in course/course_map.py (`Day.points`): a task's points are split evenly across its test
+functions (`test_task_N_...`), a function's share across its cases, in whole 1/10000 points, so a day adds up
+exactly. Exit status: 0 when grading finished (whatever the score); 2 when the grader itself failed (bad
+arguments, an error in the grader, a day whose tests could not be run at all); the report is still written.
 """
 
 import argparse
@@ -56,7 +46,7 @@ from pathlib import Path
 
 from course import cgroup, sandbox, scratch
 from course.course_map import DAYS, Day
-from course.integrity import Finding, scan_source
+from course.integrity import scan_source
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
 from course.remote import printable
 
@@ -101,14 +91,6 @@ class CaseScore:
         return self.outcome in ("passed", "xfailed")
 
     @property
-    def score(self) -> float:
-        return self.units / UNITS
-
-    @property
-    def max_score(self) -> float:
-        return self.max_units / UNITS
-
-    @property
     def name(self) -> str:
         case = self.nodeid.split("::")[-1]
         return f"Week {self.day.week} Day {self.day.day} Task {self.task}: {case}"
@@ -131,8 +113,7 @@ class Submission:
     ignored: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # one line per file not read (a link, a device, too large)
-    findings: dict[str, list[Finding]] = field(default_factory=dict)  # module -> findings
-    review: list[str] = field(default_factory=list)  # files not graded that still deserve a look
+    findings: list[str] = field(default_factory=list)  # the integrity scan's, for the instructor
 
 
 # ---------------------------------------------------------------- arguments and selection
@@ -225,47 +206,40 @@ def read_regular(path: Path) -> bytes:
 
 
 def stage_submission(root: Path, modules_dir: Path, staged: Path, scan: bool) -> Submission:
-    """Copy the course's module files out of the submission (once), list the rest, scan what was copied.
+    """Copy the course's module files out of the submission (once), list the rest, scan what was read.
 
-    Only regular files are read (`read_regular`); a course module that is refused counts as missing. Files
-    that are not graded are scanned too: they never run, but a flagged one is worth a look.
+    Only regular files are read (`read_regular`); a course module that is refused counts as missing. Files that
+    are not graded are scanned too: they never run, but a flagged one is worth a look.
     """
     staged.mkdir(parents=True)
     submission = Submission(staged)
-    wanted = course_modules()
-    trusted = {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
+    wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
     for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", ".git"))
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))
                                     or (Path(folder) == modules_dir and d.endswith(".py"))]):
             path = Path(folder) / name
             shown = printable(path.relative_to(root).as_posix())
-            module = path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted
+            in_package = path.parent == modules_dir
+            module = in_package and path.suffix == ".py" and path.stem in wanted
             try:
-                data = read_regular(path) if module or scan or path.name in trusted else b""
+                data = read_regular(path) if module or scan or name in provided else b""
             except ValueError as why:
                 submission.refused.append(f"{shown}: not read ({why})" + (": graded as missing" if module else ""))
                 continue
             if module:
-                (staged / path.name).write_bytes(data)
-                submission.modules[path.stem] = staged / path.name
-                continue
-            if path.parent == modules_dir and path.name in trusted and data == trusted_file(path.name).read_bytes():
+                (staged / name).write_bytes(data)
+                submission.modules[path.stem] = staged / name
+            elif in_package and name in provided and data == trusted_file(name).read_bytes():
                 continue  # provided code, unchanged
-            submission.ignored.append(shown)
-            if not scan:
-                continue
-            if path.name in RUNS_ON_ITS_OWN or path.suffix == ".pth":
-                submission.review.append(f"{shown}: a file Python or pytest runs on its own (not graded, not run)")
-            elif path.suffix == ".py":
-                submission.review += [f"{finding} (not graded, not run)" for finding in scan_source(data, shown)]
+            else:
+                submission.ignored.append(shown)
+            unused = "" if module else " (not graded, not run)"
+            if scan and not module and (name in RUNS_ON_ITS_OWN or path.suffix == ".pth"):
+                submission.findings.append(f"{shown}: a file Python or pytest runs on its own{unused}")
+            elif scan and path.suffix == ".py":
+                submission.findings += [f"{finding}{unused}" for finding in scan_source(data, shown)]
     submission.missing = sorted(wanted - set(submission.modules))
-    if scan:
-        for module, path in submission.modules.items():
-            findings = scan_source(path.read_bytes(), (modules_dir / path.name).relative_to(root).as_posix()
-                                   if modules_dir != root else f"src/tiny_llm/{path.name}")
-            if findings:
-                submission.findings[module] = findings
     return submission
 
 
@@ -273,14 +247,6 @@ def trusted_file(name: str) -> Path:
     """The trusted copy of a package file that is not a course module: provided code is the reference's."""
     reference = REPO_ROOT / REFERENCE_DIR / name
     return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
-
-
-def make_grading_dir(dest: Path) -> Path:
-    """A fresh, read-only directory for the trusted test process: tests, tooling and reference, no student code."""
-    dest.mkdir(parents=True)
-    scratch.copy_repository(dest, TRUSTED_FOLDERS)
-    read_only(dest)
-    return dest
 
 
 def make_package(dest: Path, submission: Submission) -> Path:
@@ -297,27 +263,6 @@ def make_package(dest: Path, submission: Submission) -> Path:
         else:
             shutil.copyfile(trusted_file(path.name), dest / path.name)
     return dest
-
-
-def read_only(root: Path) -> None:
-    for path in [root, *root.rglob("*")]:
-        if path.is_symlink():
-            continue
-        mode = path.stat().st_mode
-        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-
-
-def remove_tree(root: Path) -> None:
-    """Delete a grading directory that was made read-only (and whatever a test wrote into it)."""
-    if not root.exists():
-        return
-    for path in [root, *root.rglob("*")]:
-        if not path.is_symlink():
-            try:
-                path.chmod(path.stat().st_mode | stat.S_IWUSR | stat.S_IRUSR | stat.S_IXUSR)
-            except OSError:
-                pass
-    shutil.rmtree(root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- scoring
@@ -495,8 +440,8 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
     for test in graded:
         tests.append({
             "name": test.name,
-            "score": test.score,
-            "max_score": test.max_score,
+            "score": test.units / UNITS,
+            "max_score": test.max_units / UNITS,
             "status": "passed" if test.passed else "failed",
             "output": f"{status_word(test)}\n{test.output}".strip() if not test.passed else "passed",
             "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
@@ -520,33 +465,12 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
 def write_atomically(path: Path, text: str) -> None:
     """Readers see the old report or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 # ---------------------------------------------------------------- main
-
-def progress_bar(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the report does not depend on it
-        return None
-    return tqdm(total=total, unit="day", file=sys.stderr, disable=None, dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} days [{elapsed}<{remaining}]")
-
-
-def integrity_report(submission: Submission) -> list[str]:
-    """What the integrity scan found, for the instructor: it decides nothing (the sandbox is the defence)."""
-    return [str(f) for findings in submission.findings.values() for f in findings] + submission.review
-
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
     """A day's time cap, counted from its first test's start: CAP_FACTOR x its recorded honest time plus one
@@ -588,6 +512,40 @@ def passed_everything(report: "DayReport") -> bool:
     return bool(report.tests) and all(case.passed for case in report.tests) and not report.problems
 
 
+def submission_notes(submission: Submission, args: argparse.Namespace, warning: str | None) -> list[str]:
+    """What the report says about the submission's files: ignored, refused, missing; and a missing sandbox."""
+    notes = [warning.removeprefix("grade: ")] if warning else []
+    if submission.ignored:
+        more = len(submission.ignored) - 20
+        notes.append("not graded (only the course's module files are): "
+                     + ", ".join(submission.ignored[:20] + ([f"and {more} more"] if more > 0 else [])))
+    notes += submission.refused
+    if args.src and submission.missing:
+        notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
+                     "the untouched skeleton's are graded")
+    return notes
+
+
+def grade_day(day: Day, args: argparse.Namespace, work: Path, trusted: Path, env: dict, package: Path | None,
+              cap: float, deadline: float, memory_mb: int | None) -> DayReport:
+    """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it. The tests
+    expected are those that process collects: no test decides which tests exist from what the submission returns."""
+    if package is not None:
+        root = sandbox.prepare_root(work / "sandbox", package, REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course",
+                                    day.week, day.day)
+        (work / "logs").mkdir()  # the workers' output: a test process killed at a limit cannot clean up
+        env = {**env, sandbox.SANDBOX_ROOT_VARIABLE: str(root), sandbox.LOGS_VARIABLE: str(work / "logs"),
+               sandbox.LIMITS_VARIABLE: f"{cap:.0f},{memory_mb or 0}"}
+    run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=deadline, cap=cap,
+                        memory_mb=memory_mb)
+    report = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
+    if run.out_of_time:
+        how = "--day-budget" if args.day_budget else f"{CAP_FACTOR:g}x an honest run plus one test's limit"
+        report.notes.append(f"week {day.week} day {day.day}: stopped when its time budget ran out ({cap:.0f} s: "
+                            f"{how}; --budget {args.budget:g} s for the whole run)")
+    return report
+
+
 def grade(args: argparse.Namespace) -> int:
     started = time.monotonic()
     student = args.solution == "student"
@@ -596,104 +554,60 @@ def grade(args: argparse.Namespace) -> int:
               "--no-require-sandbox grades without it", file=sys.stderr)
         return GRADER_FAILED
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
-    run_deadline = started + args.budget
-    days = select_days(args.week, args.day)
-    days = [d for d in days if (REPO_ROOT / d.test_file).exists()]
-    workspace_notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded"
-                       for d in select_days(args.week, args.day) if d not in days]
+    selected = select_days(args.week, args.day)
+    days = [d for d in selected if (REPO_ROOT / d.test_file).exists()]
+    notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded" for d in selected if d not in days]
     if not days:
         print("grade: no day in the selection has tests yet", file=sys.stderr)
         return GRADER_FAILED
     json_path = Path(args.json).resolve() if args.json else None
-    integrity: list[str] = []
+    integrity, extra, rounds = [], {}, args.record_times or 1
+    reports = [placeholder(d, pending=True) for d in days]
+    graded: list[DayReport] = []  # every day graded, in every round (--record-times N grades N rounds)
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
-    bar = None
+
+    def save() -> None:
+        if json_path is not None:
+            summary = render(reports, False, notes, args.solution, integrity)
+            write_atomically(json_path, json.dumps(gradescope_results(
+                reports, summary, time.monotonic() - started, extra), indent=2) + "\n")
+
     try:
         root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
         if not root.is_dir():
             raise SystemExit(f"--src {args.src}: not a directory")
         submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
-        extra: dict = {}
         if student:
             warning = sandbox.unsandboxed_warning()
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-                workspace_notes.append(warning.removeprefix("grade: "))
-            if submission.ignored:
-                listed = submission.ignored[:20] + ([f"and {len(submission.ignored) - 20} more"]
-                                                    if len(submission.ignored) > 20 else [])
-                workspace_notes.append("not graded (only the course's module files are): " + ", ".join(listed))
-            workspace_notes += submission.refused
-            if args.src and submission.missing:
-                workspace_notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
-                                       "the untouched skeleton's are graded")
-            integrity = integrity_report(submission)
-            extra = {"ignored_files": submission.ignored, "integrity_flags": integrity,
-                     "sandboxed": warning is None}
-
-        # One trusted directory for every test process: tests, tooling and reference, never student code.
-        trusted = make_grading_dir(tmp / "trusted")
+            notes += submission_notes(submission, args, warning)
+            integrity = submission.findings
+            extra = {"ignored_files": submission.ignored, "integrity_flags": integrity, "sandboxed": warning is None}
+        trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
         package = make_package(tmp / "package", submission) if student else None
-        trusted_env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
-        times = recorded_times()
-        rounds = args.record_times or 1
-        bar = progress_bar(len(days) * rounds)
-
-        reports: list[DayReport] = [placeholder(d, pending=True) for d in days]
-
-        def save() -> None:
-            if json_path is not None:
-                summary = render(reports, False, workspace_notes, args.solution, integrity)
-                write_atomically(json_path, json.dumps(gradescope_results(
-                    reports, summary, time.monotonic() - started, extra), indent=2) + "\n")
-
+        env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
+        times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()
-        memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
-        graded: list[DayReport] = []  # every day graded, in every round (--record-times N grades N rounds)
         for repeat, (index, day) in itertools.product(range(rounds), enumerate(days)):
             label = f"week {day.week} day {day.day}" + (f" (round {repeat + 1} of {rounds})" if rounds > 1 else "")
-            if bar is not None and not bar.disable:
-                bar.set_description(label)
-            else:
-                print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
-            if time.monotonic() >= run_deadline:
+            print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
+            if time.monotonic() >= started + args.budget:
                 reports[index] = placeholder(day, "not run: the run's time budget ran out before this day")
             else:
-                env = trusted_env
-                if package is not None:
-                    root_dir = sandbox.prepare_root(tmp / f"sandbox-{day.key}-{repeat}", package,
-                                                    REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course", day.week, day.day)
-                    logs = tmp / f"logs-{day.key}-{repeat}"  # a test process killed at a limit cannot clean up
-                    logs.mkdir()
-                    env = {**trusted_env, sandbox.SANDBOX_ROOT_VARIABLE: str(root_dir), sandbox.LOGS_VARIABLE: str(logs)}
-                cap = day_cap(day, args, times)
-                if package is not None:
-                    env[sandbox.LIMITS_VARIABLE] = f"{cap:.0f},{memory_mb or 0}"
-                # The tests expected are those this trusted process collects: the submission's code runs only in
-                # the sandbox, and no test file decides which tests exist from what the submission returns.
-                run = run_test_file(day.test_file, trusted, env, timeout=args.timeout,
-                                    deadline=run_deadline, cap=cap, memory_mb=memory_mb)
-                cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
-                reports[index] = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
+                (tmp / f"{day.key}-{repeat}").mkdir()
+                reports[index] = grade_day(day, args, tmp / f"{day.key}-{repeat}", trusted, env, package,
+                                           day_cap(day, args, times), started + args.budget, memory_mb)
                 graded.append(reports[index])
-                if run.out_of_time:
-                    how = "--day-budget" if args.day_budget else f"{CAP_FACTOR:g}x an honest run plus one test's limit"
-                    reports[index].notes.append(f"{label}: stopped when its time budget ran out ({cap:.0f} s: {how}; "
-                                                f"--budget {args.budget:g} s for the whole run)")
-            if bar is not None:
-                bar.update(1)
+                cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
             save()
     finally:
-        if bar is not None:
-            bar.close()
         cgroup.remove_all(groups)
-        remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     if args.record_times:
         record_times(graded)
-    summary = render(reports, args.verbose, workspace_notes, args.solution, integrity)
-    print(summary)
-    seconds = time.monotonic() - started
-    print(f"\ngraded {len(reports)} day(s) in {seconds:.0f} s")
+    print(render(reports, args.verbose, notes, args.solution, integrity))
+    print(f"\ngraded {len(reports)} day(s) in {time.monotonic() - started:.0f} s")
     if json_path is not None:
         print(f"wrote {json_path}")
     return GRADER_FAILED if any(r.problems for r in reports) else 0

@@ -163,8 +163,12 @@ TESTS = {
         import pytest
         from tests.harness import solution
 
-        def test_task_1_add():
-            assert solution(1, 1).alpha.add(1, 2) == 3
+        @pytest.fixture(scope="module")
+        def alpha():  # held across tests: after a worker breaks, the next test must get it built afresh
+            return solution(1, 1).alpha
+
+        def test_task_1_add(alpha):
+            assert alpha.add(1, 2) == 3
 
         @pytest.mark.parametrize("a", [0, 1, 2])
         def test_task_1_add_cases(a):
@@ -179,8 +183,8 @@ TESTS = {
         def test_task_3_crash():
             assert solution(1, 1).alpha.crash() == 0
 
-        def test_task_1_runs_after_the_crash():
-            assert solution(1, 1).alpha.add(2, 2) == 4
+        def test_task_1_runs_after_the_crash(alpha):
+            assert alpha.add(2, 2) == 4
     ''',
     "test_week_1_day_2.py": '''
         from tests.harness import solution
@@ -620,7 +624,8 @@ ATTACK_FILES = {
     "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
     "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
     # issue 31: the bounds around the sandbox
-    "scan_crash": "src/tiny_llm/nested.py", "ansi_table": None, "carriage_return": None,
+    "scan_crash": None,  # the scan walks the tree without recursion: the file is read whole, nothing to flag
+    "ansi_table": None, "carriage_return": None,
     "zombie_parent": "src/tiny_llm/basics.py", "fork_bomb": "src/tiny_llm/basics.py",
     "outlives_day": "src/tiny_llm/basics.py",
 }
@@ -871,7 +876,8 @@ def test_grade_untouched_skeleton_scores_zero(tmp_path):
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_the_sandbox_confines_the_submission(tmp_path):
     """What the worker can see and do, asked from inside: nobody, no network, no answers, no grader, own /proc."""
-    from course.remote import RemoteGone
+    import os
+
     from course.sandbox import Worker, prepare_root
 
     package = tmp_path / "package"
@@ -931,11 +937,9 @@ def test_the_sandbox_confines_the_submission(tmp_path):
         worker.stop()
     for hide in (False, True):
         worker = Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None)
-        try:  # a cgroup refuses the forks past the limit; without one, a watchdog stops the worker
+        try:  # a cgroup refuses the forks past its pids.max, RLIMIT_NPROC past a user's share; root has neither
             forked = worker.endpoint.request("getattr", 0, "probe").fork_bomb(hide)
-            assert worker.group is not None and forked < sandbox.MAX_TASKS, forked
-        except RemoteGone as gone:
-            assert worker.group is None and "processes" in str(gone)
+            assert forked < sandbox.MAX_TASKS or (worker.group is None and os.getuid() == 0), forked
         finally:
             worker.stop()
     assert (seen["uid"], seen["gid"]) == (65534, 65534)
@@ -1376,3 +1380,26 @@ def test_a_tasks_sandbox_root_hides_that_tasks_answer_only(tmp_path):
     assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" in task_copy, "Task 5 is the reference's there"
     assert "self.scheduler.roll_back(seq, chunk.start + len(accepted))" not in day_copy and day_copy.count(hidden) >= 5
     assert [p.name for p in tmp_path.iterdir()].count("sandbox-4.1-task2") == 1 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_time_limit_never_fires_while_pytest_writes_a_report(tmp_path):
+    """The judge runs once per day: a per-test limit that fired while pytest built a failure's report (slow on a loaded
+    machine) stopped the whole process (INTERNALERROR), and every test after it went unrun. The clock now stops
+    between a test's phases (course/pytest_events.py)."""
+    from course.isolated_pytest import child_env, run_test_file
+
+    (tmp_path / "conftest.py").write_text(textwrap.dedent('''
+        import time
+        import pytest
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(item, call):
+            if call.when == "call" and call.excinfo is not None:
+                time.sleep(1.5)  # a report slower than the test's limit, as on a loaded machine
+            yield
+    '''))
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_fails():\n    time.sleep(0.5)\n    assert False\n\n"
+                                           "def test_after():\n    pass\n")
+    run = run_test_file("test_slow.py", tmp_path, child_env("ref", (str(REPO_ROOT),)), timeout=1)
+    assert {nodeid: result.outcome for nodeid, result in run.results.items()} == {
+        "test_slow.py::test_fails": "failed", "test_slow.py::test_after": "passed"}, run.results
