@@ -4,7 +4,9 @@ The parent side:
 - `launch_command(...)` is the one place an `mlx.launch --backend ring` command line is written, for
   N ranks of this machine or for the hosts of a hostfile (`read_hostfile` checks one first);
 - `launch(...)` (tests, benchmarks) runs it in a process group of its own, waits at most `timeout`
-  seconds, and then kills the whole group, whatever happened: no rank outlives the call;
+  seconds, and then kills the whole group, whatever happened: no rank outlives the call; a test's launch
+  names whose code its ranks run (`code`, a `selector.Choice`: the student's Task N alone, day or stack),
+  which they read with `launched_code()` (tests/harness.py's `launched()`);
 - `LaunchWatch` reads `mlx.launch`'s output as it goes (serve): `mlx.launch` stops the other ranks
   when one exits with an error, but its own exit status stays 0, so the watch finds the first rank
   it reported failing, and that rank's last line, to make the failure one line and a non-zero status.
@@ -31,7 +33,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from course.selector import Choice
+
 RESULT_NAME = "rank{rank}.json"
+CODE_VARIABLE = "TINY_LLM_RANK_CODE"  # whose code a rank program runs: a `selector.Choice` as text ("4 3 task2")
 GROUP_EXIT_WAIT = 5.0  # seconds
 RANK_TAG = "[rank {rank}] "  # the start of every stderr line of a rank (after `join()`)
 TAGGED_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
@@ -139,23 +144,29 @@ def _port_is_free(port: int) -> bool:
 
 
 def launch(program: list[str], world_size: int, out_dir: Path, timeout: float, env: dict | None = None,
-           hostfile: str | None = None, threads_per_rank: int | None = 1) -> RankRun:
+           hostfile: str | None = None, threads_per_rank: int | None = 1, code: Choice | None = None) -> RankRun:
     """Run `program` (an executable and its arguments) on `world_size` local ranks, or on `hostfile`'s hosts.
 
     With a hostfile, launch from its first host: rank 0 writes its result there.
 
-    The ranks find `out_dir` in `TINY_LLM_RANK_DIR`. `threads_per_rank` caps each rank's BLAS threads
-    (two ranks on two cores with two threads each would fight over them); None leaves them alone.
+    The ranks find `out_dir` in `TINY_LLM_RANK_DIR`, and `code`, whose code they run (a test's: the student's
+    Task N alone, their day or their stack), in `CODE_VARIABLE` (`launched_code()`); while grading, it also
+    decides which sandbox root their workers see. `threads_per_rank` caps each rank's BLAS threads (two ranks
+    on two cores with two threads each would fight over them); None leaves them alone.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     # The ranks import what this process imports (pytest, for one, sets its import paths in sys.path only).
     import_paths = os.pathsep.join(path for path in sys.path if path)
     rank_env = {**(env or {}), "TINY_LLM_RANK_DIR": str(out_dir), "PYTHONPATH": import_paths}
+    if code is not None:
+        rank_env[CODE_VARIABLE] = str(code)
     if threads_per_rank is not None:
         for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             rank_env[name] = str(threads_per_rank)
     if _grading() and not hostfile:
-        return _launch_sandboxed(program, world_size, out_dir, timeout, rank_env, threads_per_rank)
+        if code is None:
+            raise ValueError("a launch while grading names the code its ranks run (code=Choice(...))")
+        return _launch_sandboxed(program, world_size, out_dir, timeout, rank_env, threads_per_rank, code)
     if world_size == 1 and not hostfile:
         command = program  # one rank needs no launcher (mlx.launch would hand it an empty hostfile)
     else:
@@ -185,7 +196,7 @@ def _grading() -> bool:
 
 
 def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeout: float, rank_env: dict,
-                      threads_per_rank: int | None) -> RankRun:
+                      threads_per_rank: int | None, code: Choice) -> RankRun:
     """`launch` while grading: the student's code of every rank runs in one sandbox (course/sandbox.py), its
     workers in an `mx.distributed` ring on the sandbox's own loopback; the rank programs run here, outside,
     each reaching its rank's worker through a pipe (`solution(...)`, `join()`), so every check a rank
@@ -193,7 +204,7 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
     reported in mlx.launch's words ("Node with rank R exited with code C")."""
     from course import sandbox
 
-    ring = sandbox.start_ranks(world_size, threads_per_rank)
+    ring = _start_ring(world_size, threads_per_rank, code)
     import_paths = os.pathsep.join(path for path in sys.path if path)
     ranks, timed_out = [], False
     with tempfile.TemporaryFile() as log:
@@ -228,6 +239,20 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
         output = log.read().decode(errors="replace") + ring.output_tail()
         ring.remove_log()
     return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
+
+
+def _start_ring(world_size: int, threads_per_rank: int | None, code: Choice):
+    """The sandbox of a graded launch (`sandbox.start_ranks`' ring), on the root `code` needs: Task N's own root
+    (the reference without Task N's bodies alone, `sandbox.task_root`) for Task N's code, so its ranks can run
+    the day's other tasks of the reference and still never call Task N's answer; the day's root otherwise."""
+    from course import sandbox
+
+    root = Path(os.environ[sandbox.SANDBOX_ROOT_VARIABLE])
+    if code.task is not None:
+        root = sandbox.task_root(root, code.week, code.day, code.task)
+    cpu, memory = (os.environ.get(sandbox.LIMITS_VARIABLE, ",").split(",") + [""])[:2]
+    return sandbox.Worker(root, code.week, code.day, "ranks", float(cpu or 0) or None, int(memory or 0) or None,
+                          ranks=world_size, threads_per_rank=threads_per_rank)
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -294,6 +319,15 @@ class LaunchWatch:
 
 
 # ---------------------------------------------------------------------------------------- rank side
+
+
+def launched_code() -> Choice:
+    """In a rank program: whose code to run, as its launch named it (`launch(..., code=...)`)."""
+    text = os.environ.get(CODE_VARIABLE)
+    if not text:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: no code to run ({CODE_VARIABLE} is unset); "
+                         "start the ranks with course.ranks.launch(..., code=Choice(...))")
+    return Choice.parse(text)
 
 
 def join():

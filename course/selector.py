@@ -20,6 +20,9 @@ the student's files with some functions and methods swapped for the reference's:
 - `for_command("student", strict=True)`: the student's package as it is (`tiny_llm`).
 - `reference()`: `tiny_llm_ref`.
 
+`Choice(W, D, kind)` names one of the first three as data ("4 3 task2"), for a process that must build the
+same selection (a rank program of days 4.3 and 4.4, started by `course.ranks.launch`).
+
 A swapped-in reference function runs in the student's module (same globals), so it calls the
 student's other functions, and the student's functions call it. Which function belongs to which task
 is kept in `course/tasks.json`, written with the skeleton by `pdm run python -m maint.make_skeleton`,
@@ -329,6 +332,42 @@ def for_stack(week: int, day: int) -> Selection:
     return _selection_for_days(f"tiny_llm_stack_week{week}_day{day}", days,
                                lambda task, written: task.day_key == (week, day) or
                                (start <= task.day_key < (week, day) and written))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which of the selections above runs, as data another process can be handed (a rank program gets it from
+    `course.ranks.launch`): `kind` "day" (`for_day`), "taskN" (`for_task`, Task N alone) or "stack" (`for_stack`)
+    of day W.D. Written as text, "4 3 task2"; `course/sandbox.py`'s workers are named by the same three parts."""
+
+    week: int
+    day: int
+    kind: str = "day"
+
+    def __post_init__(self):
+        if self.kind not in ("day", "stack") and not re.fullmatch(r"task[1-9]\d*", self.kind):
+            raise ValueError(f"a choice's kind is 'day', 'stack' or 'taskN', not {self.kind!r}")
+
+    @property
+    def task(self) -> int | None:
+        """N for "taskN", else None."""
+        return int(self.kind.removeprefix("task")) if self.kind.startswith("task") else None
+
+    def __str__(self) -> str:
+        return f"{self.week} {self.day} {self.kind}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Choice":
+        week, day, kind = text.split()
+        return cls(int(week), int(day), kind)
+
+    def select(self) -> "Selection":
+        """The selection itself, built in this process."""
+        if self.kind == "stack":
+            return for_stack(self.week, self.day)
+        if self.task is not None:
+            return for_task(self.week, self.day, self.task)
+        return for_day(self.week, self.day)
 
 
 def _selection_for_days(name: str, days: list[tuple[int, int]], students) -> Selection:

@@ -313,6 +313,9 @@ MUTATIONS = [
         ("quantized_kv", "quantize(x.reshape(tokens * heads, head_dim), group_size, bits)",
          "quantize(x.reshape(tokens * heads, head_dim), head_dim, bits)"),), week=4),
     # Day 4.3: sharding.
+    Mutation("tp-split-interleaved", "a column-parallel split keeps every N-th row, not a contiguous block", (3,), (
+        ("tensor_parallel", "    share = weight.shape[0] // world_size\n    return weight[rank * share : (rank + 1) * share]\n",
+         "    return weight[rank::world_size]\n"),), week=4),
     Mutation("tp-second-matmuls-split-by-outputs", "o_proj and down_proj split by outputs, like q/k/v and gate/up",
              (3,), (
         ("tensor_parallel", "            own_copy(split_inputs(mlp.w_down, rank, world_size)),\n",
@@ -325,6 +328,9 @@ MUTATIONS = [
     Mutation("tp-kv-heads-not-divided", "the model's KV pool keeps every KV head on every rank", (3,), (
         ("tensor_parallel", "        self.num_kv_heads //= group.size()\n", ""),), week=4),
     # Day 4.4: the engine across ranks.
+    Mutation("plan-table-before-tokens", "a chunk's block table written before its token ids", (4,), (
+        ("distributed_engine", "        message += chunk.token_ids\n        message += table\n",
+         "        message += table\n        message += chunk.token_ids\n"),), week=4),
     Mutation("plan-not-broadcast", "rank 0 runs its own plan and never sends it", (4,), (
         ("distributed_engine", "        received = decode_plan(self.exchange(encode_plan(plan, self.capacity)))\n",
          "        received = plan\n"),), week=4),

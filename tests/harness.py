@@ -4,6 +4,7 @@
     mine = solution(week=4, day=1, task=4)  # Task 4's tests: the student's Task 4, every other task the reference's
     ref = reference()               # always the reference: oracles and collaborators
     mine = stack(week=3, day=2)     # "your stack so far": days 3.1 and 3.2 of the student's, together
+    sol = launched()                # in a rank program: the code its launch names (`RankLaunches`)
 
 Against the reference (TINY_LLM_SOLUTION=ref), `solution(...)` is simply `tiny_llm_ref`.
 
@@ -25,8 +26,10 @@ for `isinstance`.
 """
 
 import os
+import tempfile
+from pathlib import Path
 
-from course import sandbox, selector
+from course import ranks, sandbox, selector
 from course.remote import fetch
 
 
@@ -61,18 +64,56 @@ def reference() -> selector.Selection:
 def solution(week: int, day: int, task: int | None = None) -> selector.Selection:
     """The code under test for one day: the student's code for that day's tasks (or for Task `task` alone), or
     the reference."""
-    if solution_name() == "ref":
-        return reference()
-    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the day's package runs in the sandbox
-        return sandbox.RemoteSelection(week, day, kind="day" if task is None else f"task{task}")
-    return selector.for_day(week, day) if task is None else selector.for_task(week, day, task)
+    return chosen(selector.Choice(week, day, "day" if task is None else f"task{task}"))
 
 
 def stack(week: int, day: int) -> selector.Selection:
     """The engine a student serves with, for day W.D's "your stack so far" tests: their code for that day
     and every earlier day of week W they have written (the reference for the rest), or the reference."""
+    return chosen(selector.Choice(week, day, "stack"))
+
+
+def chosen(choice: selector.Choice) -> selector.Selection:
+    """The code `choice` names (`solution` and `stack` above, as data): the reference when testing it; while
+    grading, the package in its sandboxed worker; otherwise the selector's package, built here."""
     if solution_name() == "ref":
         return reference()
-    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the student's week runs in the sandbox
-        return sandbox.RemoteSelection(week, day, kind="stack")
-    return selector.for_stack(week, day)
+    if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the package runs in the sandbox
+        return sandbox.RemoteSelection(choice.week, choice.day, kind=choice.kind)
+    return choice.select()
+
+
+def launched() -> selector.Selection:
+    """In a rank program: the code its launch names (`course.ranks.launch(..., code=...)`), got as the tests get it."""
+    return chosen(ranks.launched_code())
+
+
+class RankLaunches:
+    """A test module's launches of one rank program on `world` ranks: one per code under test, started when a
+    test first asks for it (`run("task2")`), each making the checks `checks[kind]` names (passed as `--checks`).
+
+    So Task N's checks on several ranks run the student's Task N alone, as its tests in this process do, and
+    the stack's run the student's stack. Against the reference every code is the same: one launch makes
+    every check.
+    """
+
+    def __init__(self, program: list[str], week: int, day: int, checks: dict[str, list[str]], world: int,
+                 timeout: float):
+        self.program, self.week, self.day, self.checks = program, week, day, checks
+        self.world, self.timeout = world, timeout
+        self.runs: dict[str, ranks.RankRun] = {}
+
+    def run(self, kind: str) -> ranks.RankRun:
+        """The launch of `kind`'s code, made now or earlier (by another test)."""
+        key = "reference" if solution_name() == "ref" else kind
+        if key not in self.runs:
+            every = [name for names in self.checks.values() for name in names]
+            with tempfile.TemporaryDirectory() as out_dir:
+                self.runs[key] = self.launch(kind, every if key == "reference" else self.checks[kind], Path(out_dir))
+        return self.runs[key]
+
+    def launch(self, kind: str, checks: list[str], out_dir: Path, *args: str) -> ranks.RankRun:
+        """A launch of its own: `kind`'s code making `checks`, results in `out_dir`; `args` go to the program too
+        (a rank told to die)."""
+        return ranks.launch([*self.program, "--checks", ",".join(checks), *args], self.world, out_dir,
+                            timeout=self.timeout, code=selector.Choice(self.week, self.day, kind))

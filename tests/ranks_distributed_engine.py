@@ -1,17 +1,19 @@
-"""What each rank runs for day 4.4's tests: `python -m tests.ranks_distributed_engine [--die-rank R]` under mlx.launch.
+"""What each rank runs for day 4.4's tests: `python -m tests.ranks_distributed_engine --checks NAMES [--die-rank R]`
+under mlx.launch (tests/harness.py's `RankLaunches`).
 
-Every rank builds day 4.3's sharded model of the embedded checkpoint and the code under test the way
-the tests do (`solution(4, 4)`). Rank 0 runs week 3's engine across the ranks (`TensorParallelEngine`)
-over PROMPTS, then shuts it down; every other rank follows its plans (`follow_engine(...).follow()`).
+Every rank builds the code its launch names the way the tests do (`launched()`: the student's Task 3
+alone for "engine", their stack so far for "stack"), and with it day 4.3's sharded model.
+"engine": rank 0 runs week 3's engine across the ranks (`TensorParallelEngine`) over PROMPTS on the
+embedded checkpoint, then shuts it down; every other rank follows its plans (`follow_engine(...).follow()`).
 Each rank writes what it saw to `rank<r>.json` (course/ranks.py): rank 0 its outputs and the
 oracles' (the single-process week-3 engine of the reference on the whole model, and mlx-lm's model
 recomputing every token), every rank the steps it ran, how often it sampled and its pool's shape.
-Then "your stack so far" (`stack(4, 4)`: the student's week-3 engine, day-4.3 shards and day-4.4
-distribution together) serves week 3's pressure and seeded-sampling workloads (tests/week3_stack.py)
-on the sharded tiny model: rank 0 runs `TensorParallelEngine`, the others follow, one engine per
-workload; its record is added after the day's is written, so a stack that breaks the ranks cannot
-take the day's results with it. With `--die-rank R`, rank R exits after its first step (and nothing
-else runs): rank 0 must then fail with `RankLost`, not wait.
+"stack", your stack so far (the student's week-3 engine, day-4.3 shards and day-4.4 distribution
+together), serves week 3's pressure and seeded-sampling workloads (tests/week3_stack.py) on the
+sharded tiny model: rank 0 runs `TensorParallelEngine`, the others follow, one engine per workload;
+its record is added after the engine's is written, so a stack that breaks the ranks cannot take the
+other results of the same launch with it. With `--die-rank R`, rank R exits after its first step (and
+nothing else runs): rank 0 must then fail with `RankLost`, not wait.
 """
 
 from course import fast_mlx
@@ -28,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
 from tests import week3_stack  # noqa: E402
-from tests.harness import reference, solution, stack  # noqa: E402
+from tests.harness import launched, reference  # noqa: E402
 
 # Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
 # chunks share steps, and the pool is small enough that the run preempts and recomputes.
@@ -160,39 +162,51 @@ def follow_stack(package, model) -> dict:
     return {"steps": steps, "sample_calls": sample_calls, "pool_kv_heads": runner.pool.keys[0].shape[1]}
 
 
-def run_stack(group) -> dict:
-    package = stack(4, 4)
+def run_stack(package, group) -> dict:
     model = package.tensor_parallel.Qwen2TensorParallel(week3_stack.tiny_mlx_model(), group)
     return lead_stack(package, model) if group.rank() == 0 else follow_stack(package, model)
 
 
+CHECKS = ("engine", "stack")  # what --checks may name, in the order they run
+
+
+def run_engine_checks(sol, group, die_rank) -> dict:
+    """"engine": rank 0 leads PROMPTS through the ranks, the others follow."""
+    mlx_model, tokenizer = load_model("embedded")
+    model = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
+    if group.rank() == 0:
+        return lead(sol, model, tokenizer, mlx_model, die_rank)
+    return follow(sol, model, group.rank() == die_rank)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--checks", required=True, type=lambda text: text.split(","),
+                        help=f"comma-separated, of {', '.join(CHECKS)}")
     parser.add_argument("--die-rank", type=int, default=None)
     args = parser.parse_args()
+    if set(args.checks) - set(CHECKS):
+        parser.error(f"unknown checks {sorted(set(args.checks) - set(CHECKS))}; known: {', '.join(CHECKS)}")
     group = ranks.join()
-    sol = solution(4, 4)
+    sol = launched()
     if args.die_rank is not None and group.rank() != args.die_rank:
         # mlx.launch terminates the other ranks when one fails: ignore it here, so that what is tested is
         # this rank's own reaction to the lost peer (the launch's timeout still bounds the run).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    mlx_model, tokenizer = load_model("embedded")
-    result = {}
+    result, running = {}, "engine"
     try:
-        model = sol.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
-        if group.rank() == 0:
-            result = lead(sol, model, tokenizer, mlx_model, args.die_rank)
-        else:
-            result = follow(sol, model, group.rank() == args.die_rank)
-        ranks.write_result(group.rank(), result)
-        if args.die_rank is None:
-            ranks.write_result(group.rank(), {**result, "stack": run_stack(group)})
+        if "engine" in args.checks:
+            result = run_engine_checks(sol, group, args.die_rank)
+            ranks.write_result(group.rank(), result)
+        running = "stack"
+        if "stack" in args.checks and args.die_rank is None:
+            ranks.write_result(group.rank(), {**result, "stack": run_stack(sol, group)})
     except Exception as error:  # noqa: BLE001 - the student's code may raise anything; the test reports it
-        # Recorded for the day's part or, once that is written, for the stack's; then the launch ends
-        # (the other ranks may wait for this one in a collective).
+        # Recorded for the part that raised (the stack's beside the engine's, once that is written); then the
+        # launch ends (the other ranks may wait for this one in a collective).
         record = ({"not_implemented": str(error)} if isinstance(error, NotImplementedError)
                   else {"error": "".join(traceback.format_exception_only(error)).strip()})
-        ranks.write_result(group.rank(), {**result, "stack": record} if result else record)
+        ranks.write_result(group.rank(), {**result, "stack": record} if running == "stack" else record)
         os._exit(1)
 
 

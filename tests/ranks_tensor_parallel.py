@@ -1,13 +1,14 @@
-"""What each rank runs for day 4.3's tests: `python -m tests.ranks_tensor_parallel [--die-rank R]` under mlx.launch.
+"""What each rank runs for day 4.3's tests: `python -m tests.ranks_tensor_parallel --checks NAMES [--die-rank R]`
+under mlx.launch (tests/harness.py's `RankLaunches`).
 
-Every rank builds the code under test the way the tests do (`solution(4, 3)`: the student's code
-for day 4.3's tasks), runs the checks below on the embedded model, and writes what it saw to
-`rank<r>.json` (course/ranks.py). The oracle is mlx-lm's own Qwen2 on the same weights, run whole in
-each rank. A check that raises is recorded, not fatal, so one unwritten task does not hide another.
-Then "your stack so far" (`stack(4, 3)`: the student's week-3 engine and model with their day-4.3
-shards): week 3's workloads (tests/week3_stack.py) on the sharded tiny model, every rank running the
-same engine in step; its record is written after the others', so a stack that breaks the ranks
-cannot take the day's checks with it.
+Every rank builds the code its launch names the way the tests do (`launched()`: the student's Task N
+alone for Task N's checks, their stack so far for the stack's), makes the checks named (`CHECKS`) on
+the embedded model, and writes what it saw to `rank<r>.json` (course/ranks.py). The oracle is mlx-lm's
+own Qwen2 on the same weights, run whole in each rank. A check that raises is recorded, not fatal, so
+one unwritten task does not hide another. "stack", your stack so far (the student's week-3 engine and
+model with their day-4.3 shards), runs week 3's workloads (tests/week3_stack.py) on the sharded tiny
+model, every rank running the same engine in step; its record is written after the others', so a stack
+that breaks the ranks cannot take other checks of the same launch with it.
 With `--die-rank R`, rank R exits just before the tensor-parallel model's first forward pass: the
 others must then fail, not wait forever.
 """
@@ -27,7 +28,7 @@ import pytest  # noqa: E402
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
 from tests import week3_stack  # noqa: E402
-from tests.harness import solution, stack  # noqa: E402
+from tests.harness import launched  # noqa: E402
 
 TOKENS = 12  # rows of the prefill the checks run
 GREEDY_PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 7, 300, 9001, 17, 5], [151000, 12]]
@@ -161,23 +162,37 @@ def attempt(check, *args) -> dict:
         return {"error": "".join(traceback.format_exception_only(error)).strip()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--die-rank", type=int, default=None)
-    args = parser.parse_args()
-    group = ranks.join()
-    sol = solution(4, 3)
+TASK_CHECKS = ("mlp", "attention", "model")  # Tasks 2, 3 and 4's, in the order they run
+CHECKS = (*TASK_CHECKS, "stack")  # what --checks may name
+
+
+def task_checks(sol, group, names: list[str], die_rank: int | None) -> dict:
+    """The checks of TASK_CHECKS among `names`, on the embedded model: name -> what the rank saw."""
     mlx_model, tokenizer = load_model("embedded")
     full = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
+    arguments = {"mlp": (check_mlp, sol, group, full, mlx_model),
+                 "attention": (check_attention, sol, group, full, mlx_model),
+                 "model": (check_model, sol, group, full, mlx_model, tokenizer, die_rank)}
+    return {name: attempt(*arguments[name]) for name in TASK_CHECKS if name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checks", required=True, type=lambda text: text.split(","),
+                        help=f"comma-separated, of {', '.join(CHECKS)}")
+    parser.add_argument("--die-rank", type=int, default=None)
+    args = parser.parse_args()
+    if set(args.checks) - set(CHECKS):
+        parser.error(f"unknown checks {sorted(set(args.checks) - set(CHECKS))}; known: {', '.join(CHECKS)}")
+    group = ranks.join()
+    sol = launched()
+    result = {}
     try:
-        result = {
-            "mlp": attempt(check_mlp, sol, group, full, mlx_model),
-            "attention": attempt(check_attention, sol, group, full, mlx_model),
-            "model": attempt(check_model, sol, group, full, mlx_model, tokenizer, args.die_rank),
-        }
-        ranks.write_result(group.rank(), result)
-        if args.die_rank is None:
-            ranks.write_result(group.rank(), {**result, "stack": attempt(check_stack, stack(4, 3), group)})
+        if set(args.checks) & set(TASK_CHECKS):
+            result = task_checks(sol, group, args.checks, args.die_rank)
+            ranks.write_result(group.rank(), result)
+        if "stack" in args.checks and args.die_rank is None:
+            ranks.write_result(group.rank(), {**result, "stack": attempt(check_stack, sol, group)})
     except RuntimeError as error:
         raise SystemExit(f"rank {group.rank()}: lost a peer in a collective: {error}") from None
 

@@ -7,16 +7,21 @@ partial products add up to the full one). Two kinds of test:
 - in this process, with a stand-in group that only answers rank() and size(): what each rank keeps,
   and each rank's output under a simulated all_sum (its argument plus the other ranks' partials,
   computed beforehand from their local parts), which must be the whole layer's output;
-- across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
-  for the module runs tests/ranks_tensor_parallel.py in each rank, which builds the code under test
-  as these tests do (`solution(4, 3)`), and then your stack so far (`stack(4, 3)`: your week-3 engine
-  and model, sharded by your day-4.3 code) on week 3's workloads; a second launch kills a rank on purpose.
+- across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): each rank runs
+  tests/ranks_tensor_parallel.py, which builds the code its launch names as these tests do; one launch
+  per task (`LAUNCHES`, made when its first test runs), and one for your stack so far (your week-3
+  engine and model, sharded by your day-4.3 code) on week 3's workloads; another kills a rank on purpose.
+
+Each task's tests, in this process and on the ranks, take your code for that task alone
+(`solution(week=4, day=3, task=N)`: the reference's for the day's other tasks), so a bug in one task
+never costs another its points; your stack so far runs all of your code together.
 
 Tolerance: float32 sums taken in another order (each rank sums half the features, then all_sum adds
 the halves), so |got - mlx-lm| <= 1e-4 + 1e-5 x the largest |value| of mlx-lm's output.
 """
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -26,17 +31,19 @@ import mlx.core as mx
 import pytest
 
 from course import ranks
-from tests.harness import solution
+from tests.harness import RankLaunches, solution
 from tests.ranks_tensor_parallel import DIED, TOKENS, prefill, rope_angles
 from tests.week4_stack import two_rank_stack_records
 
-sol = solution(week=4, day=3)
+TASKS = {n: solution(week=4, day=3, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
 
 WORLD = 2
 # Seconds for both ranks to start, load the embedded model and run every check: about 10 on two idle
 # cores, and under the grader's 60 s per test; a machine shared with other work may need more.
 LAUNCH_TIMEOUT = float(os.environ.get("TINY_LLM_RANKS_TIMEOUT", "55"))
 RANKS_PROGRAM = [sys.executable, "-m", "tests.ranks_tensor_parallel"]
+# Each launch: whose code its ranks run (tests/harness.py's RankLaunches), and the checks they make with it.
+LAUNCHES = {"task2": ["mlp"], "task3": ["attention"], "task4": ["model"], "stack": ["stack"]}
 
 
 class StandInGroup:
@@ -53,13 +60,14 @@ class StandInGroup:
 
 
 @contextlib.contextmanager
-def simulated_all_sum(partials: list[mx.array]):
-    """`mx.distributed.all_sum` as rank r of a stand-in group sees it: its own argument plus the other ranks' partials.
+def simulated_all_sum(package, partials: list[mx.array]):
+    """`mx.distributed.all_sum` as rank r of a stand-in group sees it, for `package`'s code: its own argument plus
+    the other ranks' partials.
 
     With `partials[r]` what rank r's local part computes, a rank that all_sums its partial gets the full
     output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage.
     """
-    distributed = sol.tensor_parallel.mx.distributed  # where the code under test runs (while grading, its sandbox)
+    distributed = package.tensor_parallel.mx.distributed  # where the code under test runs (while grading, its sandbox)
     real = distributed.all_sum
 
     def all_sum(x, *args, group=None, **kwargs):
@@ -81,17 +89,20 @@ def assert_close(got: mx.array, expected: mx.array, what: str):
 
 @pytest.fixture(scope="module")
 def week3(model32):
-    """(unsharded week-3 model, mlx-lm model) on the embedded weights, float32."""
+    """`week3(N)`: (unsharded week-3 model, built by Task N's package; mlx-lm model), on the embedded weights, float32."""
     mlx_model, _ = model32
-    return sol.qwen2_week3.Qwen2ModelWeek3(mlx_model), mlx_model
+
+    @functools.cache
+    def of_task(task: int):
+        return TASKS[task].qwen2_week3.Qwen2ModelWeek3(mlx_model), mlx_model
+
+    return of_task
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """Each rank's checks from one two-rank launch (tests/ranks_tensor_parallel.py)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        run = ranks.launch(RANKS_PROGRAM, WORLD, Path(out_dir), timeout=LAUNCH_TIMEOUT)
-    return run
+    """The module's two-rank launches (tests/ranks_tensor_parallel.py), each made when a test first needs it."""
+    return RankLaunches(RANKS_PROGRAM, 4, 3, LAUNCHES, WORLD, LAUNCH_TIMEOUT)
 
 
 def rank_checks(run: ranks.RankRun, name: str) -> list[dict]:
@@ -121,14 +132,14 @@ def assert_rank_close(record: dict, what: str):
 def test_task_1_split_outputs_keeps_a_block_of_rows(world):
     w = mx.random.normal((8, 6), key=mx.random.key(0))
     x = mx.random.normal((3, 6), key=mx.random.key(1))
-    shards = [sol.tensor_parallel.split_outputs(w, rank, world) for rank in range(world)]
+    shards = [TASKS[1].tensor_parallel.split_outputs(w, rank, world) for rank in range(world)]
     assert all(s.shape == (8 // world, 6) for s in shards), [s.shape for s in shards]
     assert mx.array_equal(mx.concatenate(shards, axis=0), w), "the ranks' rows, in rank order, must be the weight"
     # Column-parallel: each rank computes its own block of the outputs, in full.
     for rank, shard in enumerate(shards):
         assert mx.allclose(x @ shard.T, (x @ w.T)[:, rank * 8 // world : (rank + 1) * 8 // world], atol=1e-5)
     bias = mx.arange(8)
-    assert mx.array_equal(sol.tensor_parallel.split_outputs(bias, world - 1, world), bias[8 - 8 // world :])
+    assert mx.array_equal(TASKS[1].tensor_parallel.split_outputs(bias, world - 1, world), bias[8 - 8 // world :])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -138,7 +149,7 @@ def test_task_1_split_inputs_partial_products_add_up(world):
     share = 6 // world
     total = mx.zeros((3, 4))
     for rank in range(world):
-        shard = sol.tensor_parallel.split_inputs(w, rank, world)
+        shard = TASKS[1].tensor_parallel.split_inputs(w, rank, world)
         assert shard.shape == (4, share), f"rank {rank} keeps {shard.shape}, expected (4, {share})"
         # Row-parallel: the rank sees only its block of the input features; its product is a partial sum.
         total = total + x[:, rank * share : (rank + 1) * share] @ shard.T
@@ -148,19 +159,19 @@ def test_task_1_split_inputs_partial_products_add_up(world):
 def test_task_1_uneven_split_is_refused():
     w = mx.zeros((6, 10))
     with pytest.raises(ValueError, match="divide"):
-        sol.tensor_parallel.split_outputs(w, 0, 4)
+        TASKS[1].tensor_parallel.split_outputs(w, 0, 4)
     with pytest.raises(ValueError, match="divide"):
-        sol.tensor_parallel.split_inputs(w, 0, 4)
+        TASKS[1].tensor_parallel.split_inputs(w, 0, 4)
 
 
 # ---------------------------------------------------------------- Task 2: the sharded MLP
 
 
 def test_task_2_mlp_shards_and_their_sum(week3):
-    full, mlx_model = week3
+    full, mlx_model = week3(2)
     mlp = full.layers[0].mlp
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(4))
-    shards = [sol.tensor_parallel.ShardedMLP(mlp, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    shards = [TASKS[2].tensor_parallel.ShardedMLP(mlp, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
     for rank, shard in enumerate(shards):
         local = shard.local
         assert local.w_gate.shape == local.w_up.shape == (full.args.intermediate_size // WORLD, full.args.hidden_size), (
@@ -169,13 +180,13 @@ def test_task_2_mlp_shards_and_their_sum(week3):
     held = sum(s.local.w_gate.nbytes + s.local.w_up.nbytes + s.local.w_down.nbytes for s in shards)
     assert held == mlp.w_gate.nbytes + mlp.w_up.nbytes + mlp.w_down.nbytes, "the ranks must hold each weight once"
     expected = mlx_model.model.layers[0].mlp(x)
-    with simulated_all_sum([s.local(x) for s in shards]):
+    with simulated_all_sum(TASKS[2], [s.local(x) for s in shards]):
         for rank, shard in enumerate(shards):
             assert_close(shard(x), expected, f"rank {rank}'s MLP output (its partial, all_summed)")
 
 
 def test_task_2_mlp_on_two_ranks_matches_mlx_lm(two_ranks):
-    for rank, record in enumerate(rank_checks(two_ranks, "mlp")):
+    for rank, record in enumerate(rank_checks(two_ranks.run("task2"), "mlp")):
         assert_rank_close(record, f"rank {rank}'s MLP output")
 
 
@@ -183,11 +194,11 @@ def test_task_2_mlp_on_two_ranks_matches_mlx_lm(two_ranks):
 
 
 def test_task_3_attention_divides_heads_and_kv_heads(week3):
-    full, mlx_model = week3
+    full, mlx_model = week3(3)
     attention = full.layers[0].self_attn  # 4 query heads, 2 KV heads
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(5))
     cos, sin = rope_angles(full, mx.arange(TOKENS))
-    shards = [sol.tensor_parallel.ShardedAttention(attention, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    shards = [TASKS[3].tensor_parallel.ShardedAttention(attention, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
     for rank, shard in enumerate(shards):
         local = shard.local
         assert (local.num_heads, local.num_kv_heads) == (attention.num_heads // WORLD, attention.num_kv_heads // WORLD), (
@@ -199,20 +210,20 @@ def test_task_3_attention_divides_heads_and_kv_heads(week3):
         assert local.wo.shape == (full.args.hidden_size, attention.num_heads // WORLD * attention.head_dim)
 
     def run(shard, whole: bool):
-        pool = sol.block_manager.KvPool(1, 4, 16, shard.local.num_kv_heads, shard.local.head_dim, full.dtype)
+        pool = TASKS[3].block_manager.KvPool(1, 4, 16, shard.local.num_kv_heads, shard.local.head_dim, full.dtype)
         call = shard if whole else shard.local
-        return call(x, prefill(sol, list(range(TOKENS)), full.dtype), cos, sin, pool, 0)
+        return call(x, prefill(TASKS[3], list(range(TOKENS)), full.dtype), cos, sin, pool, 0)
 
     expected = mlx_model.model.layers[0].self_attn(x[None], mask="causal")[0]
-    with simulated_all_sum([run(shard, whole=False) for shard in shards]):
+    with simulated_all_sum(TASKS[3], [run(shard, whole=False) for shard in shards]):
         for rank, shard in enumerate(shards):
             assert_close(run(shard, whole=True), expected, f"rank {rank}'s attention output (its heads, all_summed)")
     with pytest.raises(ValueError, match="divide"):
-        sol.tensor_parallel.ShardedAttention(attention, StandInGroup(0, 4))  # 2 KV heads among 4 ranks
+        TASKS[3].tensor_parallel.ShardedAttention(attention, StandInGroup(0, 4))  # 2 KV heads among 4 ranks
 
 
 def test_task_3_attention_on_two_ranks_matches_mlx_lm(two_ranks):
-    for rank, record in enumerate(rank_checks(two_ranks, "attention")):
+    for rank, record in enumerate(rank_checks(two_ranks.run("task3"), "attention")):
         assert (record["heads"], record["kv_heads"]) == (2, 1), f"rank {rank}: {record['heads']} heads, {record['kv_heads']} KV heads"
         assert_rank_close(record, f"rank {rank}'s attention output")
 
@@ -221,13 +232,13 @@ def test_task_3_attention_on_two_ranks_matches_mlx_lm(two_ranks):
 
 
 def test_task_4_each_rank_holds_its_share_of_every_layer(week3):
-    full, mlx_model = week3
+    full, mlx_model = week3(4)
     replicated = full.embedding.weight.nbytes + full.norm.weight.nbytes + sum(
         b.input_layernorm.weight.nbytes + b.post_attention_layernorm.weight.nbytes for b in full.layers)
     layer_bytes = sum(a.nbytes for b in full.layers for a in (
         b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo, b.self_attn.bq, b.self_attn.bk,
         b.self_attn.bv, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down))
-    models = [sol.tensor_parallel.Qwen2TensorParallel(mlx_model, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    models = [TASKS[4].tensor_parallel.Qwen2TensorParallel(mlx_model, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
     for rank, tp in enumerate(models):
         assert tp.weight_bytes() == {"sharded": layer_bytes // WORLD, "replicated": replicated}, f"rank {rank}"
         pool = tp.make_kv_pool(2, 16)
@@ -235,35 +246,35 @@ def test_task_4_each_rank_holds_its_share_of_every_layer(week3):
     # Every layer's attention and MLP are sharded, and each rank's output all_summed, is mlx-lm's layer's.
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(6))
     cos, sin = rope_angles(full, mx.arange(TOKENS))
-    batch = prefill(sol, list(range(TOKENS)), full.dtype)
+    batch = prefill(TASKS[4], list(range(TOKENS)), full.dtype)
     pools = [tp.make_kv_pool(4, 16) for tp in models]
     for index, block in enumerate(mlx_model.model.layers):
         mlps = [tp.layers[index].mlp for tp in models]
-        with simulated_all_sum([mlp.local(x) for mlp in mlps]):
+        with simulated_all_sum(TASKS[4], [mlp.local(x) for mlp in mlps]):
             for rank, mlp in enumerate(mlps):
                 assert_close(mlp(x), block.mlp(x), f"rank {rank}'s layer {index} MLP")
         attentions = [tp.layers[index].self_attn for tp in models]
         partials = [a.local(x, batch, cos, sin, pool, index) for a, pool in zip(attentions, pools)]
         expected = block.self_attn(x[None], mask="causal")[0]
-        with simulated_all_sum(partials):
+        with simulated_all_sum(TASKS[4], partials):
             for rank, (attention, pool) in enumerate(zip(attentions, pools)):
                 assert_close(attention(x, batch, cos, sin, pool, index), expected, f"rank {rank}'s layer {index} attention")
 
 
 def test_task_4_logits_on_two_ranks_match_mlx_lm(two_ranks):
-    for rank, record in enumerate(rank_checks(two_ranks, "model")):
+    for rank, record in enumerate(rank_checks(two_ranks.run("task4"), "model")):
         assert_rank_close(record, f"rank {rank}'s logits")
         assert record["pool_kv_heads"] == record["model_kv_heads"] // WORLD, f"rank {rank}'s KV pool"
 
 
 def test_task_4_every_rank_holds_the_same_logits(two_ranks):
     # all_sum hands every rank the same bits, so every rank would sample the same token.
-    first, second = (record["logits_checksum"] for record in rank_checks(two_ranks, "model"))
+    first, second = (record["logits_checksum"] for record in rank_checks(two_ranks.run("task4"), "model"))
     assert first == second, f"rank 0's logits sum to {first}, rank 1's to {second}"
 
 
 def test_task_4_greedy_tokens_on_two_ranks_match_mlx_lm(two_ranks):
-    for rank, record in enumerate(rank_checks(two_ranks, "model")):
+    for rank, record in enumerate(rank_checks(two_ranks.run("task4"), "model")):
         greedy = record["greedy"]
         assert not greedy["unfinished"], f"rank {rank}: the engine did not finish within its step limit"
         assert greedy["got"] == greedy["expected"], f"rank {rank}: week 3's engine on the sharded model"
@@ -276,7 +287,7 @@ def test_task_5_your_stack_so_far_on_two_ranks(two_ranks):
     """Your week-3 engine and model, sharded by your day-4.3 code, on two ranks: week 3's workloads (refusals,
     preemptions, aborts, EOS, a failing model call, the adaptive budget, seeded sampling, prefix caching,
     priorities), every stream mlx-lm's for the request alone, every rank's pool back to full."""
-    for rank, record in enumerate(two_rank_stack_records(sol, "tensor_parallel", two_ranks)):
+    for rank, record in enumerate(two_rank_stack_records(TASKS[4], "tensor_parallel", two_ranks.run("stack"))):
         if record["failures"]:
             pytest.fail(f"rank {rank}: {record['failures']}", pytrace=False)
 
@@ -296,9 +307,9 @@ def rank_processes(out_dir: Path) -> list[int]:
     return alive
 
 
-def test_task_4_a_dead_rank_ends_the_run():
+def test_task_4_a_dead_rank_ends_the_run(two_ranks):
     with tempfile.TemporaryDirectory() as out_dir:
-        run = ranks.launch([*RANKS_PROGRAM, "--die-rank", "1"], WORLD, Path(out_dir), timeout=LAUNCH_TIMEOUT)
+        run = two_ranks.launch("task4", ["model"], Path(out_dir), "--die-rank", "1")
         if os.path.isdir("/proc"):
             assert rank_processes(Path(out_dir)) == [], "a rank outlived its launch"
     if run.results[0] is not None:  # rank 0 finished: it never met rank 1 in a collective

@@ -9,10 +9,14 @@ Two kinds of test:
   real engine run (with chunked prefills and preemptions); the engine on a group of one rank (the
   all_sum is then the message itself) against the single-process engine; a follower fed rank 0's
   messages, whose pool must end up the leader's;
-- across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): one launch
-  runs tests/ranks_distributed_engine.py with the day's code and then with your stack so far (your
-  week-3 engine, day-4.3 shards and day-4.4 code together, on week 3's workloads), and one kills
-  rank 1 after its first step.
+- across two real ranks, `mlx.launch -n 2 --backend ring` on loopback (course/ranks.py): each rank runs
+  tests/ranks_distributed_engine.py, which builds the code its launch names as these tests do; one launch
+  with Task 3's code, one with your stack so far (your week-3 engine, day-4.3 shards and day-4.4 code
+  together, on week 3's workloads), and one that kills rank 1 after its first step.
+
+Each task's tests, in this process and on the ranks, take your code for that task alone
+(`solution(week=4, day=4, task=N)`: the reference's for the day's other tasks), so a bug in one task
+never costs another its points; your stack so far runs all of your code together.
 """
 
 import os
@@ -24,11 +28,11 @@ import mlx.core as mx
 import pytest
 
 from course import ranks
-from tests.harness import reference, solution
+from tests.harness import RankLaunches, reference, solution
 from tests.ranks_distributed_engine import DIED, MAX_TOKENS, PROMPTS, engine_config, run_engine
 from tests.week4_stack import two_rank_stack_records
 
-sol = solution(week=4, day=4)
+TASKS = {n: solution(week=4, day=4, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
 ref = reference()
 
 WORLD = 2
@@ -37,6 +41,8 @@ WORLD = 2
 LAUNCH_TIMEOUT = float(os.environ.get("TINY_LLM_RANKS_TIMEOUT", "55"))
 RANKS_PROGRAM = [sys.executable, "-m", "tests.ranks_distributed_engine"]
 STEP_LIMIT = 200
+# Each launch: whose code its ranks run (tests/harness.py's RankLaunches), and the checks they make with it.
+LAUNCHES = {"task3": ["engine"], "stack": ["stack"]}
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +61,10 @@ def models(model32, one_rank):
             tokenizer)
 
 
-def launch(*args: str) -> ranks.RankRun:
-    with tempfile.TemporaryDirectory() as out_dir:
-        return ranks.launch([*RANKS_PROGRAM, *args], WORLD, Path(out_dir), timeout=LAUNCH_TIMEOUT)
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch()
+    """The module's two-rank launches (tests/ranks_distributed_engine.py), each made when a test first needs it."""
+    return RankLaunches(RANKS_PROGRAM, 4, 4, LAUNCHES, WORLD, LAUNCH_TIMEOUT)
 
 
 def rank_results(run: ranks.RankRun) -> list[dict]:
@@ -119,7 +121,7 @@ def capacity_of(engine) -> int:
 
 
 def test_task_1_layout_of_a_hand_made_plan():
-    message = sol.distributed_engine.encode_plan(hand_made_plan(), 30)
+    message = TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 30)
     assert message.dtype == mx.int32 and message.shape == (30,), f"{message.dtype}, {message.shape}"
     expected = [1, 1,  5, 1, 1, 2, 16, 3, 7,  0, 3, 0, 1, 21, 22, 23, 5]
     assert message.tolist() == expected + [0] * (30 - len(expected)), (
@@ -128,8 +130,8 @@ def test_task_1_layout_of_a_hand_made_plan():
 
 def test_task_1_a_plan_that_overflows_is_refused():
     with pytest.raises(ValueError):
-        sol.distributed_engine.encode_plan(hand_made_plan(), 16)
-    assert sol.distributed_engine.encode_plan(hand_made_plan(), 17).shape == (17,)
+        TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 16)
+    assert TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 17).shape == (17,)
 
 
 def test_task_1_every_plan_of_a_run_fits_and_reads_back(models):
@@ -138,7 +140,7 @@ def test_task_1_every_plan_of_a_run_fits_and_reads_back(models):
 
     def check(step, plan, engine):
         capacity = capacity_of(engine)
-        message = sol.distributed_engine.encode_plan(plan, capacity)
+        message = TASKS[1].distributed_engine.encode_plan(plan, capacity)
         assert message.shape == (capacity,) and message.dtype == mx.int32, f"step {step}: {message.shape}, {message.dtype}"
         decoded = ref.distributed_engine.decode_plan(message)
         assert batch_arrays(engine.runner.prepare(decoded)) == batch_arrays(engine.runner.prepare(plan)), f"step {step}"
@@ -152,12 +154,12 @@ def test_task_1_every_plan_of_a_run_fits_and_reads_back(models):
 def test_task_2_hand_made_message_reads_back():
     capacity = 30
     message = mx.array([1, 1, 5, 1, 1, 2, 16, 3, 7, 0, 3, 0, 1, 21, 22, 23, 5] + [0] * 13, dtype=mx.int32)
-    plan = sol.distributed_engine.decode_plan(message)
+    plan = TASKS[2].distributed_engine.decode_plan(message)
     [decode], [prefill] = plan.decodes, plan.prefills
     assert (decode.start, decode.length, decode.token_ids, decode.samples, decode.seq.block_table) == (5, 1, [16], True, [3, 7])
     assert (prefill.start, prefill.length, prefill.token_ids, prefill.samples, prefill.seq.block_table) == (0, 3, [21, 22, 23], False, [5])
-    assert sol.distributed_engine.decode_plan(ref.distributed_engine.stop_message(capacity)) is None, "the stop message"
-    empty = sol.distributed_engine.decode_plan(mx.zeros(capacity, dtype=mx.int32))
+    assert TASKS[2].distributed_engine.decode_plan(ref.distributed_engine.stop_message(capacity)) is None, "the stop message"
+    empty = TASKS[2].distributed_engine.decode_plan(mx.zeros(capacity, dtype=mx.int32))
     assert empty.is_empty, "all zeros is a plan of nothing"
 
 
@@ -166,7 +168,7 @@ def test_task_2_every_plan_of_a_run_runs_the_same_batch(models):
     _, model, tokenizer = models
 
     def check(step, plan, engine):
-        decoded = sol.distributed_engine.decode_plan(ref.distributed_engine.encode_plan(plan, capacity_of(engine)))
+        decoded = TASKS[2].distributed_engine.decode_plan(ref.distributed_engine.encode_plan(plan, capacity_of(engine)))
         assert [c.length for c in decoded.decodes] == [c.length for c in plan.decodes], f"step {step}: decodes"
         assert batch_arrays(engine.runner.prepare(decoded)) == batch_arrays(engine.runner.prepare(plan)), (
             f"step {step}: the batch built from the message differs from the plan's")
@@ -180,7 +182,7 @@ def test_task_2_every_plan_of_a_run_runs_the_same_batch(models):
 def run_tensor_parallel(models):
     """The day's engine on a group of one rank, every prompt to the end; (its result, the engine)."""
     tp, _, tokenizer = models
-    engine = sol.distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
+    engine = TASKS[3].distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
     return run_engine(engine, ref), engine
 
 
@@ -196,7 +198,7 @@ def test_task_3_one_rank_engine_equals_the_single_process_engine(models):
 def test_task_3_a_follower_runs_rank_0s_messages_into_the_same_pool(models):
     """Fed the messages rank 0 sent, a follower runs every plan, never samples, and its pool is rank 0's."""
     tp, _, tokenizer = models
-    engine = sol.distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
+    engine = TASKS[3].distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
     sent, exchange = [], engine.runner.exchange
     engine.runner.exchange = lambda message: sent.append(exchange(message)) or sent[-1]
     result = run_engine(engine, ref)
@@ -211,14 +213,14 @@ def test_task_3_a_follower_runs_rank_0s_messages_into_the_same_pool(models):
 
     follower.exchange = exchange_as_rank_1
     follower.runner.sample = lambda *args: pytest.fail("a follower sampled: only rank 0 samples")
-    steps = sol.distributed_engine.TensorParallelRunner.follow(follower)
+    steps = TASKS[3].distributed_engine.TensorParallelRunner.follow(follower)
     assert steps == result["steps"], f"the follower ran {steps} steps, rank 0 {result['steps']}"
     for leader_array, follower_array in zip(engine.runner.pool.arrays(), follower.pool.arrays()):
         assert mx.array_equal(leader_array, follower_array), "the follower's pool differs from rank 0's"
 
 
 def test_task_3_two_ranks_equal_single_process_and_mlx_lm(two_ranks):
-    leader, _ = rank_results(two_ranks)
+    leader, _ = rank_results(two_ranks.run("task3"))
     assert not leader["unfinished"], "rank 0's engine did not finish within its step limit"
     assert leader["preemptions"] > 0, "the run was meant to preempt"
     assert leader["outputs"] == leader["single_process"]["outputs"], "two ranks vs the single-process engine"
@@ -226,7 +228,7 @@ def test_task_3_two_ranks_equal_single_process_and_mlx_lm(two_ranks):
 
 
 def test_task_3_every_rank_ran_every_step_and_the_pool_is_full(two_ranks):
-    leader, follower = rank_results(two_ranks)
+    leader, follower = rank_results(two_ranks.run("task3"))
     assert follower["steps"] == leader["steps"], f"rank 1 ran {follower['steps']} steps, rank 0 {leader['steps']}"
     assert leader["free_blocks"] == leader["num_blocks"], "rank 0's block manager: every block back"
     # Each rank's pool: the engine's blocks, this rank's one KV head of the model's two.
@@ -234,13 +236,14 @@ def test_task_3_every_rank_ran_every_step_and_the_pool_is_full(two_ranks):
 
 
 def test_task_3_only_rank_0_samples(two_ranks):
-    leader, follower = rank_results(two_ranks)
+    leader, follower = rank_results(two_ranks.run("task3"))
     assert follower["sample_calls"] == 0, f"rank 1 sampled {follower['sample_calls']} times: only rank 0 samples"
     assert leader["sample_calls"] == leader["steps"], "rank 0 samples once a step"
 
 
-def test_task_3_a_dead_rank_fails_rank_0():
-    run = launch("--die-rank", "1")
+def test_task_3_a_dead_rank_fails_rank_0(two_ranks):
+    with tempfile.TemporaryDirectory() as out_dir:
+        run = two_ranks.launch("task3", ["engine"], Path(out_dir), "--die-rank", "1")
     if run.results[0] and "not_implemented" in run.results[0]:
         raise NotImplementedError(run.results[0]["not_implemented"])
     assert not run.timed_out, "rank 0 waited for the dead rank until the time limit"
@@ -256,7 +259,7 @@ def test_task_4_your_stack_so_far_on_two_ranks(two_ranks):
     """Your week-3 engine, day-4.3 shards and day-4.4 code together on two ranks: week 3's pressure workload
     (refusals, preemptions, aborts, EOS, priorities, prefix caching) and seeded sampling, every stream
     mlx-lm's for the request alone, every block back in rank 0's pool, rank 1 in step and never sampling."""
-    leader, follower = two_rank_stack_records(sol, "distributed_engine", two_ranks)
+    leader, follower = two_rank_stack_records(TASKS[3], "distributed_engine", two_ranks.run("stack"))
     if leader["failures"]:
         pytest.fail("your stack so far on two ranks:\n  " + "\n  ".join(leader["failures"]), pytrace=False)
     assert follower["steps"] == leader["steps"], f"rank 1 ran {follower['steps']} steps per engine, rank 0 {leader['steps']}"

@@ -21,7 +21,7 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_for
 from .metrics import MetricsRecorder
 from .model_runner import ModelRunner
-from .order_policy import DEFAULT_AGING_STEPS, FirstComeFirstServed, PriorityPolicy, ShortestPrefillFirst
+from .order_policy import DEFAULT_AGING_STEPS, FirstComeFirstServed, OrderPolicy, PriorityPolicy, ShortestPrefillFirst
 from .prefix_cache import PrefixCachingBlockManager
 from .quantized_kv import KV_BITS, model_bytes_per_token, num_blocks_for_memory
 from .scheduler import Scheduler, StepOutput, StepPlan  # noqa: F401 (StepOutput: re-exported)
@@ -143,7 +143,7 @@ class EngineConfig:
             return AdaptiveTokenBudget(**adaptive)
         return GoodputTokenBudget(target_ttft=self.target_ttft, ttft_multiple=self.ttft_multiple, **adaptive)
 
-    def make_order(self):
+    def make_order(self) -> OrderPolicy:
         """The scheduler's order policy: first come, first served, by priority with aging, or shortest prefill first."""
         if self.scheduling_policy == "priority":
             return PriorityPolicy(self.aging_steps)

@@ -30,14 +30,40 @@ tokens left to prefill goes first. Under first come, first served a short prompt
 a long one waits for all the long one's chunks; with this order it takes the budget first (one or
 two steps), starts decoding, and the long prompt's chunks fill what the decodes leave. Length never
 takes blocks (`outranks` is by priority alone), and aging still bounds a long prompt's wait.
+
+`OrderPolicy` is the contract between the scheduler and its order policy: every policy here has all of it.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from .sequence import Sequence
 from .validation import check_int
 
 DEFAULT_AGING_STEPS = 256  # steps of waiting that raise a sequence's effective priority by one
+
+
+class OrderPolicy(Protocol):
+    """What the scheduler tells its order policy, and asks of it (provided)."""
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence arrived."""
+
+    def next_step(self) -> None:
+        """A step is being planned."""
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence finished."""
+
+    def order(self, seqs) -> list[Sequence]:
+        """`seqs` most urgent first."""
+
+    def outranks(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether `seq` may take `other`'s blocks."""
+
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
 
 
 class FirstComeFirstServed:

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_for
-from .order_policy import FirstComeFirstServed
+from .order_policy import FirstComeFirstServed, OrderPolicy
 from .sequence import Sequence, SequenceStatus
 from .structured import allowed_guesses
+from .token_budget import BudgetPolicy
 
 FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop string; max_tokens; cancelled by the caller
 
@@ -138,10 +139,11 @@ class StepOutput:
 class Scheduler:
     """Waiting and running sequences, the block manager, the planner `schedule()` and the updater `update_from_output()`."""
 
-    def __init__(self, block_manager: BlockManager, token_budget, max_num_seqs: int = 16, order=None,
+    def __init__(self, block_manager: BlockManager, token_budget: BudgetPolicy, max_num_seqs: int = 16,
+                 order: OrderPolicy | None = None,
                  eos_token_ids=(), log: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        """Plan steps within `token_budget` (a `token_budget.BudgetPolicy`) for at most `max_num_seqs` running sequences (provided).
+        """Plan steps within `token_budget` for at most `max_num_seqs` running sequences (provided).
 
         The budget policy alone owns the cap (`token_budget.max_num_batched_tokens`); every decode token
         must fit under it, so `max_num_seqs` may not exceed it. `order` is the order policy (default:
