@@ -204,7 +204,7 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
     reported in mlx.launch's words ("Node with rank R exited with code C")."""
     from course import sandbox
 
-    ring = _start_ring(world_size, threads_per_rank, code)
+    ring = sandbox.start_ranks(world_size, threads_per_rank, code)
     import_paths = os.pathsep.join(path for path in sys.path if path)
     ranks, timed_out = [], False
     with tempfile.TemporaryFile() as log:
@@ -239,20 +239,6 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
         output = log.read().decode(errors="replace") + ring.output_tail()
         ring.remove_log()
     return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
-
-
-def _start_ring(world_size: int, threads_per_rank: int | None, code: Choice):
-    """The sandbox of a graded launch (`sandbox.start_ranks`' ring), on the root `code` needs: Task N's own root
-    (the reference without Task N's bodies alone, `sandbox.task_root`) for Task N's code, so its ranks can run
-    the day's other tasks of the reference and still never call Task N's answer; the day's root otherwise."""
-    from course import sandbox
-
-    root = Path(os.environ[sandbox.SANDBOX_ROOT_VARIABLE])
-    if code.task is not None:
-        root = sandbox.task_root(root, code.week, code.day, code.task)
-    cpu, memory = (os.environ.get(sandbox.LIMITS_VARIABLE, ",").split(",") + [""])[:2]
-    return sandbox.Worker(root, code.week, code.day, "ranks", float(cpu or 0) or None, int(memory or 0) or None,
-                          ranks=world_size, threads_per_rank=threads_per_rank)
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -32,7 +32,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from course import cgroup, remote
+from course import cgroup, remote, selector
 
 BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
@@ -398,12 +398,18 @@ def rank_group():
     return RankLink.get().root.group if os.environ.get(RANK_PIPES_VARIABLE) else None
 
 
-def start_ranks(world_size: int, threads_per_rank: int | None) -> Worker:
-    """One sandbox of `world_size` workers in an `mx.distributed` ring on its own loopback; `.ends[r]` are the
-    pipes of rank r's program (pass them on with `RANK_PIPES_VARIABLE`)."""
+def start_ranks(world_size: int, threads_per_rank: int | None, code) -> Worker:
+    """One sandbox of `world_size` workers in an `mx.distributed` ring on its own loopback, for the rank programs
+    of a launch that runs `code` (a `selector.Choice`): on Task N's own root (the reference without Task N's
+    bodies, `task_root`) for Task N's code, so its ranks run the day's other tasks of the reference and never
+    Task N's answer; on the day's root otherwise. `.ends[r]` are the pipes of rank r's program (pass them on
+    with `RANK_PIPES_VARIABLE`)."""
+    root = Path(os.environ[SANDBOX_ROOT_VARIABLE])
+    if code.task is not None:
+        root = task_root(root, code.week, code.day, code.task)
     cpu, memory = (os.environ.get(LIMITS_VARIABLE, ",").split(",") + [""])[:2]
-    return Worker(Path(os.environ[SANDBOX_ROOT_VARIABLE]), 0, 0, "ranks", float(cpu or 0) or None,
-                  int(memory or 0) or None, ranks=world_size, threads_per_rank=threads_per_rank)
+    return Worker(root, code.week, code.day, "ranks", float(cpu or 0) or None, int(memory or 0) or None,
+                  ranks=world_size, threads_per_rank=threads_per_rank)
 
 
 def _forward_seeds() -> None:
@@ -439,16 +445,6 @@ def stop_workers() -> None:
 
 # ---------------------------------------------------------------- the worker (inside the sandbox)
 
-def _select(week: int, day: int, kind: str):
-    from course import selector
-
-    if kind == "stack":
-        return selector.for_stack(week, day)
-    if kind.startswith("task"):
-        return selector.for_task(week, day, int(kind.removeprefix("task")))
-    return selector.for_day(week, day)
-
-
 class RankRoot:
     """What a rank's worker serves its rank program: its group of the ring, and the selections it asks for."""
 
@@ -459,7 +455,7 @@ class RankRoot:
     def select(self, week: int, day: int, kind: str):
         key = (week, day, kind)
         if key not in self.selections:
-            self.selections[key] = _select(week, day, kind)
+            self.selections[key] = selector.Choice(week, day, kind).select()
         return self.selections[key]
 
 
@@ -529,7 +525,7 @@ def _worker_main(argv: list[str]) -> None:
 
         root = RankRoot(mx.distributed.init(strict=True, backend="ring"))
     else:
-        root = _select(int(week), int(day), kind)
+        root = selector.Choice(int(week), int(day), kind).select()
     endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", policy=None, root=root)
     endpoint.read_forever()
 
