@@ -8,7 +8,7 @@
 Three parts, one run, the same model and tokenizer throughout:
 
 1. Valid outputs. Each schema asked with each prompt, greedy, five ways, the share of answers that parse
-   and meet the schema (checked with `jsonschema`):
+   and meet the schema (checked with `jsonschema`); each way's requests all go to one engine at once:
    - as `response_format` (the schema also written into the prompt, as a client without constrained
      decoding would): through week 3's engine with the schema's constraint (ours), through the same
      engine without it (free), and through mlx-lm's `BatchGenerator` on the same weights, which is what
@@ -43,9 +43,11 @@ from course import fast_mlx
 fast_mlx.setup()
 
 import json  # noqa: E402
+import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -118,7 +120,8 @@ MODES = ["constrained (ours)", "free (ours)", "mlx_lm.server (ignores it)", "too
 MLX_LM_MODES = MODES[2], MODES[4]
 VALID_COLUMNS = [lab.Column("mode", "mode", "{}"), lab.Column("parses", "parses", "{:.0%}"),
                  lab.Column("valid", "valid", "{:.0%}"), lab.Column("valid, lenient", "valid_lenient", "{:.0%}"),
-                 lab.Column("finished", "finished", "{:.0%}"), lab.Column("tokens mean", "tokens_mean", "{:.0f}")]
+                 lab.Column("finished", "finished", "{:.0%}"), lab.Column("cut off", "cut_off", "{}"),
+                 lab.Column("tokens mean", "tokens_mean", "{:.0f}"), lab.Column("tokens max", "tokens_max", "{}")]
 MASK_COLUMNS = [lab.Column("schema", "schema", "{}"), lab.Column("build ms", "ours_build_ms", "{:.1f}"),
                 lab.Column("llg build ms", "llg_build_ms", "{:.1f}"),
                 lab.Column("first mask ms", "ours_first_ms", "{:.2f}"), lab.Column("step ms", "ours_step_ms", "{:.3f}"),
@@ -127,6 +130,14 @@ MASK_COLUMNS = [lab.Column("schema", "schema", "{}"), lab.Column("build ms", "ou
 THROUGHPUT_COLUMNS = [lab.Column("batch", "label", "{}"), lab.Column("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
                       lab.Column("vs free", "vs_free", "{:.2f}x"), lab.Column("tokens", "tokens", "{}")]
 THROUGHPUT_GOAL = 0.9
+# Part 1 sends every request of a mode to one engine at once; this many decode together (ours and mlx-lm's). On
+# the 2-core CPU, 32 rows cost about half the CPU per token of 16 (the weights are read once per step for more
+# rows); the KV pool holds 40 blocks of 16 tokens per row: a tool prompt and a whole answer, with room.
+ENGINE_BATCH = 32
+# Enough for every constrained answer to finish: the longest measured (greedy, SmolLM2, the six longest schemas x
+# 5 prompts) were 93 tokens as response_format and 135 as a forced call (an invoice of three lines). Free text
+# mostly runs to the limit, so the limit sets most of the run's time: 200 took about 20% longer for nothing.
+MAX_TOKENS = 160
 FULL_INDEX_LIMIT = 5000  # automaton states explored to size a full index; more is reported as "more"
 
 
@@ -135,7 +146,8 @@ def build_parser():
     parser.set_defaults(model=default_model())
     lab.options(parser, schemas=(len(SCHEMAS), f"schemas, 1 .. {len(SCHEMAS)}"),
                 prompts=(len(PROMPTS), f"prompts per schema, 1 .. {len(PROMPTS)}"),
-                max_tokens=(200, "output tokens per request at most"), batch=(8, "requests in the throughput batch"),
+                max_tokens=(MAX_TOKENS, "output tokens per request at most"),
+                batch=(8, "requests in the throughput batch"),
                 batch_tokens=(48, "output tokens per request of the throughput batch"))
     parser.add_argument("--skip-mlx-lm", action="store_true",
                         help="leave mlx-lm's two modes out of part 1 (its free greedy text is ours without the "
@@ -267,7 +279,8 @@ def asks(bench, cases: list, constraints: dict, args) -> dict:
     """Each mode of part 1: (how to make its engine, its arrivals, how a client reads a case's text)."""
     tokenizer, selection, api = bench.tokenizer, bench.selection, bench.selection.openai_api
     vocab_size = bench.mlx_model.args.vocab_size
-    config = dict(token_budget=512, max_num_seqs=16, block_size=16, num_blocks=800, enable_prefix_caching=True)
+    config = dict(token_budget=512, max_num_seqs=ENGINE_BATCH, block_size=16, num_blocks=ENGINE_BATCH * 40,
+                  enable_prefix_caching=True)
 
     def arrivals(prompts):
         return [Arrival(name, prompt, args.max_tokens) for (name, _), prompt in zip(cases, prompts)]
@@ -293,7 +306,7 @@ def asks(bench, cases: list, constraints: dict, args) -> dict:
     def their_call(i, text, finished):
         return call_verdict(mlx_lm_server_calls(text, tool_of(cases[i][0])), cases[i][0], finished)
 
-    mlx_lm = lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=16)  # noqa: E731
+    mlx_lm = lambda: MlxLm(bench.mlx_model, tokenizer, batch_size=ENGINE_BATCH)  # noqa: E731
     return {MODES[0]: (ours(constraints), formatted, as_text), MODES[1]: (ours({}), formatted, as_text),
             MODES[2]: (mlx_lm, formatted, as_text),
             MODES[3]: (ours({i: calls.constraint for i, calls in tools.items()}), forced, our_call),
@@ -326,6 +339,7 @@ def validity_summary(results: dict) -> list[dict]:
     rows = []
     for mode, cases in results.items():
         rows.append({"mode": mode, "cases": len(cases), "tokens_mean": statistics.mean(c["tokens"] for c in cases),
+                     "tokens_max": max(c["tokens"] for c in cases), "cut_off": sum(not c["finished"] for c in cases),
                      **{key: sum(c[key] for c in cases) / len(cases)
                         for key in ("parses", "valid", "valid_lenient", "finished")}})
     return rows
@@ -509,14 +523,15 @@ def throughput(bench, args) -> list[dict]:
 
 def plot(bench, valid_rows: list, masks: dict, rates: list):
     path = bench.figure_path("summary")
-    with lab.figure(path, bench.machine, ncols=3, figsize=(16, 4.6)) as (fig, (left, middle, right)):
-        modes = [row["mode"] for row in valid_rows]
-        x = np.arange(len(modes))
+    with lab.figure(path, bench.machine, ncols=3, figsize=(16, 5)) as (fig, (left, middle, right)):
+        # Modes down the side (their names are long: side by side under bars they overlap), two bars per mode.
+        y = np.arange(len(valid_rows))
         for offset, key, label in ((-0.2, "valid", "whole text"), (0.2, "valid_lenient", "first JSON value in it")):
-            left.bar(x + offset, [100 * row[key] for row in valid_rows], width=0.4, label=label)
-        left.set_xticks(x, [m.replace(" (", "\n(").replace(", ", ",\n") for m in modes], fontsize=7)
-        left.set(ylabel="outputs valid against the schema (%)", ylim=(0, 105), title="parses and validates")
-        left.legend(fontsize=8, loc="upper right")
+            left.barh(y + offset, [100 * row[key] for row in valid_rows], height=0.4, label=label)
+        left.set_yticks(y, [row["mode"].replace(" (", "\n(") for row in valid_rows], fontsize=7)
+        left.invert_yaxis()
+        left.set(xlabel="outputs valid against the schema (%)", xlim=(0, 105), title="parses and validates")
+        lab.legend_below(left)
         rows = masks["schemas"]
         y = np.arange(len(rows))
         for key, label, marker in (("ours_first_ms", "ours, first time a state is met", "o"),
@@ -545,6 +560,7 @@ def main(argv=None) -> int:
         raise SystemExit(user_error(PROG, f"--schemas must be 1 .. {len(SCHEMAS)} and --prompts 1 .. {len(PROMPTS)}"))
     lab.check_positive(PROG, args, "max_tokens", "batch", "batch_tokens")
     bench = lab.start(args, ("engine", "structured", "qwen2_week3", "openai_api"))
+    clocks = Clocks()
     weights = same_format(bench)
     tokenizer, vocab_size = bench.tokenizer, bench.mlx_model.args.vocab_size
     cases = [(name, prompt) for name in list(SCHEMAS)[: args.schemas] for prompt in PROMPTS[: args.prompts]]
@@ -554,6 +570,7 @@ def main(argv=None) -> int:
                           for name in dict.fromkeys(name for name, _ in cases)}
     constraints = {i: schema_constraints[name] for i, (name, _) in enumerate(cases)}
     results, outputs, seconds = validity(bench, cases, constraints, args)
+    clocks.lap("valid outputs")
     valid_rows = validity_summary(results)
     lab.print_table("outputs that parse and meet their schema (jsonschema)", VALID_COLUMNS, valid_rows)
     same = None
@@ -567,13 +584,44 @@ def main(argv=None) -> int:
     lab.print_table("masks per schema: ours against llguidance (same vocabulary, the outputs above)", MASK_COLUMNS,
                     masks["schemas"])
     mask_totals = summarize_masks(masks["schemas"])
-    print("over every step: " + ", ".join(f"{k} {v:.3f}" for k, v in mask_totals.items() if v is not None))
+    clocks.lap("masks")
+    print("over every schema: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in mask_totals.items() if v is not None))
     rates = throughput(bench, args)
     lab.print_table(f"a batch of {args.batch}, {args.batch_tokens} tokens each", THROUGHPUT_COLUMNS, rates)
-    return bench.save({"validity": {"summary": valid_rows, "cases": results, "free_identical_to_mlx_lm": same,
+    clocks.lap("throughput")
+    print("wall (cpu) seconds per part: " + ", ".join(f"{k} {v['wall_s']:.0f} ({v['cpu_s']:.0f})"
+                                                      for k, v in clocks.parts.items()))
+    return bench.save({"commit": commit(), "load_average_end": os.getloadavg()[0], "parts_s": clocks.parts,
+                       "validity": {"summary": valid_rows, "cases": results, "free_identical_to_mlx_lm": same,
                                     "wall_s": seconds, "mlx_lm_weights": weights},
                        "masks": {**masks, "totals": mask_totals}, "throughput": rates,
                        "throughput_goal": THROUGHPUT_GOAL}, plots=[plot(bench, valid_rows, masks, rates)])
+
+
+class Clocks:
+    """Wall and CPU seconds of each part of the run (CPU: every thread of this process; on a busy machine the wall
+    time stretches with the load, the CPU time much less: it says what the run costs)."""
+
+    def __init__(self):
+        self.parts: dict[str, dict] = {}
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, part: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.parts[part] = {"wall_s": wall - self.wall, "cpu_s": cpu - self.cpu}
+        self.wall, self.cpu = wall, cpu
+
+
+def commit() -> str:
+    """The checkout's commit, with "+changes" when files differ from it: which code made the figures."""
+    import subprocess
+
+    def git(*words):
+        return subprocess.run(["git", *words], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def same_format(bench) -> str:
@@ -591,16 +639,27 @@ def same_format(bench) -> str:
 
 
 def summarize_masks(rows: list[dict]) -> dict:
-    """Step-weighted means over every schema: what one constrained step costs on this workload."""
+    """Over every schema: step-weighted means (what one constrained step costs on this workload), our first-time
+    mask weighted by the states met (each built once: the cost to set against llguidance's every step), the
+    median build of one schema's index, and the lazy index's states against a full one's."""
     steps = sum(row["steps"] for row in rows)
+    built = sum(row["states_met"] for row in rows if row.get("ours_first_ms") is not None)
 
-    def weighted(key):
+    def weighted(key, weight="steps", total=steps):
         present = [row for row in rows if row.get(key) is not None]
-        return sum(row[key] * row["steps"] for row in present) / steps if present and steps else None
+        return sum(row[key] * row[weight] for row in present) / total if present and total else None
 
-    return {"ours_step_ms": weighted("ours_step_ms"), "llg_step_ms": weighted("llg_step_ms"),
-            "agree": weighted("agree")}
+    def median(key):
+        present = [row[key] for row in rows if row.get(key) is not None]
+        return statistics.median(present) if present else None
 
+    full = [row["states_all"] for row in rows if isinstance(row["states_all"], int)]
+    return {"steps": steps, "ours_step_ms": weighted("ours_step_ms"), "llg_step_ms": weighted("llg_step_ms"),
+            "ours_first_ms": weighted("ours_first_ms", "states_met", built), "agree": weighted("agree"),
+            "ours_build_ms_median": median("ours_build_ms"), "llg_build_ms_median": median("llg_build_ms"),
+            "states_met_range": [min(row["states_met"] for row in rows), max(row["states_met"] for row in rows)],
+            "states_all_range": [min(full, default=None), max(full, default=None)],
+            "schemas_over_full_limit": sum(not isinstance(row["states_all"], int) for row in rows)}
 
 if __name__ == "__main__":
     raise SystemExit(main())
