@@ -81,11 +81,16 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return nodeid if Path(file).name in SPREAD_FILES else file
+            return work_unit(nodeid)
 
     config.option.loadscopereorder = False  # not by number of tests: a file of a few long ones would come last
     return FileScheduling(config, log)
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or itself in a spread file."""
+    file = nodeid.split("::", 1)[0]
+    return nodeid if Path(file).name in SPREAD_FILES else file
 
 
 def work_order(item) -> int:

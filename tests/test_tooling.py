@@ -350,7 +350,8 @@ def test_pdm_run_test_spreads_only_the_whole_suite_over_workers(monkeypatch):
 
 def test_the_whole_suite_keeps_a_files_tests_on_one_worker(tmp_path):
     """Under `pdm run test-ref`'s workers (tests/conftest.py's scheduler): every test of a file on one worker, so its
-    module fixtures (a two-rank launch, a server) start once; a spread file's tests on both; the longest files first."""
+    module fixtures (a two-rank launch, a server) start once; a spread file's tests each a unit of their own (which
+    worker takes which depends on timing); the longest files first."""
     import os
 
     from tests import conftest
@@ -373,7 +374,8 @@ def test_the_whole_suite_keeps_a_files_tests_on_one_worker(tmp_path):
     assert len(ran) == sum(files.values()) and len(workers) == len(files), ran
     spread = Path(next(iter(conftest.SPREAD_FILES))).stem
     assert all(len(w) == 1 for module, w in workers.items() if module != spread), workers
-    assert len(workers[spread]) == 2, workers
+    assert conftest.work_unit(f"tests/{spread}.py::test_1") == f"tests/{spread}.py::test_1"
+    assert conftest.work_unit("tests/test_a.py::test_1[x]") == "tests/test_a.py"
     first = Path(conftest.LONGEST_FILES[-1]).stem
     assert ran[0][0] == first or ran[1][0] == first, ran  # one of the two workers starts with it
 
