@@ -352,6 +352,39 @@ def test_pdm_run_test_spreads_only_the_whole_suite_over_workers(monkeypatch):
     assert run_tests.with_workers(["-q"], whole_suite=True) == ["-q"]
 
 
+def test_the_whole_suite_keeps_a_files_tests_on_one_worker(tmp_path):
+    """Under `pdm run test-ref`'s workers (tests/conftest.py's scheduler): every test of a file on one worker, so its
+    module fixtures (a two-rank launch, a server) start once; a spread file's tests each a unit of their own (which
+    worker takes which depends on timing); the longest files first."""
+    import os
+
+    from tests import conftest
+
+    (tmp_path / "tests").mkdir()
+    shutil.copy2(REPO_ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
+    record = 'import os\n\n\ndef record():\n    with open(os.environ["WHERE"], "a") as f:\n' \
+             '        f.write(f"{__name__} {os.environ[\'PYTEST_XDIST_WORKER\']}\\n")\n\n\n'
+    files = {"test_a.py": 6, "test_b.py": 6, next(iter(conftest.SPREAD_FILES)): 6, conftest.LONGEST_FILES[-1]: 2}
+    for name, count in files.items():
+        (tmp_path / "tests" / name).write_text(record + "".join(f"def test_{i}():\n    record()\n\n\n"
+                                                                for i in range(count)))
+    where = tmp_path / "where.txt"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadgroup", "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WHERE": str(where), "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran = [line.split() for line in where.read_text().splitlines()]
+    workers = {module: {w for m, w in ran if m == module} for module, _ in ran}
+    assert len(ran) == sum(files.values()) and len(workers) == len(files), ran
+    spread = Path(next(iter(conftest.SPREAD_FILES))).stem
+    assert all(len(w) == 1 for module, w in workers.items() if module != spread), workers
+    assert conftest.work_unit(f"tests/{spread}.py::test_1") == f"tests/{spread}.py::test_1"
+    assert conftest.work_unit("tests/test_a.py::test_1[x]") == "tests/test_a.py"
+    first = Path(conftest.LONGEST_FILES[-1]).stem
+    worker = next(iter(workers[first]))
+    assert next(m for m, w in ran if w == worker) == first, ran  # handed out first: its worker starts with it
+
+
 # ---------------------------------------------------------------- the book check, on small synthetic books
 
 def make_book(root: Path) -> Path:
@@ -458,7 +491,8 @@ REAL_DAYS = ("tests/test_week_1_day_2.py", "tests/test_week_1_day_4.py")
 
 @pytest.mark.skipif(not all((REPO_ROOT / f).exists() for f in REAL_DAYS), reason="week 1 days 2 and 4 not written yet")
 def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_import(tmp_path):
-    """Days 1.2 and 1.4 solved, except: the MLP hangs (day 1.4 Task 2) and RoPE's module raises at import."""
+    """Days 1.2 and 1.4 solved, except: the MLP hangs (day 1.4 Task 2, the last of the day's tasks) and RoPE's module
+    raises at import."""
     submission = tmp_path / "submission"
     shutil.copytree(REPO_ROOT / "src" / "tiny_llm", submission, ignore=shutil.ignore_patterns("__pycache__"))
     for module in ("basics", "attention", "positional_encoding", "layer_norm", "mlp"):
@@ -469,7 +503,7 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
     rope.write_text('raise RuntimeError("broken on purpose")\n' + rope.read_text())
     report = tmp_path / "results.json"
     done = subprocess.run([sys.executable, "-m", "scripts.grade", "--src", str(submission), "--week", "1",
-                           "--day", "2", "4", "--timeout", "3", "--json", str(report)],
+                           "--day", "2", "4", "--timeout", "3", "--json", str(report), "--day-budget", "20"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(report.read_text())
@@ -486,7 +520,8 @@ def test_grade_on_the_real_course_with_a_hanging_task_and_a_module_failing_at_im
         assert score == pytest.approx(expected, abs=1e-3), (key, done.stdout)
     assert zero <= set(by_task) and ("day 1.4", "task 1") in by_task
     hung = [t for t in results["tests"] if t["tags"][1:] == ["day 1.4", "task 2"]]
-    # Each hang is stopped at the time limit; the day's cap (3x an honest run plus one test's limit) may end the rest.
+    # The hang is stopped at the time limit; the day's cap (20 s here, by hand: day 1.4's own is 3x its honest run
+    # plus 60 s) ends the rest of the task, the day's last.
     assert "timed out" in hung[0]["output"]
     assert all("timed out" in t["output"] or "time budget ran out" in t["output"] for t in hung)
 
@@ -919,13 +954,19 @@ def test_the_sandbox_confines_the_submission(tmp_path):
                         continue
                     with open("/tmp/forked", "a") as f:
                         f.write("x")
+                open("/tmp/spawned", "w").close()
 
             if not hide:
                 spawn()
             elif os.fork() == 0:
                 threading.Thread(target=spawn).start()
                 ctypes.CDLL(None).syscall(60, 0)  # SYS_exit (x86-64): the main thread alone ends
-            time.sleep(8)
+            # Until the spawner (maybe another process's thread) is done, then a second for the watchdog, which
+            # looks every 0.1 s where no cgroup refuses the forks.
+            deadline = time.monotonic() + 60
+            while not os.path.exists("/tmp/spawned") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1)
             with open("/tmp/forked") as f:
                 return len(f.read())
     '''))
