@@ -8,6 +8,7 @@ oracles and the fakes that record evidence (a runner checking every slot, a prob
 tests. Plain Python and MLX only: the worker imports this file alone.
 """
 
+import time
 from types import SimpleNamespace
 
 VOCAB = 40
@@ -87,8 +88,9 @@ class ModelProbe:
     back as data: (tokens, decode tokens, seconds on the fake clock) per call."""
 
     def __init__(self, model, fail_on_call: int | None = None, base_seconds=0.002, seconds_per_token=0.00025,
-                 logits_dtype=None):
+                 logits_dtype=None, pause_seconds=0.0):
         self.model = model
+        self.pause_seconds = pause_seconds  # real seconds each call sleeps: steps as long as a server's real ones
         self.fail_on_call = fail_on_call
         self.base_seconds, self.seconds_per_token = base_seconds, seconds_per_token
         self.logits_dtype = logits_dtype  # not `dtype`: the engine reads the model's own through the probe
@@ -109,6 +111,7 @@ class ModelProbe:
         seconds = self.base_seconds + self.seconds_per_token * (num_tokens - batch.num_decodes)
         self.now += seconds
         self.calls.append((num_tokens, batch.num_decodes, seconds))
+        time.sleep(self.pause_seconds)
         logits = self.model(batch, pool)
         want = self.logits_dtype
         assert want is None or logits.dtype == want, \

@@ -597,7 +597,7 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
     run = engine.runner.run
-    engine.runner.run = lambda plan: (time.sleep(0.02), run(plan))[1]  # steps long enough to count
+    engine.runner.run = lambda plan: (time.sleep(0.1), run(plan))[1]  # steps longer than a busy server's reaction
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 1,
                        "seed": 3}).encode()
     with running_server(app) as url:

@@ -605,7 +605,10 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, lea
 def workload_serving(package, day):
     """Day 3.5: the engine behind the server, over HTTP: twelve streams at once equal one-at-a-time generation
     (EOS, length and a stop string), two clients leave and are aborted, every block comes back."""
-    probe = new_probe(package)
+    # Each step sleeps 20 ms, as a real model's step takes that long: a leaver's 400 tokens then take 8 s, and the
+    # leaving reaches an honest engine long before, however busy the machine (a step of the tiny model alone is a
+    # millisecond or two, and at load 20 a client's leaving once took 242 of them to arrive).
+    probe = new_probe(package, pause_seconds=0.02)
     warm_up(package, probe)
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=128,
                          **engine_options(day))
@@ -617,9 +620,8 @@ def workload_serving(package, day):
     cut = next(r for r in finishing if len(wants[r.request_id][0]) >= 6)
     full = text_of(wants[cut.request_id][0])
     stop = f" {wants[cut.request_id][0][2]} "
-    # The leavers' max_tokens: an engine that never aborts them generates all of it. Room for the steps an honest engine
-    # runs before a client's leaving reaches it (the model is tiny: while grading, a step takes a millisecond or two);
-    # the model holds 512 positions.
+    # The leavers' max_tokens: an engine that never aborts them generates all of it; an honest one, the steps that run
+    # before a client's leaving reaches it (a few at 20 ms a step). The model holds 512 positions.
     leave_budget = 400
 
     async def clients(url):
