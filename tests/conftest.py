@@ -1,5 +1,5 @@
-"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, no TF32 on CUDA, readable "not implemented" failures, and how
-the tests share out over pytest-xdist's workers (`pdm run test-ref`)."""
+"""Shared test set-up: fast BLAS before MLX, float32 on the CPU, no TF32 on CUDA, readable "not implemented"
+failures, and how the tests share out over pytest-xdist's workers (`pdm run test-ref`)."""
 
 import contextlib
 import fcntl
@@ -100,6 +100,7 @@ def work_unit(nodeid: str) -> str:
 
 
 def work_order(item) -> int:
+    """Where a test's file comes in the order the workers take work: LONGEST_FILES first, spread files last."""
     name = item.path.name
     if name in LONGEST_FILES:
         return LONGEST_FILES.index(name)
