@@ -69,6 +69,9 @@ MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest we
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
 MAX_CHAINS = 512  # threads of calls the other side may start here
+# Set by a maintainer (maint/mutations, a check of a day's tests): the judge refuses to hand the actor any object
+# that is not data, an mlx-lm model or the shared tokenizer, so a test that still relies on a call-back fails.
+NO_CALLBACKS_VARIABLE = "TINY_LLM_NO_CALLBACKS"
 
 
 class RemoteGone(RuntimeError):
@@ -276,6 +279,28 @@ def _plain_mlx_lm_model(value) -> bool:
     return not any(name.endswith((".scales", ".biases")) for name, _ in tree_flatten(value.parameters()))
 
 
+def _shared_tokenizer_dir(value) -> str | None:
+    """The directory an mlx-lm tokenizer of the judge's was loaded from, where the sandbox can read it too (the
+    embedded model's, bound read-only): the actor loads its own from it. None for any other object."""
+    if type(value).__name__ != "TokenizerWrapper" or type(value).__module__ != "mlx_lm.tokenizer_utils":
+        return None
+    from course.models import EMBEDDED_MODEL_DIR
+
+    source = getattr(value._tokenizer, "name_or_path", "")
+    shared = str(EMBEDDED_MODEL_DIR.resolve())
+    return shared if source and os.path.realpath(source) == shared else None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, eos_token_ids: tuple):
+    """The actor's copy of a judge's tokenizer, loaded once per worker from the same files."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(Path(path), eos_token_ids=list(eos_token_ids))
+
+
 class Policy:
     """What the judge lets the actor do with the judge's objects it holds: read and call them, never write
     them (a model, a tokenizer, MLX's or mlx-lm's objects, a test's fake, which may hold its evidence)."""
@@ -444,12 +469,18 @@ class Endpoint:
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
         if self.judge and _plain_mlx_lm_model(value):
             return self._encode_model(value, path, buffers, depth)
+        if self.judge and _shared_tokenizer_dir(value) is not None:
+            # The actor loads its own from the same files (bound read-only in its sandbox): no call-backs.
+            return {"$": "tokenizer", "path": _shared_tokenizer_dir(value), "eos": sorted(value.eos_token_ids)}
         fields = _data_fields(value)
         if fields is not None:
             return {"$": "data", "cls": path, "h": self._export(value),
                     "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
         if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
             return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
+        if self.judge and os.environ.get(NO_CALLBACKS_VARIABLE):
+            raise TypeError(f"a test handed the submission's code an object of the grader ({path}): only data, "
+                            f"mlx-lm models and the shared tokenizer may cross")
         return {"$": "h", "h": self._export(value), "cls": path}
 
     def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
@@ -551,6 +582,8 @@ class Endpoint:
             return self._stand_in(value)
         if tag == "model":
             return self._decode_model(value, buffers)
+        if tag == "tokenizer" and not self.judge:
+            return _load_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         if tag == "data":
             cls, fields = _shared_class(str(value["cls"])), value["v"]
             if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \

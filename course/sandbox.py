@@ -165,6 +165,11 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
     for directory in _python_dirs():
         command += ["--ro-bind", directory, directory]
     command += ["--ro-bind", str(root), INSIDE]
+    from course.models import EMBEDDED_MODEL_DIR  # the tests' model: the actor loads its tokenizer from its files
+
+    if EMBEDDED_MODEL_DIR.is_dir():
+        shared = os.path.realpath(EMBEDDED_MODEL_DIR)
+        command += ["--ro-bind", shared, shared]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0"}
     for name, value in environment.items():
