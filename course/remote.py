@@ -30,7 +30,7 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   built-in function); the judge's lists and dicts go as copies. What the student's code fills in (a
   sequence whose block table a scheduler fills) the test builds in the actor, from the package under
   test (`sol.sequence.Sequence(...)`), and reads back as data; fakes that decide nothing it builds there too
-  (`tests/actor_fakes.py`, the one module the judge may ask the actor to import).
+  (the package `tests/actor_fakes`, the one the judge may ask the actor to import).
 - An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
   one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
   own frames of the traceback as a note, control characters escaped; an exception of the judge that the
@@ -369,8 +369,8 @@ def _perform_for_the_judge(op: str, target, args: list):
         return target(*args[0], **args[1])
     if op == "__await__":
         return target
-    if op == "import" and args == ["tests.actor_fakes"]:  # the fakes that need no trust (tests/harness.py)
-        return importlib.import_module(args[0])
+    if op == "import" and re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", str(args[0])):
+        return importlib.import_module(args[0])  # the fakes that need no trust (tests/harness.py)
     if op == "fetch":
         objects, paths = args
         if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):

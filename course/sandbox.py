@@ -43,7 +43,7 @@ LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the g
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
-ACTOR_FAKES = "tests/actor_fakes.py"  # the one file of tests/ the worker holds (see its docstring)
+ACTOR_FAKES = "tests/actor_fakes"  # the one package of tests/ the worker holds (see its docstring)
 MAX_OUTPUT_BYTES = 16 << 20
 MAX_PROCESSES = 64  # without a cgroup, for a grader that is not root: RLIMIT_NPROC beyond this user's processes
 # With a cgroup: its pids.max, which counts threads as well as processes (day 3.5's server, its client and MLX's
@@ -120,7 +120,7 @@ def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week:
         shutil.copyfile(course / name, dest / "course" / name)
     if (course.parent / ACTOR_FAKES).exists():  # fakes that need no trust: no test, no answer (a course may have none)
         (dest / "tests").mkdir()
-        shutil.copyfile(course.parent / ACTOR_FAKES, dest / ACTOR_FAKES)
+        shutil.copytree(course.parent / ACTOR_FAKES, dest / ACTOR_FAKES, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(package, dest / "src" / "tiny_llm", ignore=shutil.ignore_patterns("__pycache__"))
     target = dest / "src_ref" / reference.name
     target.mkdir(parents=True)

@@ -40,14 +40,16 @@ def class_of(obj) -> type:
     return cls
 
 
-def actor_fakes(sol):
-    """tests/actor_fakes.py where `sol`'s code runs: while grading, the worker's copy (its fakes are built there and
-    read in place by the engine under test, with no round trip); otherwise this process's own module."""
+def actor_fakes(sol, module: str = ""):
+    """The package tests/actor_fakes (or its `module`) where `sol`'s code runs: while grading, the worker's copy (its
+    fakes are built there and read in place by the engine under test, with no round trip); otherwise this
+    process's own."""
+    name = f"tests.actor_fakes.{module}" if module else "tests.actor_fakes"
     if type(sol) is sandbox.RemoteSelection:
-        return sol._worker().endpoint.request("import", 0, "tests.actor_fakes")
-    from tests import actor_fakes as here
+        return sol._worker().endpoint.request("import", 0, name)
+    import importlib
 
-    return here
+    return importlib.import_module(name)
 
 
 def solution_name() -> str:
