@@ -8,6 +8,8 @@ the result back. Both processes run this module; each is an `Endpoint` on one en
 The one rule: only data crosses, and the judge never runs, compares or trusts anything the submission made.
 - A message is a JSON header plus raw byte buffers, each with its length first (never pickle: nothing
   that arrives is unpickled or executed).
+- Calls go one way: the judge asks, the actor answers. The actor never calls the judge back, so nothing of
+  the judge's runs at the submission's bidding.
 - Data travels by value and is rebuilt by the receiver as its own exact types: None, bool, int, float,
   str, bytes, lists, tuples, sets, dicts, slices, MLX and numpy arrays (raw bytes, dtype and shape), MLX
   dtypes, enum members of a shared module (the reference's, MLX's), and dataclasses
@@ -16,28 +18,23 @@ The one rule: only data crosses, and the judge never runs, compares or trusts an
   subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
   class claims never reaches the judge.
 - Every other object of the actor is, for the judge, an opaque `Handle`: it can be sent back, have an
-  attribute or item read, a method called, be awaited (an ASGI app) or an attribute set; comparing,
-  hashing, `bool`, `len`, iterating, converting or doing arithmetic with it raises `TypeError` ("a test
-  expected a value and got an object of the submission"), and `isinstance` sees a `Handle`, so a test
-  that expects a value and gets an object fails. The same object is always the same handle (`is` works).
-  A list or dict that is an attribute of the actor's object arrives as a copy, like any data: a test
-  that changes the actor's state sets the whole attribute (`seq.block_table = [...]`) or calls a method.
-- What the judge hands the student's code: an mlx-lm model (an oracle of many tests) goes as the actor's
-  own copy, built from its class, arguments and weights (once per model); any other object (a fake, a
-  tokenizer, a quantized model) is, for the actor, a transparent `Remote` proxy served by the judge's
-  `Policy`: read and call, never write (no attribute set or deleted, no item assigned, no method that
-  changes a module, a container or a tokenizer, nothing private, no module, class, code, frame or
-  built-in function); the judge's lists and dicts go as copies. What the student's code fills in (a
-  sequence whose block table a scheduler fills) the test builds in the actor, from the package under
-  test (`sol.sequence.Sequence(...)`), and reads back as data; fakes that decide nothing it builds there too
-  (the package `tests/actor_fakes`, the one the judge may ask the actor to import).
+  attribute or item read, a method called or an attribute set; comparing, hashing, `bool`, `len`,
+  iterating, converting or doing arithmetic with it raises `TypeError` ("a test expected a value and got an
+  object of the submission"), and `isinstance` sees a `Handle`, so a test that expects a value and gets an
+  object fails. The same object is always the same handle (`is` works). A list or dict that is an attribute
+  of the actor's object arrives as a copy, like any data.
+- The judge hands the actor data, its handles back, and two things rebuilt from files both sides read: an
+  mlx-lm model (class, arguments and weights: the actor builds its own copy, once per model) and the tests'
+  tokenizer (the actor loads its own from the embedded model's folder). Any other object of the judge's (a
+  fake, a lambda, a reference object it built) is refused with `TypeError`: a test builds such things in
+  the actor (`tests/actor_fakes`, the one package of tests/ the actor may import) and reads back what they
+  recorded as data.
 - An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
   one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
-  own frames of the traceback as a note, control characters escaped; an exception of the judge that the
-  actor lets through comes back as the original object. The judge sends the actor no traceback of its own.
-- Calls nest both ways and come from several threads (a server's engine thread, uvicorn's loop): see
-  "chains" below. `mx.random.seed(n)` in a test seeds the actor too (never the reverse), and `fetch` reads
-  many attributes of many objects in one round trip.
+  own frames of the traceback as a note, control characters escaped.
+- The judge may call from several threads: each thread's calls are a chain, served in order by a thread of
+  its own in the actor. `mx.random.seed(n)` in a test seeds the actor too (never the reverse), and `fetch`
+  reads many attributes of many objects in one round trip.
 """
 
 from __future__ import annotations
@@ -48,17 +45,14 @@ import dataclasses
 import enum
 import functools
 import importlib
-import inspect
 import itertools
 import json
-import operator
 import os
 import queue
 import re
 import struct
 import threading
 import traceback
-import types
 import unicodedata
 import weakref
 
@@ -68,58 +62,37 @@ MAX_HEADER = 64 << 20
 MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
-MAX_CHAINS = 512  # threads of calls the other side may start here
-# Set by a maintainer (maint/mutations, a check of a day's tests): the judge refuses to hand the actor any object
-# that is not data, an mlx-lm model or the shared tokenizer, so a test that still relies on a call-back fails.
-NO_CALLBACKS_VARIABLE = "TINY_LLM_NO_CALLBACKS"
+MAX_CHAINS = 512  # threads of calls the judge may start in the actor
 
 
 class RemoteGone(RuntimeError):
     """The other process ended (it crashed, was killed at a time limit, or closed the pipe)."""
 
 
-class _RaisedThere(Exception):
-    """Carries an exception the other side raised past the handling of broken calls."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 class ProtocolError(RuntimeError):
     """The other side sent something this protocol does not allow."""
 
 
-# What the actor's proxies of the judge's objects forward (the student's code uses a fake as it would the
-# real object); the judge performs them on its own objects. The judge never asks the actor for these.
-OPERATIONS = {
-    "__getitem__": operator.getitem,
-    "__len__": len, "__iter__": iter, "__next__": next, "__contains__": operator.contains,
-    "__bool__": bool, "__hash__": hash, "__repr__": repr, "__str__": str, "__int__": int, "__float__": float,
-    "__index__": operator.index, "__reversed__": reversed,
-    "__eq__": operator.eq, "__ne__": operator.ne, "__lt__": operator.lt, "__le__": operator.le,
-    "__gt__": operator.gt, "__ge__": operator.ge,
-    "__add__": operator.add, "__sub__": operator.sub, "__mul__": operator.mul, "__truediv__": operator.truediv,
-    "__matmul__": operator.matmul, "__neg__": operator.neg,
-    "__radd__": lambda a, b: b + a, "__rsub__": lambda a, b: b - a, "__rmul__": lambda a, b: b * a,
-    "__instancecheck__": lambda cls, obj: isinstance(obj, cls),
-    "__subclasscheck__": lambda cls, sub: issubclass(sub, cls),
-}
-
 BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, Exception)
                       and not issubclass(value, BaseExceptionGroup)}
-# Modules both processes load from the same files: a proxy of one of their classes answers isinstance() in the
-# actor with the class of the same name, and their enum members travel by value.
+# Modules both processes load from the same files: their data classes and enum members travel by value.
 SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
-def _shared_class(path: str):
-    """The class `module:qualname` of a shared module, if this process has loaded that module (never imports)."""
+def _shared_class(path: str, load: bool = False):
+    """The class `module:qualname` of a shared module, if this process has loaded that module (or, `load`, can
+    import it: the actor, rebuilding data the judge sent)."""
     import sys
 
     module, _, qualname = path.partition(":")
     if not (module.startswith(SHARED_MODULES) or module in SHARED_MODULES):
         return None
+    if load and module not in sys.modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return None
     found = sys.modules.get(module)
     for part in qualname.split("."):
         found = getattr(found, part, None)
@@ -267,16 +240,17 @@ def _is_data(value, depth: int = 0) -> bool:
     return issubclass(type(value), enum.Enum) or _data_fields(value, depth) is not None
 
 
-def _plain_mlx_lm_model(value) -> bool:
-    """An mlx-lm model whose weights are all plain arrays (a quantized one keeps its layers' own classes, which a
-    copy built from its arguments would not have: it stays with the judge, read-only to the actor)."""
+def _mlx_lm_model(value) -> bool:
+    """An mlx-lm model built from data arguments (quantized or not): the actor can build its own copy of it."""
     kind = type(value)
-    if not kind.__module__.startswith("mlx_lm.models.") or kind.__name__ != "Model" \
-            or _data_fields(getattr(value, "args", None)) is None:
-        return False
-    from mlx.utils import tree_flatten
+    return kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
+        and _data_fields(getattr(value, "args", None)) is not None
 
-    return not any(name.endswith((".scales", ".biases")) for name, _ in tree_flatten(value.parameters()))
+
+def _quantized_layers(model) -> dict:
+    """Each quantized layer of `model` by path, with what `to_quantized` needs to make it again."""
+    return {path: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
+            for path, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
 
 
 def _shared_tokenizer_dir(value) -> str | None:
@@ -301,117 +275,33 @@ def _load_tokenizer(path: str, eos_token_ids: tuple):
     return load_tokenizer(Path(path), eos_token_ids=list(eos_token_ids))
 
 
-class Policy:
-    """What the judge lets the actor do with the judge's objects it holds: read and call them, never write
-    them (a model, a tokenizer, MLX's or mlx-lm's objects, a test's fake, which may hold its evidence)."""
-
-    # Methods that write files, load weights or add tokens, on any object the judge hands over.
-    DENIED = re.compile(r"^(save|push_to_hub|from_pretrained|to_json_file|load_weights|add_special|add_tokens"
-                        r"|add_eos|set_|train|register)")
-    # Methods that change a dict (an nn.Module is one: its weights), a list or a set.
-    CHANGES = {"update", "update_modules", "apply", "apply_to_modules", "freeze", "unfreeze", "eval",
-               "pop", "popitem", "clear", "setdefault", "append", "appendleft", "extend", "extendleft", "insert",
-               "remove", "sort", "reverse", "rotate", "add", "discard", "difference_update", "intersection_update",
-               "symmetric_difference_update"}
-
-    def attribute(self, obj, name: str):
-        changes = name in self.CHANGES and isinstance(obj, (dict, list, set, collections.deque))
-        if not isinstance(name, str) or name.startswith("_") or self.DENIED.match(name) or changes:
-            raise PermissionError(f"the grader does not let submitted code use {name!r} of a trusted object")
-        value = getattr(obj, name)
-        self.check_result(value, name)
-        return value
-
-    def check_result(self, value, name: str) -> None:
-        forbidden = (types.ModuleType, type, types.CodeType, types.FrameType, types.TracebackType)
-        unbound_builtin = isinstance(value, types.BuiltinFunctionType) and isinstance(
-            getattr(value, "__self__", None), (types.ModuleType, type(None)))
-        if isinstance(value, forbidden) or unbound_builtin:
-            raise PermissionError(f"the grader does not hand modules, classes or built-in functions to submitted "
-                                  f"code ({name!r})")
-
-    def perform(self, op: str, target, args: list):
-        if op == "getattr":
-            return self.attribute(target, args[0])
-        if op == "call":
-            result = target(*args[0], **args[1])
-            self.check_result(result, getattr(target, "__name__", "a call"))
-            return result
-        if op == "__await__":
-            if not inspect.isawaitable(target):
-                raise PermissionError("the grader awaits only awaitables for submitted code")
-            return target
-        if op == "vars":
-            return {k: getattr(target, k) for k in vars(target) if self._readable(target, k)}
-        if op in OPERATIONS:
-            result = OPERATIONS[op](target, *args)
-            self.check_result(result, op)
-            return result
-        raise PermissionError(f"the grader does not let submitted code {op.strip('_')} a trusted object")
-
-    def _readable(self, obj, name: str) -> bool:
-        try:
-            self.attribute(obj, name)
-        except (PermissionError, AttributeError):
-            return False
-        return True
-
-
-def _perform_for_the_judge(op: str, target, args: list):
-    """What the actor does for the judge: anything it asks of the actor's own objects."""
-    if op == "getattr":
-        return getattr(target, args[0])
-    if op == "setattr":
-        return setattr(target, args[0], args[1])
-    if op == "delattr":
-        return delattr(target, args[0])
-    if op == "call":
-        return target(*args[0], **args[1])
-    if op == "__await__":
-        return target
-    if op == "import" and re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", str(args[0])):
-        return importlib.import_module(args[0])  # the fakes that need no trust (tests/harness.py)
-    if op == "fetch":
-        objects, paths = args
-        if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
-            raise ProtocolError("fetch takes a list of objects and attribute paths")
-        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    if op in OPERATIONS:
-        return OPERATIONS[op](target, *args)
-    raise ProtocolError(f"an unknown operation {op!r}")
-
-
 class Endpoint:
-    """One end of the pipes: sends requests, serves the other side's requests while it waits for a reply.
+    """One end of the pipes. The judge's (`root` None) sends requests and waits for their replies; the actor's
+    (`root`: the object handle 0 names, what the judge starts from) serves them."""
 
-    `policy` None: the actor's end (in the sandbox); a `Policy`: the judge's end.
-    """
-
-    def __init__(self, read_fd: int, write_fd: int, side: str, policy: Policy | None = None, root=None):
-        self.read_fd, self.write_fd, self.side, self.policy = read_fd, write_fd, side, policy
-        self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds
+    def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
+        self.read_fd, self.write_fd, self.side, self.judge = read_fd, write_fd, side, root is None
+        self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (or, in the judge, a model sent)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
-        self.proxies: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
-        self.stand_ins: dict[int, type] = {}  # handle of an exception class of the actor -> its stand-in here
-        self.models_sent: set[int] = set()  # the judge's mlx-lm models the actor has its copy of
-        self.models: dict[int, object] = {}  # in the actor: handle -> its copy of the judge's model
+        self.proxies: weakref.WeakValueDictionary[int, Handle] = weakref.WeakValueDictionary()
+        self.stand_ins: dict[int, type] = {}  # in the judge: handle of an exception class of the actor -> its stand-in
+        self.models_sent: set[int] = set()  # in the judge: the mlx-lm models the actor has its copy of
+        self.models: dict[int, object] = {}  # in the actor: the judge's model's handle -> the actor's copy
         self.send_lock = threading.Lock()
         self.export_lock = threading.Lock()
         self.reader = PipeReader(read_fd)
-        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread serving it here
+        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread it belongs to here
         self.local = threading.local()
         self.counter = itertools.count()
-        self.loop = None  # the event loop this side last awaited the other side from
-        self._pool = None
         self.broken: str | None = None
         self.pending_seed: int | None = None
         self.explain_loss = lambda: ""  # what the owner of the other process can add when it is gone
         if root is not None:
-            self._export(root)  # handle 0: what the other side starts from
+            self._export(root)  # handle 0
 
-    @property
-    def judge(self) -> bool:
-        return self.policy is not None
+    def start(self) -> "Endpoint":
+        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
+        return self
 
     # ---- encoding
 
@@ -425,11 +315,10 @@ class Endpoint:
             return handle
 
     def encode(self, value, buffers: list, depth: int = 0):
-        """`value` as JSON and buffers: data by value, any other object as a handle of this side's."""
+        """`value` as JSON and buffers: data by value; from the actor, any other object as a handle."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
-        kind = type(value)
-        if kind in (Handle, Remote) and value._endpoint is self:
+        if type(value) is Handle and value._endpoint is self:
             return {"$": "ref", "h": value._handle}  # back to its owner
         data = plain(value)
         if value is None or type(data) in (bool, int, float, str):
@@ -463,29 +352,32 @@ class Endpoint:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
-        if not self.judge and issubclass(kind, type) and issubclass(value, Exception) \
-                and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
-            return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works there
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
-        if self.judge and _plain_mlx_lm_model(value):
-            return self._encode_model(value, path, buffers, depth)
-        if self.judge and _shared_tokenizer_dir(value) is not None:
-            # The actor loads its own from the same files (bound read-only in its sandbox): no call-backs.
-            return {"$": "tokenizer", "path": _shared_tokenizer_dir(value), "eos": sorted(value.eos_token_ids)}
         fields = _data_fields(value)
         if fields is not None:
-            return {"$": "data", "cls": path, "h": self._export(value),
+            return {"$": "data", "cls": path, "h": None if self.judge else self._export(value),
                     "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
-        if issubclass(kind, enum.Enum) and (not self.judge or _shared_class(path) is kind):
-            return {"$": "enum", "cls": path, "name": str(value.name)[:200], "h": self._export(value)}
-        if self.judge and os.environ.get(NO_CALLBACKS_VARIABLE):
-            raise TypeError(f"a test handed the submission's code an object of the grader ({path}): only data, "
-                            f"mlx-lm models and the shared tokenizer may cross")
+        if issubclass(kind, enum.Enum) and _shared_class(path) is kind:
+            return {"$": "enum", "cls": path, "name": str(value.name)[:200]}
+        if self.judge:
+            return self._encode_for_the_actor(value, path, buffers, depth)
+        if issubclass(kind, type) and issubclass(value, Exception) and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
+            return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works in the judge
         return {"$": "h", "h": self._export(value), "cls": path}
 
+    def _encode_for_the_actor(self, value, path: str, buffers: list, depth: int) -> dict:
+        """What of the judge's may go to the actor besides data: what the actor can rebuild from files both read."""
+        if _mlx_lm_model(value):
+            return self._encode_model(value, path, buffers, depth)
+        shared = _shared_tokenizer_dir(value)
+        if shared is not None:
+            return {"$": "tokenizer", "path": shared, "eos": sorted(value.eos_token_ids)}
+        raise TypeError(f"a test handed the submission's code an object of the grader's ({path}): only data, "
+                        f"the tests' mlx-lm models and tokenizer cross (build fakes in the worker: tests/actor_fakes)")
+
     def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
-        """An mlx-lm model the judge hands over (the oracle of many tests) goes as a copy: its class, its
-        arguments and its weights, once per model; the actor builds its own and never holds the judge's."""
+        """An mlx-lm model (the oracle of many tests) goes as a copy: its class, its arguments, its quantized layers
+        and its weights, once per model; the actor builds its own and never holds the judge's."""
         handle = self._export(model)
         if handle in self.models_sent:
             return {"$": "model", "h": handle}
@@ -493,16 +385,22 @@ class Endpoint:
         from mlx.utils import tree_flatten
 
         weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
-        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1), "w": weights}
+        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1), "w": weights,
+                "q": _quantized_layers(model)}
 
     def _decode_model(self, value: dict, buffers: list):
         handle = value.get("h")
-        if "w" in value and not self.judge:
+        if "w" in value:
             path = str(value["cls"])
             if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
                 raise ProtocolError(f"a model of an unknown class {path!r}")
             importlib.import_module(path.partition(":")[0])
             model = _shared_class(path)(self.decode(value["args"], buffers))
+            layers = value.get("q") or {}
+            if layers:  # the judge's quantized layers, quantized alike before their weights arrive
+                import mlx.nn as nn
+
+                nn.quantize(model, class_predicate=lambda name, _: layers.get(name, False))
             model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
             _mlx().eval(model.parameters())
             self.models[handle] = model
@@ -518,8 +416,8 @@ class Endpoint:
         """The judge's class for an exception class of the actor: a subclass of its nearest built-in exception,
         one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
         handle, base = value.get("h"), BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
-        if not isinstance(handle, int) or not self.judge:
-            raise ProtocolError("an exception class only the actor may send")
+        if not isinstance(handle, int):
+            raise ProtocolError("a malformed exception class")
         if handle not in self.stand_ins:
             name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
             self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
@@ -566,42 +464,47 @@ class Endpoint:
             return self._decode_array(value, buffers)
         if tag == "dtype":
             return _dtype_names()[str(value["v"])]
-        if tag == "ref":
-            handle = value["h"]
-            if not isinstance(handle, int) or handle not in self.exported:
-                raise ProtocolError("a handle this side never gave out")
-            return self.exported[handle]
-        if tag == "h":
-            return self._proxy(int(value["h"]), str(value.get("cls", "")))
         if tag == "group1":
             group = _mlx().distributed.init()
             if group.size() != 1:
                 raise ProtocolError("a group of one rank sent to a process that is a rank of a larger one")
             return group
-        if tag == "exc":
-            return self._stand_in(value)
-        if tag == "model":
-            return self._decode_model(value, buffers)
-        if tag == "tokenizer" and not self.judge:
-            return _load_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         if tag == "data":
-            cls, fields = _shared_class(str(value["cls"])), value["v"]
+            cls, fields = _shared_class(str(value["cls"]), load=not self.judge), value["v"]
             if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
                     and set(fields) == {f.name for f in dataclasses.fields(cls)}:
                 rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
                 for name, field in fields.items():
                     object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
                 return rebuilt
-            return self._proxy(int(value["h"]), str(value["cls"]))  # a class this side has not loaded
+            if self.judge and isinstance(value.get("h"), int):
+                return self._proxy(value["h"], str(value["cls"]))  # a class the judge has not loaded: an object
+            raise ProtocolError(f"data of an unknown class {value['cls']!r}")
         if tag == "enum":
             path, name = str(value["cls"]), str(value["name"])
-            cls = _shared_class(path)
-            if cls is not None and issubclass(cls, enum.Enum) and name in cls.__members__:
-                return cls[name]
-            if isinstance(value.get("h"), int) and self.judge:
-                return self._proxy(value["h"], path)  # an enum of the student's own: an object like any other
-            raise ProtocolError(f"an enum of an unknown class {path!r}")
-        raise ProtocolError(f"an unknown value tag {tag!r}")
+            cls = _shared_class(path, load=not self.judge)
+            if cls is None or not issubclass(cls, enum.Enum) or name not in cls.__members__:
+                raise ProtocolError(f"an enum of an unknown class {path!r}")
+            return cls[name]
+        return self._decode_for(tag, value, buffers)
+
+    def _decode_for(self, tag: str, value: dict, buffers: list):
+        """What only one side may receive: handles and exception classes (the judge); its own objects back, models
+        and tokenizers (the actor)."""
+        if self.judge and tag == "h":
+            return self._proxy(int(value["h"]), str(value.get("cls", "")))
+        if self.judge and tag == "exc":
+            return self._stand_in(value)
+        if not self.judge and tag == "ref":
+            handle = value["h"]
+            if not isinstance(handle, int) or handle not in self.exported:
+                raise ProtocolError("a handle this side never gave out")
+            return self.exported[handle]
+        if not self.judge and tag == "model":
+            return self._decode_model(value, buffers)
+        if not self.judge and tag == "tokenizer":
+            return _load_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
+        raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
     def _decode_array(self, value, buffers):
         mx = _mlx()
@@ -612,171 +515,135 @@ class Endpoint:
         numpy_dtype = np.dtype(str(dtype).removeprefix("mlx.core."))
         return mx.array(np.frombuffer(buffers[value["b"]], dtype=numpy_dtype).reshape(shape))
 
-    def _proxy(self, handle: int, cls: str):
-        """The judge's `Handle` of an actor's object, or the actor's `Remote` of a judge's object."""
+    def _proxy(self, handle: int, cls: str) -> "Handle":
+        """The judge's `Handle` of an actor's object: one per object."""
         proxy = self.proxies.get(handle)
         if proxy is None:
-            kind = Handle if self.judge else Remote
-            proxy = kind.__new__(kind)
+            proxy = Handle.__new__(Handle)
             object.__setattr__(proxy, "_endpoint", self)
             object.__setattr__(proxy, "_handle", handle)
             object.__setattr__(proxy, "_cls", cls)
             self.proxies[handle] = proxy
         return proxy
 
-    # ---- requests, on chains
-    #
-    # Calls nest both ways and may come from several threads (a server's engine thread, uvicorn's loop).
-    # A chain is one thread of calls across both processes: a request carries its chain's name, a call the
-    # other side makes back while serving it carries the same name, and on each side one thread serves a
-    # chain: the thread that waits for the reply, or a thread started for a chain the other side began.
-    # So a call back runs on the thread that is waiting for it, and MLX sees one thread per chain.
-
-    def pool(self):
-        """Threads that wait for the other side on behalf of event loops (each is a chain of its own)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with self.export_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=MAX_CHAINS // 4, thread_name_prefix="remote-await")
-            return self._pool
-
-    def start(self) -> "Endpoint":
-        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
-        return self
-
-    def _chain(self) -> str:
-        chain = getattr(self.local, "chain", None)
-        if chain is None:
-            chain = self.local.chain = f"{self.side}-{next(self.counter)}"
-        return chain
-
     def _send(self, header: dict, buffers: list) -> None:
         with self.send_lock:
             send_message(self.write_fd, header, buffers)
 
+    # ---- the judge's side: requests, one chain per thread
+
     def request(self, op: str, handle: int, *args):
+        """Ask the actor to do `op` on its object `handle`; its answer, or what it raised, here."""
         if self.broken:
             raise RemoteGone(self.broken)
-        chain = self._chain()
-        inbox = self.chains.setdefault(chain, queue.SimpleQueue())
+        chain = getattr(self.local, "chain", None)
+        if chain is None:
+            chain = self.local.chain = f"{self.side}-{next(self.counter)}"
+            self.chains[chain] = queue.SimpleQueue()
         buffers: list = []
         header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
-        if self.pending_seed is not None and self.judge:
+        if self.pending_seed is not None:
             header["seed"], self.pending_seed = self.pending_seed, None
         try:
             self._send(header, buffers)
-            return self._wait(inbox)
-        except _RaisedThere as raised:
-            raise raised.error from None  # the call raised on the other side: the process is fine
-        except (RemoteGone, ProtocolError) as error:
-            self.broken = self.broken or f"{error}{self.explain_loss()}"
+            item = self.chains[chain].get()
+            if item is None:
+                raise RemoteGone(self.broken or "the other process closed the pipe")
+            reply, buffers = item
+            if reply.get("k") == "ok":
+                return self.decode(reply.get("v"), buffers)
+            stand_in = self._stand_in(reply["cls"]) if isinstance(reply.get("cls"), dict) else None
+            error = rebuild_exception(reply, stand_in)
+        except (RemoteGone, ProtocolError) as gone:
+            self.broken = self.broken or f"{gone}{self.explain_loss()}"
             raise RemoteGone(self.broken) from None
         except BaseException:
             # Interrupted mid-call (a time limit): the other side's state is unknown from now on.
             self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
             raise
+        raise error  # the call raised in the actor: the process is fine
 
-    def _wait(self, inbox: queue.SimpleQueue):
-        while True:
-            item = inbox.get()
-            if item is None:
-                raise RemoteGone(self.broken or "the other process closed the pipe")
-            header, buffers = item
-            kind = header.get("k")
-            if kind == "req":
-                self._serve(header, buffers)  # a call back, on this chain: served by the thread waiting on it
-            elif kind == "ok":
-                return self.decode(header.get("v"), buffers)
-            elif kind == "err":
-                origin = header.get("origin")
-                if isinstance(origin, int) and isinstance(self.exported.get(origin), BaseException):
-                    raise _RaisedThere(self.exported[origin])  # our own exception, back through the other side
-                stand_in = self._stand_in(header["cls"]) if isinstance(header.get("cls"), dict) and self.judge else None
-                error = rebuild_exception(header, stand_in)
-                if isinstance(header.get("own"), int) and not self.judge:
-                    error.remote_origin = (self, header["own"])  # sent back, it is the judge's own again
-                raise _RaisedThere(error)
-            else:
-                raise ProtocolError(f"an unknown message kind {kind!r}")
+    # ---- both sides: the reader
 
     def read_forever(self) -> None:
-        """Hand each message to the thread of its chain (starting one for a chain the other side began)."""
+        """Hand each message to its chain's thread: in the judge, a reply to the thread waiting for it; in the
+        actor, a request to the thread serving its chain (started for a chain's first request)."""
         try:
             while True:
                 header, buffers = receive_message(self.reader)
-                chain = header.get("c")
-                if not isinstance(chain, str) or len(chain) > 64:
-                    raise ProtocolError("a message without its chain")
+                chain, kind = header.get("c"), header.get("k")
+                if not isinstance(chain, str) or len(chain) > 64 or kind not in (("ok", "err") if self.judge else ("req",)):
+                    raise ProtocolError("a message this side does not take (the actor never calls the judge)")
                 inbox = self.chains.get(chain)
                 if inbox is None:
-                    if header.get("k") != "req" or len(self.chains) >= MAX_CHAINS:
+                    if self.judge or len(self.chains) >= MAX_CHAINS:
                         raise ProtocolError("a reply nobody waits for, or too many threads of calls")
                     inbox = self.chains[chain] = queue.SimpleQueue()
-                    threading.Thread(target=self._serve_chain, args=(chain, inbox), daemon=True).start()
+                    threading.Thread(target=self._serve_chain, args=(inbox,), daemon=True).start()
                 inbox.put((header, buffers))
         except (RemoteGone, ProtocolError, OSError, ValueError, struct.error, RecursionError) as error:
             self.broken = self.broken or f"{error}{self.explain_loss()}"
         for inbox in list(self.chains.values()):
             inbox.put(None)
 
-    def _serve_chain(self, chain: str, inbox: queue.SimpleQueue) -> None:
-        self.local.chain = chain
-        while True:
-            item = inbox.get()
-            if item is None:
-                return
-            header, buffers = item
-            if header.get("k") != "req":
-                self.broken = "a reply without a request"
-                return
+    # ---- the actor's side: serving
+
+    def _serve_chain(self, inbox: queue.SimpleQueue) -> None:
+        while (item := inbox.get()) is not None:
             try:
-                self._serve(header, buffers)
+                self._serve(*item)
             except (RemoteGone, ProtocolError) as error:
                 self.broken = self.broken or str(error)
                 return
 
     def _serve(self, header: dict, buffers: list) -> None:
         out: list = []
-        op = str(header.get("op"))
         try:
-            if "seed" in header and not self.judge:  # the judge's `mx.random.seed(n)`, never the reverse
+            if "seed" in header:  # the judge's `mx.random.seed(n)`
                 _mlx().random.seed(int(header["seed"]))
             handle = header.get("h")
             if not isinstance(handle, int) or handle not in self.exported:
                 raise ProtocolError("a request for a handle this side never gave out")
-            target, args = self.exported[handle], self.decode(header.get("a"), buffers)
-            if self.judge:
-                result = self.policy.perform(op, target, args)
-            else:
-                result = _perform_for_the_judge(op, target, args)
-            if op == "__await__":
-                result = _run_awaitable(self, result)
+            result = _perform(str(header.get("op")), self.exported[handle], self.decode(header.get("a"), buffers))
             reply = {"k": "ok", "v": self.encode(result, out)}
         except (RemoteGone, ProtocolError):
             raise
-        except BaseException as error:  # in the actor, whatever the student's code raised (SystemExit too)
-            if self.judge and not isinstance(error, Exception):
-                raise  # the judge's own time limit
+        except BaseException as error:  # whatever the student's code raised (SystemExit too)
             out = []
-            reply = describe_exception(error, with_traceback=not self.judge)
-            origin = getattr(error, "remote_origin", None)
-            if isinstance(origin, tuple) and origin[0] is self:
-                reply["origin"] = origin[1]  # an exception of the other side's: it gets its own back
-            elif self.judge:
-                error.__traceback__ = None  # kept for the actor to send back: without its frames
-                reply["own"] = self._export(error)
-            elif BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
+            reply = describe_exception(error)  # with the student's frames
+            if BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
                 reply["cls"] = self._describe_class(type(error))
         reply["c"] = header.get("c")
         self._send(reply, out)
 
 
+def _perform(op: str, target, args: list):
+    """What the actor does for the judge: anything it asks of the actor's own objects."""
+    if op == "getattr":
+        return getattr(target, args[0])
+    if op == "setattr":
+        return setattr(target, args[0], args[1])
+    if op == "delattr":
+        return delattr(target, args[0])
+    if op == "call":
+        return target(*args[0], **args[1])
+    if op == "getitem":
+        return target[args[0]]
+    if op == "import" and re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", str(args[0])):
+        return importlib.import_module(args[0])  # the fakes that need no trust (tests/harness.py)
+    if op == "fetch":
+        objects, paths = args
+        if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
+            raise ProtocolError("fetch takes a list of objects and attribute paths")
+        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+    raise ProtocolError(f"an unknown operation {op!r}")
+
+
 def fetch(objects, *paths: str) -> list[list]:
     """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
 
-    Objects of the actor are read in one round trip for all of them, not one per attribute (a test's fake
-    reads a whole plan at once); objects of this process are read here, so a test works either way.
+    Objects of the actor are read in one round trip for all of them, not one per attribute (a test reads a whole
+    plan at once); objects of this process are read here, so a test works either way.
     """
     objects = list(objects)
     handles = [o for o in objects if type(o) is Handle]
@@ -805,15 +672,12 @@ def _student_frames(error: BaseException) -> str:
     return "\n".join(lines[:12])[:6000]
 
 
-def describe_exception(error: BaseException, with_traceback: bool) -> dict:
-    """An exception as the nearest built-in type, its message and (from the actor) where it was raised."""
+def describe_exception(error: BaseException) -> dict:
+    """An exception of the actor's as the nearest built-in type, its message and where it was raised."""
     base = _nearest_builtin(type(error))
     message = str(error) if base is not KeyError or not error.args else repr(error.args[0])
-    described = {"k": "err", "type": base.__name__, "msg": message[:20_000]}
-    if with_traceback:
-        described["tb"] = _student_frames(error)
-        described["name"] = type(error).__qualname__[:200]
-    return described
+    return {"k": "err", "type": base.__name__, "msg": message[:20_000], "tb": _student_frames(error),
+            "name": type(error).__qualname__[:200]}
 
 
 def printable(text: str) -> str:
@@ -841,16 +705,16 @@ def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseExcepti
     return error
 
 
-# ---------------------------------------------------------------- the judge's handles, the actor's proxies
+# ---------------------------------------------------------------- the judge's handles
 
 class Handle:
     """An object of the actor, as the judge holds it: opaque.
 
     The judge may read an attribute or item (getting data or another handle), call it or a method of it,
-    await it, set or delete an attribute of it (the judge writing the actor's state), and send it
-    back. Nothing the submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating,
-    converting and arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the
-    judge's own: the class's name.
+    set or delete an attribute of it (the judge writing the actor's state), and send it back. Nothing the
+    submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating, converting and
+    arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the judge's own: the
+    class's name.
     """
 
     __slots__ = ("_endpoint", "_handle", "_cls", "__weakref__")
@@ -873,11 +737,7 @@ class Handle:
         return self._request("call", args, kwargs)
 
     def __getitem__(self, key):
-        return self._request("__getitem__", key)
-
-    def __await__(self):
-        """Awaiting an awaitable of the actor (an ASGI app's coroutine)."""
-        return _await_there(self).__await__()
+        return self._request("getitem", key)
 
     def __repr__(self):
         return f"<object of the submission: {printable(self._cls)}>"
@@ -901,86 +761,6 @@ for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__has
               "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__", "__pow__", "__matmul__",
               "__divmod__", "__lshift__", "__rshift__", "__and__", "__or__", "__xor__", "__radd__", "__rsub__",
               "__rmul__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__rpow__", "__rmatmul__", "__rdivmod__",
-              "__rand__", "__ror__", "__rxor__", "__neg__", "__pos__", "__abs__", "__invert__",
+              "__rand__", "__ror__", "__rxor__", "__neg__", "__pos__", "__abs__", "__invert__", "__await__",
               "__enter__", "__exit__", "__instancecheck__", "__subclasscheck__", "__array__"):
     setattr(Handle, _name, _refused(_name))
-
-
-class Remote:
-    """An object of the judge, as the actor holds it: every use of it is a request the judge's `Policy` serves."""
-
-    __slots__ = ("_endpoint", "_handle", "_cls", "__weakref__")
-
-    def _request(self, op, *args):
-        return object.__getattribute__(self, "_endpoint").request(op, object.__getattribute__(self, "_handle"), *args)
-
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__") and name not in ("__name__", "__qualname__", "__doc__",
-                                                                          "__module__", "__wrapped__"):
-            raise AttributeError(name)
-        return self._request("getattr", name)
-
-    def __setattr__(self, name, value):
-        self._request("setattr", name, value)
-
-    def __delattr__(self, name):
-        self._request("delattr", name)
-
-    def __call__(self, *args, **kwargs):
-        return self._request("call", args, kwargs)
-
-    @property
-    def __class__(self):
-        """A class of a shared module (MLX, mlx-lm, the reference) answers isinstance() as the object would."""
-        return _shared_class(object.__getattribute__(self, "_cls")) or Remote
-
-    @property
-    def __dict__(self):
-        """`vars(obj)`: a copy of the object's public attributes."""
-        return self._request("vars")
-
-    def __repr__(self):
-        try:
-            return self._request("__repr__")
-        except Exception as error:
-            return f"<object of the grader ({type(error).__name__}: {error})>"
-
-    def __await__(self):
-        return _await_there(self).__await__()
-
-
-def _forwarded(name):
-    def method(self, *args):
-        return self._request(name, *args)
-
-    method.__name__ = name
-    return method
-
-
-for _name in OPERATIONS:
-    if _name not in vars(Remote):
-        setattr(Remote, _name, _forwarded(_name))
-
-
-async def _await_there(proxy):
-    """Wait on a thread of a pool, so this event loop runs on (the other side may need it meanwhile)."""
-    import asyncio
-
-    endpoint = object.__getattribute__(proxy, "_endpoint")
-    loop = asyncio.get_running_loop()
-    endpoint.loop = loop
-    return await loop.run_in_executor(endpoint.pool(), proxy._request, "__await__")
-
-
-def _run_awaitable(endpoint: Endpoint, awaitable):
-    """Await `awaitable` (of this process) for the other side: in the event loop this side last awaited the
-    other from, while it runs in another thread (uvicorn's), or else in a loop of this thread's own."""
-    import asyncio
-
-    async def finish():
-        return await awaitable
-
-    loop = endpoint.loop
-    if loop is not None and loop.is_running() and not loop.is_closed():
-        return asyncio.run_coroutine_threadsafe(finish(), loop).result()
-    return asyncio.run(finish())

@@ -283,7 +283,7 @@ class Worker:
         self.endpoint = None
         self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
         if not ranks:
-            self.endpoint = remote.Endpoint(*self.ends[0], "trusted", policy=remote.Policy()).start()
+            self.endpoint = remote.Endpoint(*self.ends[0], "trusted").start()
             self.endpoint.explain_loss = self._why_it_ended
 
     def _why_it_ended(self) -> str:
@@ -400,7 +400,7 @@ class RankLink:
 
     def __init__(self):
         read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
-        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted", policy=remote.Policy()).start()
+        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted").start()
         self.root = self.endpoint._proxy(0, "course.sandbox:RankRoot")
         self.selections: dict[tuple, object] = {}
 
@@ -550,7 +550,7 @@ def _worker_main(argv: list[str]) -> None:
         root = RankRoot(mx.distributed.init(strict=True, backend="ring"))
     else:
         root = selector.Choice(int(week), int(day), kind).select()
-    endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", policy=None, root=root)
+    endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", root=root)
     endpoint.read_forever()
 
 
