@@ -150,3 +150,51 @@ class MarkedFlash:
         self.calls.append(q.shape[-2])
         out = self.module.flash_attention(q, k, v, scale=scale, mask=mask, tile_q=self.tile_q, tile_kv=self.tile_kv)
         return out * self.MARK
+
+
+# ---------------------------------------------------------------- day 1.6: week 1's loop, which day 2.1's extends
+
+class EosAfter:
+    """Wraps a week-1 model (`model(inputs)`): counts its calls; from the n-th generated token on, EOS is the most
+    likely token."""
+
+    def __init__(self, model, prompt_len: int, n: int, eos: int):
+        self.model, self.prompt_len, self.n, self.eos = model, prompt_len, n, eos
+        self.calls = 0
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        self.calls += 1
+        logits = self.model(inputs)
+        if inputs.shape[1] >= self.prompt_len + self.n:
+            logits = logits + mx.zeros((logits.shape[-1],)).at[self.eos].add(1e4)
+        return logits
+
+
+class Events:
+    """A week-1 model and an `on_text` callback (`events.on_text`) that log, in one list, each model call ("model")
+    and each piece of text ("text"): the order in which a loop computes and streams."""
+
+    def __init__(self, model):
+        self.model = model
+        self.events: list[str] = []
+        self.pieces: list[str] = []
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        self.events.append("model")
+        return self.model(inputs)
+
+    def on_text(self, piece: str) -> None:
+        self.events.append("text")
+        self.pieces.append(piece)
+
+
+class FixedSampler:
+    """A sampler that always answers `token`, noting the shape of the log-probabilities it is handed."""
+
+    def __init__(self, token: int):
+        self.token = token
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.shapes.append(tuple(logprobs.shape))
+        return mx.array([self.token])
