@@ -10,10 +10,13 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from tests.harness import reference, solution
+from course.remote import fetch
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, reference, solution
 
 sol = solution(week=1, day=6)
 ref = reference()
+fakes = actor_fakes(sol, "week2_models")  # built where the loop under test runs; `here`, the judge's own copy
 
 
 MAX_TOKENS = 12
@@ -29,7 +32,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def our_model(model32):
-    # Day 6 tests the loop, so the model is the reference's (the student's model is day 5).
+    # Day 6 tests the loop, so the model is day 5's, which in this day's code is the reference's: built where the
+    # loop runs.
+    return sol.qwen2_week1.Qwen2ModelWeek1(model32[0])
+
+
+@pytest.fixture(scope="module")
+def judge_model(model32):
+    """The reference's model, run here: the oracle's runs of the reference loop."""
     return ref.qwen2_week1.Qwen2ModelWeek1(model32[0])
 
 
@@ -44,24 +54,12 @@ def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
     return tokens, text
 
 
-class Recorder:
-    """A greedy sampler that writes down each token it picks."""
-
-    def __init__(self):
-        self.tokens = []
-
-    def __call__(self, logprobs):
-        token = mx.argmax(logprobs, axis=-1)
-        self.tokens.append(int(token.item()))
-        return token
-
-
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "france", "code", "chat", "chinese"])
 def test_task_1_greedy_matches_mlx_lm(model32, our_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
     # Token ids, through a recording greedy sampler...
-    recorder = Recorder()
+    recorder = fakes.Recorder()
     text = sol.generate.simple_generate(our_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
     assert recorder.tokens[: len(expected_tokens)] == expected_tokens
     # ...the same text as mlx-lm's streaming detokenizer spells (it drops a leading space)...
@@ -70,59 +68,40 @@ def test_task_1_greedy_matches_mlx_lm(model32, our_model, prompt):
     assert sol.generate.simple_generate(our_model, tokenizer, prompt, max_tokens=MAX_TOKENS) == expected_text
 
 
-class EosAfter:
-    """Wraps a model; from the n-th generated token on, EOS is the most likely token."""
-
-    def __init__(self, model, prompt_len, n, eos):
-        self.model, self.prompt_len, self.n, self.eos = model, prompt_len, n, eos
-        self.calls = 0
-
-    def __call__(self, inputs):
-        self.calls += 1
-        logits = self.model(inputs)
-        if inputs.shape[1] >= self.prompt_len + self.n:
-            bump = mx.zeros((logits.shape[-1],)).at[self.eos].add(1e4)
-            logits = logits + bump
-        return logits
-
-
-def test_task_1_stops_at_eos(model32, our_model):
+def test_task_1_stops_at_eos(model32, our_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     eos = next(iter(tokenizer.eos_token_ids))
-    wrapped = EosAfter(our_model, prompt_len, 3, eos)
-    recorder = Recorder()
+    # A model wrapped so that from the 3rd generated token on, EOS is the most likely token (week2_models.EosAfter).
+    wrapped = fakes.EosAfter(our_model, prompt_len, 3, eos)
+    recorder = fakes.Recorder()
     text = sol.generate.simple_generate(wrapped, tokenizer, prompt, sampler=recorder, max_tokens=20)
+    picked, calls = recorder.tokens, wrapped.calls
     # Three tokens, then EOS: the loop stops there and EOS is not part of the text.
-    assert recorder.tokens[-1] == eos and len(recorder.tokens) == 4
-    assert wrapped.calls == 4
-    assert text.strip() == tokenizer.decode(recorder.tokens[:3]).strip()
+    assert picked[-1] == eos and len(picked) == 4
+    assert calls == 4
+    assert text.strip() == tokenizer.decode(picked[:3]).strip()
     assert "<|im_end|>" not in text
+    # The records are the actor's: they must be what the reference's loop records on the judge's own model and fakes.
+    oracle_recorder, oracle_wrapped = here.Recorder(), here.EosAfter(judge_model, prompt_len, 3, eos)
+    oracle = ref.generate.simple_generate(oracle_wrapped, tokenizer, prompt, sampler=oracle_recorder, max_tokens=20)
+    assert (text, picked, calls) == (oracle, oracle_recorder.tokens, oracle_wrapped.calls)
 
 
 def test_task_1_max_tokens(model32, our_model):
     _, tokenizer = model32
-    recorder = Recorder()
+    recorder = fakes.Recorder()
     sol.generate.simple_generate(our_model, tokenizer, PROMPTS[1], sampler=recorder, max_tokens=5)
     assert len(recorder.tokens) == 5
 
 
 def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
     _, tokenizer = model32
-    events = []
-
-    def model(inputs):
-        events.append("model")
-        return our_model(inputs)
-
-    pieces = []
-
-    def on_text(piece):
-        events.append("text")
-        pieces.append(piece)
-
-    text = sol.generate.simple_generate(model, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=on_text)
+    # The model and on_text log each call and each piece in one list, where the loop runs (week2_models.Events).
+    log = fakes.Events(our_model)
+    text = sol.generate.simple_generate(log, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=log.on_text)
+    [[events, pieces]] = fetch([log], "events", "pieces")
     assert "".join(pieces) == text
     assert len(pieces) > 1, "on_text should be called once per new piece of text, not once at the end"
     # Streaming: text comes out between model calls, not all after the last one.
@@ -133,13 +112,9 @@ def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
 def test_task_1_uses_the_sampler(model32, our_model):
     _, tokenizer = model32
     # A sampler that always answers token 40 ("I") must be obeyed.
-    calls = []
-
-    def always_40(logprobs):
-        calls.append(logprobs.shape)
-        return mx.array([40])
-
+    always_40 = fakes.FixedSampler(40)
     text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=always_40, max_tokens=4)
     assert text.strip() == tokenizer.decode([40] * 4).strip()
     # The sampler gets log-probabilities for one sequence: 1 x vocab.
-    assert len(calls) == 4 and all(shape == (1, our_model.vocab_size) for shape in calls)
+    shapes = always_40.shapes
+    assert len(shapes) == 4 and all(shape == (1, our_model.vocab_size) for shape in shapes)
