@@ -297,7 +297,11 @@ def test_task_3_streams_text(model32, ref_model):
 # detokenizer: a plain loop has made n + 1 by token n, a pipelined loop, which queued step n + 1 first, n + 2.
 
 def assert_queued_ahead(got: Run, max_tokens):
-    """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens)."""
+    """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens).
+
+    The one record no output shows: when each call happened. It is the actor's; the tests also require the calls and
+    tokens themselves to be the reference loop's (`assert_same_record`), so only the order is taken on trust.
+    """
     read = len(got.calls_at_token)
     expected = [min(n + 2, max_tokens) for n in range(read)]
     assert got.calls_at_token == expected, (

@@ -1,4 +1,5 @@
-"""Days 2.1-2.5's fakes that need no trust, built where the code under test runs (`actor_fakes(sol, "week2_models")`).
+"""Fakes that need no trust for days 1.5-1.6 and 2.1-2.5, built where the code under test runs
+(`actor_fakes(sol, "week2_models")`).
 
 Each records what the student's code did with it as plain data the test reads back; the tests check those records
 against outputs the judge computes itself with its own copy of the same class (this module, imported in the judge),
