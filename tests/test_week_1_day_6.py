@@ -5,18 +5,21 @@ greedy tokens must be identical, token for token. Then the loop's contract: stop
 max_tokens, stream text through on_text while generating, and use the sampler it is given.
 """
 
-import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from course.remote import fetch
 from tests.actor_fakes import week2_models as here
-from tests.harness import actor_fakes, reference, solution
+from tests.harness import actor_fakes, fetch, reference, solution
 
 sol = solution(week=1, day=6)
 ref = reference()
-fakes = actor_fakes(sol, "week2_models")  # built where the loop under test runs; `here`, the judge's own copy
+
+
+def fakes():
+    """tests/actor_fakes/week2_models where the code under test runs (asked each time: a worker stopped at a time
+    limit is replaced); `here` is the judge's own copy."""
+    return actor_fakes(sol, "week2_models")
 
 
 MAX_TOKENS = 12
@@ -59,7 +62,7 @@ def test_task_1_greedy_matches_mlx_lm(model32, our_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
     # Token ids, through a recording greedy sampler...
-    recorder = fakes.Recorder()
+    recorder = fakes().Recorder()
     text = sol.generate.simple_generate(our_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
     assert recorder.tokens[: len(expected_tokens)] == expected_tokens
     # ...the same text as mlx-lm's streaming detokenizer spells (it drops a leading space)...
@@ -74,8 +77,8 @@ def test_task_1_stops_at_eos(model32, our_model, judge_model):
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     eos = next(iter(tokenizer.eos_token_ids))
     # A model wrapped so that from the 3rd generated token on, EOS is the most likely token (week2_models.EosAfter).
-    wrapped = fakes.EosAfter(our_model, prompt_len, 3, eos)
-    recorder = fakes.Recorder()
+    wrapped = fakes().EosAfter(our_model, prompt_len, 3, eos)
+    recorder = fakes().Recorder()
     text = sol.generate.simple_generate(wrapped, tokenizer, prompt, sampler=recorder, max_tokens=20)
     picked, calls = recorder.tokens, wrapped.calls
     # Three tokens, then EOS: the loop stops there and EOS is not part of the text.
@@ -83,7 +86,7 @@ def test_task_1_stops_at_eos(model32, our_model, judge_model):
     assert calls == 4
     assert text.strip() == tokenizer.decode(picked[:3]).strip()
     assert "<|im_end|>" not in text
-    # The records are the actor's: they must be what the reference's loop records on the judge's own model and fakes.
+    # The records are the actor's: they must be what the reference's loop records on the judge's own model and fakes().
     oracle_recorder, oracle_wrapped = here.Recorder(), here.EosAfter(judge_model, prompt_len, 3, eos)
     oracle = ref.generate.simple_generate(oracle_wrapped, tokenizer, prompt, sampler=oracle_recorder, max_tokens=20)
     assert (text, picked, calls) == (oracle, oracle_recorder.tokens, oracle_wrapped.calls)
@@ -91,7 +94,7 @@ def test_task_1_stops_at_eos(model32, our_model, judge_model):
 
 def test_task_1_max_tokens(model32, our_model):
     _, tokenizer = model32
-    recorder = fakes.Recorder()
+    recorder = fakes().Recorder()
     sol.generate.simple_generate(our_model, tokenizer, PROMPTS[1], sampler=recorder, max_tokens=5)
     assert len(recorder.tokens) == 5
 
@@ -99,7 +102,7 @@ def test_task_1_max_tokens(model32, our_model):
 def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
     _, tokenizer = model32
     # The model and on_text log each call and each piece in one list, where the loop runs (week2_models.Events).
-    log = fakes.Events(our_model)
+    log = fakes().Events(our_model)
     text = sol.generate.simple_generate(log, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=log.on_text)
     [[events, pieces]] = fetch([log], "events", "pieces")
     assert "".join(pieces) == text
@@ -112,7 +115,7 @@ def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
 def test_task_1_uses_the_sampler(model32, our_model):
     _, tokenizer = model32
     # A sampler that always answers token 40 ("I") must be obeyed.
-    always_40 = fakes.FixedSampler(40)
+    always_40 = fakes().FixedSampler(40)
     text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=always_40, max_tokens=4)
     assert text.strip() == tokenizer.decode([40] * 4).strip()
     # The sampler gets log-probabilities for one sequence: 1 x vocab.

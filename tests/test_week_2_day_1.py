@@ -17,13 +17,17 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from course.remote import fetch
 from tests.actor_fakes import week2_models as here
-from tests.harness import actor_fakes, class_of, reference, solution
+from tests.harness import actor_fakes, class_of, fetch, reference, solution
 
 sol = solution(week=2, day=1)
 ref = reference()
-fakes = actor_fakes(sol, "week2_models")  # built where the code under test runs; `here`, the judge's own copy
+
+
+def fakes():
+    """tests/actor_fakes/week2_models where the code under test runs (asked each time: a worker stopped at a time
+    limit is replaced); `here` is the judge's own copy."""
+    return actor_fakes(sol, "week2_models")
 
 ATOL = RTOL = 1e-3  # float32 logits of size ~20; different summation orders differ by ~1e-5
 PROMPT = "The quick brown fox jumps over the lazy dog. A KV cache keeps what attention already computed."
@@ -163,7 +167,7 @@ PROMPTS = [
 def ref_model(model32):
     # Task 3 tests the loop, so it runs on a correct model that is none of the student's tasks: mlx-lm's, behind
     # the week-2 interface, built where the code under test runs.
-    return fakes.Week2Model(model32[0])
+    return fakes().Week2Model(model32[0])
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +204,7 @@ def run(module, loop, model, tokenizer, prompt, eos=None, eos_from=None, record=
     """`loop(model, tokenizer, prompt, ...)` with `module`'s fakes around `model` and `tokenizer`: a Spy (making EOS
     win from `eos_from` on), a CallCountingTokenizer, a Recorder as the sampler if `record`, Pieces as on_text.
 
-    The student's loop runs with the actor's fakes (`fakes`); the oracle is the reference's loop with the judge's
+    The student's loop runs with the actor's fakes (`fakes()`); the oracle is the reference's loop with the judge's
     own (`here`) on the judge's own model: a test compares the two records, so a record the submission rewrote must
     still be the one the reference makes, token ids included, and agree with the text it returned.
     """
@@ -229,7 +233,7 @@ def assert_same_record(got: Run, oracle: Run):
 def test_task_3_greedy_matches_mlx_lm(model32, ref_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
-    got = run(fakes, sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
               max_tokens=MAX_TOKENS)
     # The Recorder's picks are written in the actor; they must be mlx-lm's own greedy tokens, computed here.
     assert got.sampled[: len(expected_tokens)] == expected_tokens
@@ -252,7 +256,7 @@ def test_task_3_feeds_one_token_per_step(model32, ref_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-    got = run(fakes, sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, max_tokens=6)
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, max_tokens=6)
     # The prompt once, at offset 0; then one token per step at offset = tokens already cached.
     assert got.calls[0] == (prompt_len, 0), "the first call prefills the whole prompt at offset 0"
     assert got.calls[1:] == [(1, prompt_len + i) for i in range(5)], (
@@ -271,7 +275,7 @@ def test_task_3_stops_at_eos_and_max_tokens(model32, ref_model, judge_model):
     eos = next(iter(tokenizer.eos_token_ids))
     # From the 4th generated token on, EOS is the most likely token.
     ends = dict(eos=eos, eos_from=prompt_len + 3, record=True, max_tokens=20)
-    got = run(fakes, sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
     assert len(got.sampled) == 4 and got.sampled[-1] == eos
     assert got.text.strip() == tokenizer.decode(got.sampled[:3]).strip(), "EOS ends the text, not part of it"
     assert "<|im_end|>" not in got.text
@@ -279,14 +283,14 @@ def test_task_3_stops_at_eos_and_max_tokens(model32, ref_model, judge_model):
     oracle = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, **ends)
     assert_same_record(got, oracle)
 
-    got = run(fakes, sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
               max_tokens=3)
     assert len(got.sampled) == 3
 
 
 def test_task_3_streams_text(model32, ref_model):
     _, tokenizer = model32
-    got = run(fakes, sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, PROMPTS[2],
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, PROMPTS[2],
               max_tokens=MAX_TOKENS)
     assert len(got.pieces) >= 2, "text arrives piece by piece as tokens are generated"
     assert "".join(got.pieces) == got.text
@@ -314,7 +318,7 @@ def assert_queued_ahead(got: Run, max_tokens):
 def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, judge_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
-    got = run(fakes, sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
               max_tokens=MAX_TOKENS)
     assert got.sampled[: len(expected_tokens)] == expected_tokens
     assert got.text == expected_text
@@ -326,7 +330,7 @@ def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, jud
     # The same prompt where EOS becomes the most likely token at the 4th generated one: the text ends there.
     eos = next(iter(tokenizer.eos_token_ids))
     eos_from = len(tokenizer.encode(prompt, add_special_tokens=False)) + 3
-    ended = run(fakes, sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, eos=eos,
+    ended = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, eos=eos,
                 eos_from=eos_from, max_tokens=MAX_TOKENS)
     plain = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, eos=eos,
                 eos_from=eos_from, max_tokens=MAX_TOKENS)
@@ -338,7 +342,7 @@ def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model, judge_model):
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     for max_tokens in (1, 2, 6):
-        got = run(fakes, sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
+        got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
                   max_tokens=max_tokens)
         # The prompt once at offset 0, then one token per step at the next offset, and no call after the
         # last token's: max_tokens calls in all.
@@ -354,7 +358,7 @@ def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model, judge_model):
 
     # From the 4th generated token on, EOS is the most likely token.
     ends = dict(eos=next(iter(tokenizer.eos_token_ids)), eos_from=prompt_len + 3, max_tokens=20)
-    got = run(fakes, sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
     plain = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, **ends)
     assert got.text == plain.text and "<|im_end|>" not in got.text, "EOS ends the text, not part of it"
     assert len(got.calls_at_token) == 3, (
@@ -373,7 +377,7 @@ def test_task_4_samples_with_the_sampler(model32, ref_model, judge_model):
     # The sampler is built where it runs (sampling is week 1's, the reference's in this day's code); a seed here
     # seeds both processes, and the reference's sampler draws the same from the same seed.
     mx.random.seed(7)
-    got = run(fakes, sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
               sampler=sol.sampler.make_sampler(1.0), max_tokens=MAX_TOKENS)
     assert_queued_ahead(got, MAX_TOKENS)
     mx.random.seed(7)
