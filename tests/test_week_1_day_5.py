@@ -13,7 +13,8 @@ import mlx.nn as nn
 import pytest
 
 from tests import mlx_oracles as oracle
-from tests.harness import solution
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, solution
 
 sol = solution(week=1, day=5)
 
@@ -122,29 +123,25 @@ def test_task_3_qwen2_model_is_causal(model32):
 
 @pytest.fixture(scope="module")
 def quantized_model(model32):
-    """The embedded model quantized in-process to 4 bits, group size 64 (a fresh copy: the fixture's stays float).
+    """The embedded model quantized in-process to 4 bits, group size 64 (fresh copies: the fixture's stays float),
+    twice: the judge's (the oracle) and the one the code under test reads, made where it runs from the same weights
+    (tests/actor_fakes/week2_models.py; MLX's quantization is deterministic).
 
     Layers whose input size is not a multiple of 64 (the MLP's down projection: 176 inputs) stay float,
     so the model mixes quantized and float layers, as real mixed-precision checkpoints do.
     """
-    from mlx_lm.models import qwen2 as mlx_qwen2
-
     model, _ = model32
-    copy = mlx_qwen2.Model(model.args)
-    copy.update(model.parameters())
-    nn.quantize(copy, group_size=64, bits=4,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
-    mx.eval(copy.parameters())
-    return copy
+    return here.quantized_copy(model), actor_fakes(sol, "week2_models").quantized_copy(model)
 
 
 def test_task_3_qwen2_model_quantized(quantized_model):
-    assert isinstance(quantized_model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    assert isinstance(quantized_model.model.embed_tokens, nn.QuantizedEmbedding)
-    ours = sol.qwen2_week1.Qwen2ModelWeek1(quantized_model)
+    oracle_model, actor_model = quantized_model
+    assert isinstance(oracle_model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(oracle_model.model.embed_tokens, nn.QuantizedEmbedding)
+    ours = sol.qwen2_week1.Qwen2ModelWeek1(actor_model)
     inputs = mx.array([[9707, 11, 1879, 0, 3838, 374]])
     with oracle.quantization_oracle():  # mlx-lm's 4-bit layers, on MLX's CPU when the GPU is CUDA's
-        expected = quantized_model(inputs)
+        expected = oracle_model(inputs)
     assert_close(ours(inputs), expected, LOGITS_ATOL)
 
 

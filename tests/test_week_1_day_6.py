@@ -9,10 +9,17 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from tests.harness import actor_fakes, fetch, solution
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, fetch, reference, solution
 
 sol = solution(week=1, day=6)
-fakes = actor_fakes(sol, "generation")  # the sampler, model wrappers and on_text, built where the loop runs
+ref = reference()
+
+
+def fakes():
+    """tests/actor_fakes/week2_models where the code under test runs (asked each time: a worker stopped at a time
+    limit is replaced); `here` is the judge's own copy."""
+    return actor_fakes(sol, "week2_models")
 
 
 MAX_TOKENS = 12
@@ -28,9 +35,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def our_model(model32):
-    # Day 6 tests the loop, so the model is the reference's (the student's model is day 5: in day 6's selection,
-    # `qwen2_week1` is the reference's), built where the loop runs.
+    # Day 6 tests the loop, so the model is day 5's, which in this day's code is the reference's: built where the
+    # loop runs.
     return sol.qwen2_week1.Qwen2ModelWeek1(model32[0])
+
+
+@pytest.fixture(scope="module")
+def judge_model(model32):
+    """The reference's model, run here: the oracle's runs of the reference loop."""
+    return ref.qwen2_week1.Qwen2ModelWeek1(model32[0])
 
 
 def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
@@ -49,46 +62,49 @@ def test_task_1_greedy_matches_mlx_lm(model32, our_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
     # Token ids, through a recording greedy sampler...
-    recorder = fakes.Recorder()
+    recorder = fakes().Recorder()
     text = sol.generate.simple_generate(our_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
-    [[picked]] = fetch([recorder], "tokens")
-    assert picked[: len(expected_tokens)] == expected_tokens
+    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
     # ...the same text as mlx-lm's streaming detokenizer spells (it drops a leading space)...
     assert text == expected_text
     # ...and the same again with the default sampler (None = greedy).
     assert sol.generate.simple_generate(our_model, tokenizer, prompt, max_tokens=MAX_TOKENS) == expected_text
 
 
-def test_task_1_stops_at_eos(model32, our_model):
+def test_task_1_stops_at_eos(model32, our_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     eos = next(iter(tokenizer.eos_token_ids))
-    wrapped = fakes.EosAfter(our_model, prompt_len, 3, eos)
-    recorder = fakes.Recorder()
+    # A model wrapped so that from the 3rd generated token on, EOS is the most likely token (week2_models.EosAfter).
+    wrapped = fakes().EosAfter(our_model, prompt_len, 3, eos)
+    recorder = fakes().Recorder()
     text = sol.generate.simple_generate(wrapped, tokenizer, prompt, sampler=recorder, max_tokens=20)
-    [[picked]], [[calls]] = fetch([recorder], "tokens"), fetch([wrapped], "calls")
+    picked, calls = recorder.tokens, wrapped.calls
     # Three tokens, then EOS: the loop stops there and EOS is not part of the text.
     assert picked[-1] == eos and len(picked) == 4
     assert calls == 4
     assert text.strip() == tokenizer.decode(picked[:3]).strip()
     assert "<|im_end|>" not in text
+    # The records are the actor's: they must be what the reference's loop records on the judge's own model and fakes().
+    oracle_recorder, oracle_wrapped = here.Recorder(), here.EosAfter(judge_model, prompt_len, 3, eos)
+    oracle = ref.generate.simple_generate(oracle_wrapped, tokenizer, prompt, sampler=oracle_recorder, max_tokens=20)
+    assert (text, picked, calls) == (oracle, oracle_recorder.tokens, oracle_wrapped.calls)
 
 
 def test_task_1_max_tokens(model32, our_model):
     _, tokenizer = model32
-    recorder = fakes.Recorder()
+    recorder = fakes().Recorder()
     sol.generate.simple_generate(our_model, tokenizer, PROMPTS[1], sampler=recorder, max_tokens=5)
-    [[picked]] = fetch([recorder], "tokens")
-    assert len(picked) == 5
+    assert len(recorder.tokens) == 5
 
 
 def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
     _, tokenizer = model32
-    streaming = fakes.Streaming(our_model)
-    text = sol.generate.simple_generate(streaming, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS,
-                                        on_text=streaming.on_text)
-    [[events, pieces]] = fetch([streaming], "events", "pieces")
+    # The model and on_text log each call and each piece in one list, where the loop runs (week2_models.Events).
+    log = fakes().Events(our_model)
+    text = sol.generate.simple_generate(log, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=log.on_text)
+    [[events, pieces]] = fetch([log], "events", "pieces")
     assert "".join(pieces) == text
     assert len(pieces) > 1, "on_text should be called once per new piece of text, not once at the end"
     # Streaming: text comes out between model calls, not all after the last one.
@@ -99,9 +115,9 @@ def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
 def test_task_1_uses_the_sampler(model32, our_model):
     _, tokenizer = model32
     # A sampler that always answers token 40 ("I") must be obeyed.
-    always_40 = fakes.Always(40)
+    always_40 = fakes().FixedSampler(40)
     text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=always_40, max_tokens=4)
     assert text.strip() == tokenizer.decode([40] * 4).strip()
     # The sampler gets log-probabilities for one sequence: 1 x vocab.
-    [[shapes]] = fetch([always_40], "shapes")
-    assert len(shapes) == 4 and all(shape == (1, model32[0].args.vocab_size) for shape in shapes)
+    shapes = always_40.shapes
+    assert len(shapes) == 4 and all(shape == (1, our_model.vocab_size) for shape in shapes)

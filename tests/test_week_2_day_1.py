@@ -2,11 +2,14 @@
 
 Oracles: plain concatenation for the cache; mlx-lm's own Qwen2 on the embedded model's weights for
 the logits (prefill, each decode step, and prefill split into chunks); mlx-lm's greedy generation and
-week 1's cacheless loop for the generated tokens. A spy model checks that generation really feeds one
-token per step after the prompt; with a tokenizer that notes how many model calls had been made when
-each token reached its detokenizer, it checks that the pipelined loop queues step n + 1 before reading
-token n.
+week 1's cacheless loop for the generated tokens. The loops (Tasks 3 and 4) run on mlx-lm's model behind
+the week-2 interface, with fakes built where the code under test runs (tests/actor_fakes/week2_models.py): a spy
+model records what each call fed, and a tokenizer notes how many model calls had been made when each token reached
+its detokenizer (the pipelined loop queues step n + 1 before reading token n). Their records are checked against
+the reference loops' run on the judge's own copies of the same fakes and model.
 """
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -14,10 +17,17 @@ import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from tests.harness import class_of, reference, solution
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, class_of, fetch, reference, solution
 
 sol = solution(week=2, day=1)
 ref = reference()
+
+
+def fakes():
+    """tests/actor_fakes/week2_models where the code under test runs (asked each time: a worker stopped at a time
+    limit is replaced); `here` is the judge's own copy."""
+    return actor_fakes(sol, "week2_models")
 
 ATOL = RTOL = 1e-3  # float32 logits of size ~20; different summation orders differ by ~1e-5
 PROMPT = "The quick brown fox jumps over the lazy dog. A KV cache keeps what attention already computed."
@@ -155,8 +165,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def ref_model(model32):
-    # Task 3 tests the loop, so it runs on the reference model (the model is Task 2).
-    return ref.qwen2_week2.Qwen2ModelWeek2(model32[0])
+    # Task 3 tests the loop, so it runs on a correct model that is none of the student's tasks: mlx-lm's, behind
+    # the week-2 interface, built where the code under test runs.
+    return fakes().Week2Model(model32[0])
+
+
+@pytest.fixture(scope="module")
+def judge_model(model32):
+    """The judge's own copy of `ref_model`: the oracles' runs of the reference loops."""
+    return here.Week2Model(model32[0])
 
 
 def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
@@ -170,50 +187,60 @@ def mlx_lm_greedy(model, tokenizer, prompt, max_tokens):
     return tokens, text
 
 
-class Recorder:
-    """A greedy sampler that writes down each token it picks."""
+@dataclass
+class Run:
+    """What one generation did, read back as plain data from the fakes it ran with (week2_models)."""
 
-    def __init__(self):
-        self.tokens = []
+    text: str
+    calls: list  # (tokens fed, offset) per model call
+    trace: list  # (token ids fed, offset) per model call
+    tokens: list  # each token handed to the detokenizer
+    calls_at_token: list  # model calls made when each of them was handed over
+    sampled: list | None  # the Recorder's picks, EOS included, when the sampler was one
+    pieces: list  # what on_text received
 
-    def __call__(self, logprobs):
-        token = mx.argmax(logprobs, axis=-1)
-        self.tokens.append(int(token.item()))
-        return token
+
+def run(module, loop, model, tokenizer, prompt, eos=None, eos_from=None, record=False, **kwargs) -> Run:
+    """`loop(model, tokenizer, prompt, ...)` with `module`'s fakes around `model` and `tokenizer`: a Spy (making EOS
+    win from `eos_from` on), a CallCountingTokenizer, a Recorder as the sampler if `record`, Pieces as on_text.
+
+    The student's loop runs with the actor's fakes (`fakes()`); the oracle is the reference's loop with the judge's
+    own (`here`) on the judge's own model: a test compares the two records, so a record the submission rewrote must
+    still be the one the reference makes, token ids included, and agree with the text it returned.
+    """
+    spy = module.Spy(model, eos, eos_from)
+    counting = module.CallCountingTokenizer(tokenizer, spy)
+    pieces = module.Pieces()
+    recorder = module.Recorder() if record else None
+    if record:
+        kwargs["sampler"] = recorder
+    text = loop(spy, counting, prompt, on_text=pieces, **kwargs)
+    [[calls, trace]] = fetch([spy], "calls", "trace")
+    [[tokens, calls_at_token]] = fetch([counting], "tokens", "calls_at_token")
+    sampled = recorder.tokens if record else None
+    return Run(text, calls, trace, tokens, calls_at_token, sampled, pieces.pieces)
 
 
-class Spy:
-    """Wraps a week-2 model: records (tokens fed, offset) per call; optionally makes EOS win from a position on."""
-
-    def __init__(self, model, eos=None, eos_from=None):
-        self.model, self.eos, self.eos_from = model, eos, eos_from
-        self.calls = []
-        self.num_hidden_layers = model.num_hidden_layers
-        self.vocab_size = model.vocab_size
-
-    def make_cache(self):
-        return self.model.make_cache()
-
-    def __call__(self, inputs, offset, cache):
-        self.calls.append((inputs.shape[1], offset))
-        logits = self.model(inputs, offset, cache)
-        if self.eos is not None and offset + inputs.shape[1] >= self.eos_from:
-            logits = logits + mx.zeros((logits.shape[-1],)).at[self.eos].add(1e4)
-        return logits
+def assert_same_record(got: Run, oracle: Run):
+    """The student's run recorded what the reference's run on the judge's own fakes recorded."""
+    assert got.text == oracle.text, f"text {got.text!r}, expected {oracle.text!r}"
+    assert got.trace == oracle.trace, (
+        f"model calls (token ids fed, offset): {got.trace}, expected {oracle.trace}")
+    assert got.tokens == oracle.tokens, f"tokens detokenized: {got.tokens}, expected {oracle.tokens}"
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "chat", "chinese"])
 def test_task_3_greedy_matches_mlx_lm(model32, ref_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
-    recorder = Recorder()
-    text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=recorder,
-                                                      max_tokens=MAX_TOKENS)
-    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+              max_tokens=MAX_TOKENS)
+    # The Recorder's picks are written in the actor; they must be mlx-lm's own greedy tokens, computed here.
+    assert got.sampled[: len(expected_tokens)] == expected_tokens
     # The same text as mlx-lm's streaming detokenizer spells (it drops a leading space).
-    assert text == expected_text
+    assert got.text == expected_text
     default = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
-    assert default == text, "sampler=None means greedy"
+    assert default == got.text, "sampler=None means greedy"
 
 
 def test_task_3_same_text_as_week_1_loop(model32, ref_model):
@@ -225,161 +252,138 @@ def test_task_3_same_text_as_week_1_loop(model32, ref_model):
     assert with_cache == without_cache
 
 
-def test_task_3_feeds_one_token_per_step(model32, ref_model):
+def test_task_3_feeds_one_token_per_step(model32, ref_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-    spy = Spy(ref_model)
-    sol.generate.simple_generate_with_kv_cache(spy, tokenizer, prompt, max_tokens=6)
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, max_tokens=6)
     # The prompt once, at offset 0; then one token per step at offset = tokens already cached.
-    assert spy.calls[0] == (prompt_len, 0), "the first call prefills the whole prompt at offset 0"
-    assert spy.calls[1:] == [(1, prompt_len + i) for i in range(5)], (
-        f"after the prompt, each step feeds one token at the next offset; calls were {spy.calls}")
+    assert got.calls[0] == (prompt_len, 0), "the first call prefills the whole prompt at offset 0"
+    assert got.calls[1:] == [(1, prompt_len + i) for i in range(5)], (
+        f"after the prompt, each step feeds one token at the next offset; calls were {got.calls}")
+    # The Spy's record is the actor's: it must be, token for token, the calls the reference's loop makes on the
+    # judge's own model. A lying record has to hold the model's own greedy tokens at the right offsets, beside the
+    # text they spell: the loop's whole output, computed some other way.
+    oracle = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, max_tokens=6)
+    assert_same_record(got, oracle)
 
 
-def test_task_3_stops_at_eos_and_max_tokens(model32, ref_model):
+def test_task_3_stops_at_eos_and_max_tokens(model32, ref_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     eos = next(iter(tokenizer.eos_token_ids))
     # From the 4th generated token on, EOS is the most likely token.
-    spy = Spy(ref_model, eos=eos, eos_from=prompt_len + 3)
-    recorder = Recorder()
-    text = sol.generate.simple_generate_with_kv_cache(spy, tokenizer, prompt, sampler=recorder, max_tokens=20)
-    assert len(recorder.tokens) == 4 and recorder.tokens[-1] == eos
-    assert text.strip() == tokenizer.decode(recorder.tokens[:3]).strip(), "EOS ends the text, not part of it"
-    assert "<|im_end|>" not in text
-    assert len(spy.calls) == 4
+    ends = dict(eos=eos, eos_from=prompt_len + 3, record=True, max_tokens=20)
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
+    assert len(got.sampled) == 4 and got.sampled[-1] == eos
+    assert got.text.strip() == tokenizer.decode(got.sampled[:3]).strip(), "EOS ends the text, not part of it"
+    assert "<|im_end|>" not in got.text
+    assert len(got.calls) == 4
+    oracle = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, **ends)
+    assert_same_record(got, oracle)
 
-    recorder = Recorder()
-    sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=recorder, max_tokens=3)
-    assert len(recorder.tokens) == 3
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+              max_tokens=3)
+    assert len(got.sampled) == 3
 
 
 def test_task_3_streams_text(model32, ref_model):
     _, tokenizer = model32
-    pieces = []
-    text = sol.generate.simple_generate_with_kv_cache(ref_model, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS,
-                                                      on_text=pieces.append)
-    assert len(pieces) >= 2, "text arrives piece by piece as tokens are generated"
-    assert "".join(pieces) == text
+    got = run(fakes(), sol.generate.simple_generate_with_kv_cache, ref_model, tokenizer, PROMPTS[2],
+              max_tokens=MAX_TOKENS)
+    assert len(got.pieces) >= 2, "text arrives piece by piece as tokens are generated"
+    assert "".join(got.pieces) == got.text
 
 
 # ---------------------------------------------------------------- Task 4: pipelined generation
+# The CallCountingTokenizer (week2_models) notes how many model calls the Spy had seen when each token reached the
+# detokenizer: a plain loop has made n + 1 by token n, a pipelined loop, which queued step n + 1 first, n + 2.
 
-class CallCountingTokenizer:
-    """Wraps a tokenizer: for each token handed to its detokenizer, notes how many calls `spy` had seen.
+def assert_queued_ahead(got: Run, max_tokens):
+    """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens).
 
-    A plain loop reads token n, hands it over, then calls the model for step n + 1: n + 1 calls by then.
-    A pipelined loop has already queued step n + 1 when it reads token n: n + 2 calls.
+    The one record no output shows: when each call happened. It is the actor's; the tests also require the calls and
+    tokens themselves to be the reference loop's (`assert_same_record`), so only the order is taken on trust.
     """
-
-    def __init__(self, tokenizer, spy):
-        self.tokenizer, self.spy = tokenizer, spy
-        self.calls_at_token = []
-        self.eos_token_ids = tokenizer.eos_token_ids
-
-    def encode(self, text, add_special_tokens=False):
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    @property
-    def detokenizer(self):
-        detokenizer = self.tokenizer.detokenizer
-        add_token = detokenizer.add_token
-
-        def counted_add_token(token):
-            self.calls_at_token.append(len(self.spy.calls))
-            add_token(token)
-
-        detokenizer.add_token = counted_add_token
-        return detokenizer
-
-
-def assert_queued_ahead(counting, max_tokens):
-    """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens)."""
-    read = len(counting.calls_at_token)
+    read = len(got.calls_at_token)
     expected = [min(n + 2, max_tokens) for n in range(read)]
-    assert counting.calls_at_token == expected, (
-        f"model calls made when each of the {read} tokens reached the detokenizer: {counting.calls_at_token}, "
+    assert got.calls_at_token == expected, (
+        f"model calls made when each of the {read} tokens reached the detokenizer: {got.calls_at_token}, "
         f"expected {expected}: queue step n + 1 on token n before reading token n with .item(), and stop "
         f"calling the model after max_tokens={max_tokens} calls")
 
 
-def pipelined(model, tokenizer, prompt, **kwargs):
-    """Run the pipelined loop with `model` behind a Spy: (text, spy, counting tokenizer)."""
-    spy = model if isinstance(model, Spy) else Spy(model)
-    counting = CallCountingTokenizer(tokenizer, spy)
-    text = sol.generate.pipelined_generate_with_kv_cache(spy, counting, prompt, **kwargs)
-    return text, spy, counting
-
-
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["hello", "chat", "chinese"])
-def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, prompt):
+def test_task_4_greedy_matches_mlx_lm_and_the_plain_loop(model32, ref_model, judge_model, prompt):
     model, tokenizer = model32
     expected_tokens, expected_text = mlx_lm_greedy(model, tokenizer, prompt, MAX_TOKENS)
-    recorder = Recorder()
-    text, _, counting = pipelined(ref_model, tokenizer, prompt, sampler=recorder, max_tokens=MAX_TOKENS)
-    assert recorder.tokens[: len(expected_tokens)] == expected_tokens
-    assert text == expected_text
-    assert_queued_ahead(counting, MAX_TOKENS)
-    plain = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
-    assert text == plain, "the same text as Task 3's loop"
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, record=True,
+              max_tokens=MAX_TOKENS)
+    assert got.sampled[: len(expected_tokens)] == expected_tokens
+    assert got.text == expected_text
+    assert_queued_ahead(got, MAX_TOKENS)
+    plain = ref.generate.simple_generate_with_kv_cache(judge_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert got.text == plain, "the same text as Task 3's loop"
     default = sol.generate.pipelined_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
-    assert default == text, "sampler=None means greedy"
+    assert default == got.text, "sampler=None means greedy"
     # The same prompt where EOS becomes the most likely token at the 4th generated one: the text ends there.
     eos = next(iter(tokenizer.eos_token_ids))
     eos_from = len(tokenizer.encode(prompt, add_special_tokens=False)) + 3
-    ended = sol.generate.pipelined_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=eos_from), tokenizer, prompt,
-                                                          max_tokens=MAX_TOKENS)
-    plain = ref.generate.simple_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=eos_from), tokenizer, prompt,
-                                                       max_tokens=MAX_TOKENS)
-    assert ended == plain, "EOS ends the text as in Task 3's loop, and is not part of it"
+    ended = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, eos=eos,
+                eos_from=eos_from, max_tokens=MAX_TOKENS)
+    plain = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, eos=eos,
+                eos_from=eos_from, max_tokens=MAX_TOKENS)
+    assert ended.text == plain.text, "EOS ends the text as in Task 3's loop, and is not part of it"
 
 
-def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model):
+def test_task_4_stops_at_max_tokens_and_eos(model32, ref_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[0]
     prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
     for max_tokens in (1, 2, 6):
-        pieces = []
-        text, spy, counting = pipelined(ref_model, tokenizer, prompt, max_tokens=max_tokens, on_text=pieces.append)
+        got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
+                  max_tokens=max_tokens)
         # The prompt once at offset 0, then one token per step at the next offset, and no call after the
         # last token's: max_tokens calls in all.
-        assert spy.calls == [(prompt_len, 0)] + [(1, prompt_len + i) for i in range(max_tokens - 1)], (
+        assert got.calls == [(prompt_len, 0)] + [(1, prompt_len + i) for i in range(max_tokens - 1)], (
             f"max_tokens={max_tokens}: expected the prompt, then {max_tokens - 1} one-token steps; calls were "
-            f"{spy.calls}")
-        assert len(counting.calls_at_token) == max_tokens, f"max_tokens={max_tokens} tokens generated"
-        assert_queued_ahead(counting, max_tokens)
-        assert text == ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=max_tokens)
-        assert "".join(pieces) == text, "on_text receives the text piece by piece"
+            f"{got.calls}")
+        assert len(got.calls_at_token) == max_tokens, f"max_tokens={max_tokens} tokens generated"
+        assert_queued_ahead(got, max_tokens)
+        assert "".join(got.pieces) == got.text, "on_text receives the text piece by piece"
+        # The records are the actor's: they must be the reference pipelined loop's on the judge's own model.
+        assert_same_record(got, run(here, ref.generate.pipelined_generate_with_kv_cache, judge_model, tokenizer,
+                                    prompt, max_tokens=max_tokens))
 
     # From the 4th generated token on, EOS is the most likely token.
-    eos = next(iter(tokenizer.eos_token_ids))
-    pieces = []
-    text, spy, counting = pipelined(Spy(ref_model, eos=eos, eos_from=prompt_len + 3), tokenizer, prompt,
-                                    max_tokens=20, on_text=pieces.append)
-    plain = ref.generate.simple_generate_with_kv_cache(Spy(ref_model, eos=eos, eos_from=prompt_len + 3), tokenizer,
-                                                       prompt, max_tokens=20)
-    assert text == plain and "<|im_end|>" not in text, "EOS ends the text, not part of it"
-    assert len(counting.calls_at_token) == 3, (
-        f"3 tokens before EOS reach the detokenizer, not {len(counting.calls_at_token)}: EOS is not output")
-    assert_queued_ahead(counting, 20)
-    assert "".join(pieces) == text
+    ends = dict(eos=next(iter(tokenizer.eos_token_ids)), eos_from=prompt_len + 3, max_tokens=20)
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt, **ends)
+    plain = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, **ends)
+    assert got.text == plain.text and "<|im_end|>" not in got.text, "EOS ends the text, not part of it"
+    assert len(got.calls_at_token) == 3, (
+        f"3 tokens before EOS reach the detokenizer, not {len(got.calls_at_token)}: EOS is not output")
+    assert_queued_ahead(got, 20)
+    assert "".join(got.pieces) == got.text
     # 4 steps gave the 3 tokens and EOS; the one queued on EOS is the only step wasted.
-    assert len(spy.calls) == 5, f"the prompt, 3 steps and the one queued on EOS: 5 calls, not {len(spy.calls)}"
+    assert len(got.calls) == 5, f"the prompt, 3 steps and the one queued on EOS: 5 calls, not {len(got.calls)}"
+    assert_same_record(got, run(here, ref.generate.pipelined_generate_with_kv_cache, judge_model, tokenizer, prompt,
+                                **ends))
 
 
-def test_task_4_samples_with_the_sampler(model32, ref_model):
+def test_task_4_samples_with_the_sampler(model32, ref_model, judge_model):
     _, tokenizer = model32
     prompt = PROMPTS[1]
-    sampler = ref.sampler.make_sampler(1.0)
+    # The sampler is built where it runs (sampling is week 1's, the reference's in this day's code); a seed here
+    # seeds both processes, and the reference's sampler draws the same from the same seed.
     mx.random.seed(7)
-    text, _, counting = pipelined(ref_model, tokenizer, prompt, sampler=sampler, max_tokens=MAX_TOKENS)
-    assert_queued_ahead(counting, MAX_TOKENS)
+    got = run(fakes(), sol.generate.pipelined_generate_with_kv_cache, ref_model, tokenizer, prompt,
+              sampler=sol.sampler.make_sampler(1.0), max_tokens=MAX_TOKENS)
+    assert_queued_ahead(got, MAX_TOKENS)
     mx.random.seed(7)
-    plain = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, sampler=sampler,
-                                                       max_tokens=MAX_TOKENS)
+    plain = ref.generate.simple_generate_with_kv_cache(judge_model, tokenizer, prompt,
+                                                       sampler=ref.sampler.make_sampler(1.0), max_tokens=MAX_TOKENS)
     # The sampler draws once per step, in the same order in both loops: one seed, one text.
-    assert text == plain, "with the same seed, the sampled text of Task 3's loop"
-    greedy = ref.generate.simple_generate_with_kv_cache(ref_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
-    assert text != greedy, "the sampler picked the tokens, not argmax"
+    assert got.text == plain, "with the same seed, the sampled text of Task 3's loop"
+    greedy = ref.generate.simple_generate_with_kv_cache(judge_model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert got.text != greedy, "the sampler picked the tokens, not argmax"

@@ -11,22 +11,14 @@ import math
 import numpy as np
 import pytest
 
-from tests.harness import solution
+from tests.harness import actor_fakes, solution
 
 sol = solution(week=2, day=2)
 
 
-class FakeClock:
-    """A clock that only moves when told to: `clock.now = 3.0` or `clock.advance(0.5)`."""
-
-    def __init__(self, start: float = 100.0):
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+def fake_clock(start: float = 100.0):
+    """A clock that only moves when told to (`clock.now = 3.0`), built where the recorder under test reads it."""
+    return actor_fakes(sol).ManualClock(start)
 
 
 def request(token_times, finish=None, arrival=1.0, request_id="r", prompt_tokens=7):
@@ -117,7 +109,7 @@ def record_run(recorder, clock):
 
 
 def test_task_3_recorder_timelines():
-    clock = FakeClock()
+    clock = fake_clock()
     recorder = sol.metrics.MetricsRecorder(clock=clock)
     record_run(recorder, clock)
     a, b, c = (recorder.requests[name] for name in "abc")
@@ -132,7 +124,7 @@ def test_task_3_recorder_timelines():
 
 
 def test_task_3_summary_values():
-    clock = FakeClock()
+    clock = fake_clock()
     recorder = sol.metrics.MetricsRecorder(clock=clock)
     record_run(recorder, clock)
     s = recorder.summary()
@@ -157,17 +149,17 @@ def test_task_3_summary_values():
 
 
 def test_task_3_summary_counts_finished_requests_only():
-    clock = FakeClock()
+    clock = fake_clock()
     recorder = sol.metrics.MetricsRecorder(clock=clock)
     recorder.arrive(0, prompt_tokens=3)
     recorder.arrive(1, prompt_tokens=3)
-    clock.advance(0.25)
+    clock.now += 0.25
     recorder.token(0)
     recorder.token(1)
-    clock.advance(0.25)
+    clock.now += 0.25
     recorder.token(0)
     recorder.finish(0)
-    clock.advance(5.0)
+    clock.now += 5.0
     recorder.token(1)  # still running: not in the percentiles yet
     s = recorder.summary()
     assert s["count"] == 1 and s["unfinished"] == 1
@@ -179,7 +171,7 @@ def test_task_3_summary_counts_finished_requests_only():
 
 
 def test_task_3_no_requests_and_single_token_requests():
-    recorder = sol.metrics.MetricsRecorder(clock=FakeClock())
+    recorder = sol.metrics.MetricsRecorder(clock=fake_clock())
     empty = recorder.summary()
     assert empty["count"] == 0
     assert empty["note"], "with nothing finished, the summary says so"
@@ -187,10 +179,10 @@ def test_task_3_no_requests_and_single_token_requests():
     assert empty["longest_stall_s"] is None
     json.dumps(recorder.to_json())  # and it still has a JSON form
 
-    clock = FakeClock()
+    clock = fake_clock()
     recorder = sol.metrics.MetricsRecorder(clock=clock)
     recorder.arrive("x", prompt_tokens=5)
-    clock.advance(0.4)
+    clock.now += 0.4
     recorder.token("x")
     recorder.finish("x")
     s = recorder.summary()
@@ -202,7 +194,7 @@ def test_task_3_no_requests_and_single_token_requests():
 
 
 def test_task_3_json_round_trip():
-    clock = FakeClock()
+    clock = fake_clock()
     recorder = sol.metrics.MetricsRecorder(clock=clock)
     record_run(recorder, clock)
     data = json.loads(json.dumps(recorder.to_json()))

@@ -6,12 +6,12 @@ checkpoint dequantized on load (mx.dequantize) for the greedy tokens.
 """
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
 from tests import mlx_oracles as oracle
-from tests.harness import class_of, solution
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, class_of, solution
 
 sol = solution(week=2, day=3)
 
@@ -135,20 +135,15 @@ def test_task_3_quantized_linear_rejects_wrong_width():
 
 @pytest.fixture(scope="module")
 def quantized_checkpoint(model32):
-    """The embedded model quantized in-process to 4 bits, group size 64, embedding included.
+    """The embedded model quantized in-process to 4 bits, group size 64, embedding included, twice: the judge's copy
+    (the oracle) and the copy the code under test reads, made where it runs from the same weights
+    (tests/actor_fakes/week2_models.py; MLX's quantization is deterministic).
 
     Layers whose input size is not a multiple of 64 (the MLP's down projection: 176 inputs) stay
     float, as in real mixed-precision checkpoints.
     """
-    from mlx_lm.models import qwen2 as mlx_qwen2
-
     model, tokenizer = model32
-    copy = mlx_qwen2.Model(model.args)
-    copy.update(model.parameters())
-    nn.quantize(copy, group_size=64, bits=4,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
-    mx.eval(copy.parameters())
-    return copy, tokenizer
+    return here.quantized_copy(model), actor_fakes(sol, "week2_models").quantized_copy(model), tokenizer
 
 
 def greedy_tokens(model, prompt_ids, max_tokens):
@@ -172,7 +167,7 @@ def model_uses_solution(monkeypatch):
 
 
 def test_task_3_model_runs_quantized_checkpoint(quantized_checkpoint, model_uses_solution):
-    mlx_model, tokenizer = quantized_checkpoint
+    oracle_model, mlx_model, tokenizer = quantized_checkpoint
     ours = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model, keep_quantized=True)
     attn = ours.layers[0].self_attn
     assert class_of(attn.wq) is sol.quantize.QuantizedWeight, "keep_quantized keeps the weights packed"
@@ -180,7 +175,7 @@ def test_task_3_model_runs_quantized_checkpoint(quantized_checkpoint, model_uses
     prompt = tokenizer.encode("A quantized model reads a quarter of the bytes per token.")
     logits = ours(mx.array([prompt]), 0, ours.make_cache())
     with oracle.quantization_oracle():
-        expected = mlx_model(mx.array([prompt]))
+        expected = oracle_model(mx.array([prompt]))
     np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-3,
                                err_msg="logits against mlx-lm's own model on the same 4-bit weights")
 

@@ -2,19 +2,22 @@
 
 Oracles: a causal mask written with numpy; mx.fast.scaled_dot_product_attention (MLX's fused
 attention, grouped-query heads included) on random inputs whose sizes are not multiples of the tiles;
-MLX's peak-memory counter for "never the whole score matrix"; the week-2 model with plain attention
-for the prefill with tiles, one-shot and in chunks after cached tokens.
+MLX's peak-memory counter for "never the whole score matrix"; the reference's week-2 model, run here through
+the same marked flash attention as the model under test (tests/actor_fakes/week2_models.py), for the prefill
+with tiles, one-shot and in chunks after cached tokens, and the plain decode step after them.
 """
 
-import types
+import contextlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.harness import solution
+from tests.actor_fakes import week2_models as here
+from tests.harness import actor_fakes, reference, solution
 
 sol = solution(week=2, day=4)
+ref = reference()
 
 ATOL = 1e-5  # float32 attention outputs of size ~1; summation order differs by ~1e-7
 
@@ -118,33 +121,38 @@ def test_task_2_flash_attention_never_holds_the_score_matrix():
     assert peak < score_bytes / 4, f"peak {peak / 2**20:.1f} MiB: the whole L x S scores were built"
 
 
-@pytest.fixture
-def counted_flash(monkeypatch):
-    """The week-2 model's route to day 2.4, pointed at the code under test, counting its calls."""
-    calls = []
-
-    def flash_attention(q, k, v, scale=None, mask=None):
-        calls.append(q.shape[-2])
-        return sol.flash_attention.flash_attention(q, k, v, scale=scale, mask=mask, tile_q=32, tile_kv=48)
-
-    monkeypatch.setattr(sol.qwen2_week2, "flash_attention", types.SimpleNamespace(flash_attention=flash_attention))
-    return calls
+@contextlib.contextmanager
+def routed_through(qwen2_week2, flash):
+    """While the block runs, `qwen2_week2`'s model reaches day 2.4 through `flash` (a week2_models.MarkedFlash)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qwen2_week2, "flash_attention", flash)
+        yield
 
 
-def test_task_2_model_prefill_with_flash_attention(model32, counted_flash):
+def test_task_2_model_prefill_with_flash_attention(model32):
     mlx_model, _ = model32
-    plain = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model)
-    tiled = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model, flash_attention=True)
     prompt = mx.array([[(t * 7919) % 150000 for t in range(1, 151)]])  # 150 tokens: several tiles
+    decode = mx.array([[42]])
 
-    expected = plain(prompt, 0, plain.make_cache())
-    assert_close(tiled(prompt, 0, tiled.make_cache()), expected, "one-shot prefill", atol=1e-4)
-    assert counted_flash == [150] * plain.num_hidden_layers, "every layer's prefill went through flash attention"
+    # The week-2 model reaches flash attention through its module `flash_attention`: pointed at a MarkedFlash, built
+    # where the model under test runs, around the code under test. It counts the calls and scales what it returns,
+    # so the route shows in the logits: the oracle is the reference's model run here through the judge's own
+    # MarkedFlash. Counts a submission rewrote would not change its logits.
+    with routed_through(ref.qwen2_week2, here.MarkedFlash(ref.flash_attention)):
+        oracle = ref.qwen2_week2.Qwen2ModelWeek2(mlx_model, flash_attention=True)
+        oracle_cache = oracle.make_cache()
+        expected = oracle(prompt, 0, oracle_cache)
+        expected_decode = oracle(decode, 150, oracle_cache)
+    flash = actor_fakes(sol, "week2_models").MarkedFlash(sol.flash_attention)
+    with routed_through(sol.qwen2_week2, flash):
+        tiled = sol.qwen2_week2.Qwen2ModelWeek2(mlx_model, flash_attention=True)
+        assert_close(tiled(prompt, 0, tiled.make_cache()), expected, "one-shot prefill", atol=1e-4)
+        assert flash.calls == [150] * tiled.num_hidden_layers, "every layer's prefill went through flash attention"
 
-    # Chunked prefill: chunks after cached tokens use the chunk mask; decode (one token) stays plain.
-    cache = tiled.make_cache()
-    chunks = [tiled(prompt[:, start:start + 64], start, cache) for start in range(0, 150, 64)]
-    assert_close(mx.concatenate(chunks, axis=1), expected, "prefill in chunks of 64", atol=1e-4)
-    counted_flash.clear()
-    tiled(mx.array([[42]]), 150, cache)
-    assert counted_flash == [], "a decode step (one new token) uses plain attention"
+        # Chunked prefill: chunks after cached tokens use the chunk mask; decode (one token) stays plain.
+        cache = tiled.make_cache()
+        chunks = [tiled(prompt[:, start:start + 64], start, cache) for start in range(0, 150, 64)]
+        assert_close(mx.concatenate(chunks, axis=1), expected, "prefill in chunks of 64", atol=1e-4)
+        flash.calls = []
+        assert_close(tiled(decode, 150, cache), expected_decode, "a decode step after the chunks", atol=1e-4)
+        assert flash.calls == [], "a decode step (one new token) uses plain attention"
