@@ -549,7 +549,8 @@ def test_task_5_a_freed_slot_goes_to_the_waiting_request_in_the_same_iteration(b
         waiting = view["waiting"]
         if waiting is not None and waiting[0] and not waiting[1]:
             assert view["free"] is None, (
-                f"step {step}: a request is prefilled and slot {view['free']} is free: admit again after the decode step")
+                f"step {step}: a request is prefilled and slot {view['free']} is free: "
+                "admit again after the decode step")
 
 
 def test_task_5_try_prefill_after_done_is_never_called(batch, fakes):

@@ -103,7 +103,8 @@ class Tape:
     def _add(self, batch: int, layer: int, slot: int, cache: int) -> None:
         assert 0 <= cache < len(self.histories), f"slot {slot}: expected a request's own cache"
         rows = self.batches[batch][layer]
-        assert rows[slot] is None, f"add_request into slot {slot}, which is still taken (a retired request not removed?)"
+        assert rows[slot] is None, (
+            f"add_request into slot {slot}, which is still taken (a retired request not removed?)")
         rows[slot] = cache
         self.adds[batch] += layer == 0
 
