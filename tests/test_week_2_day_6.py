@@ -2,7 +2,7 @@
 
 Oracles: one-request-at-a-time greedy generation, computed without any scheduler: by mlx-lm's own
 Qwen2 (with its own KV cache) for the embedded model, and straight from the fake model's rule for the
-recording fake (tests/scheduler_fakes.py), whose caches hold token ids so that a scheduler mixing up
+recording fake (tests/actor_fakes/schedulers.py), whose caches hold token ids so that a scheduler mixing up
 slots, caches or offsets is caught. Results must not depend on the batch size or on prompt order.
 
 The fakes, the model the scheduler runs and the loop that drives it are built where the scheduler runs

@@ -1,6 +1,6 @@
 """Week 2 Day 7: chunked prefill (book/src/week2-07-chunked-prefill.md).
 
-Oracles: a recording fake model (tests/scheduler_fakes.py) for the order, offsets and lengths of the
+Oracles: a recording fake model (tests/actor_fakes/schedulers.py) for the order, offsets and lengths of the
 model calls; numpy and MLX built-ins (mx.fast.rope, mx.fast.scaled_dot_product_attention) for the
 chunk's mask and positions; one-shot prefill for chunked prefill (same logits, same KV cache);
 one-request-at-a-time greedy generation by mlx-lm's own Qwen2 for the scheduler's outputs; MLX's

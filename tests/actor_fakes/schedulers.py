@@ -156,14 +156,10 @@ class Tape:
 
 
 class FakeLayerCache:
-    """One layer of one request's cache: layer cache `id` of the model's tape."""
+    """One layer of one request's cache: layer cache `id` of the model's tape (its tokens: `tape.histories[id]`)."""
 
-    def __init__(self, tape: Tape, id: int):
-        self.tape, self.id = tape, id
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.tape.histories[self.id]
+    def __init__(self, id: int):
+        self.id = id
 
 
 class FakeBatchCache:
@@ -181,10 +177,6 @@ class FakeBatchCache:
 
     def held(self) -> list[int]:
         return self.tape.held(self.batch, self.layer)
-
-    @property
-    def adds(self) -> int:
-        return self.tape.adds[self.batch]
 
 
 class FakeClock:
@@ -237,15 +229,11 @@ class FakeModel:
         return self.tape.calls
 
     @property
-    def prefill_calls(self) -> list[Call]:
-        return [c for c in self.calls if c.kind == "prefill"]
-
-    @property
     def decode_calls(self) -> list[Call]:
         return [c for c in self.calls if c.kind == "decode"]
 
     def make_cache(self) -> list[FakeLayerCache]:
-        return [FakeLayerCache(self.tape, id) for id in self.tape.apply(["cache"])]
+        return [FakeLayerCache(id) for id in self.tape.apply(["cache"])]
 
     def make_batch_cache(self, batch_size: int, max_seq_len: int) -> list[FakeBatchCache]:
         batch = self.tape.apply(["batch", batch_size, max_seq_len])
