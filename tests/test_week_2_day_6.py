@@ -2,8 +2,12 @@
 
 Oracles: one-request-at-a-time greedy generation, computed without any scheduler: by mlx-lm's own
 Qwen2 (with its own KV cache) for the embedded model, and straight from the fake model's rule for the
-recording fake (tests/scheduler_fakes.py), whose caches hold token ids so that a scheduler mixing up
+recording fake (tests/actor_fakes/schedulers.py), whose caches hold token ids so that a scheduler mixing up
 slots, caches or offsets is caught. Results must not depend on the batch size or on prompt order.
+
+The fakes, the model the scheduler runs and the loop that drives it are built where the scheduler runs
+(`actor_fakes(sol, "schedulers")`); what they recorded comes back as data, and the fake model's record is
+replayed by the judge's own copy of the fake (`replay`, `check_replay`) before any check reads it.
 
 Day 2.7's parts of batch.py (chunked prefill, the iteration loop, stats) come from the reference here
 (tests/harness.py: each day's tests run that day's tasks only).
@@ -15,13 +19,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.harness import reference, solution
-from tests.scheduler_fakes import (
-    EOS, FakeModel, FakeTokenizer, ModelFailure, expected_tokens, prompt_of,
-)
+from tests.harness import actor_fakes, solution
+from tests.scheduler_fakes import EOS, FakeTokenizer, check_replay, expected_tokens, prompt_of, replay, replay_steps
 
 sol = solution(week=2, day=6)
-ref = reference()
 
 
 PROMPTS = [
@@ -41,11 +42,20 @@ def batch():
     return sol.batch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def fakes():
+    """tests/actor_fakes/schedulers.py where the scheduler runs: its fakes are built there."""
+    return actor_fakes(sol, "schedulers")
+
+
+@pytest.fixture
 def real(model32):
-    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights, float32 everywhere."""
+    """(Qwen2ModelWeek2 where the scheduler runs, mlx-lm model, tokenizer) on the embedded weights, float32.
+
+    The scheduler's model is built from the package under test, where every task but this day's is the
+    reference's: day 2.1's model and day 2.5's batching cache."""
     mlx_model, tokenizer = model32
-    return ref.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
+    return sol.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
 
 
 def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[int]:
@@ -65,21 +75,27 @@ def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[i
 
 
 @pytest.fixture(scope="module")
-def oracle_texts(real):
-    _, mlx_model, tokenizer = real
+def oracle_texts(model32):
+    mlx_model, tokenizer = model32
     return [tokenizer.decode(mlx_lm_greedy(mlx_model, tokenizer, p, MAX_SEQ_LEN)) for p in PROMPTS]
 
 
-def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
-    """Drive a SlotScheduler to the end (what batch_generate does); `check(scheduler)` after every step."""
+def run_scheduler(fakes, batch, model, tokenizer, prompts, watch=False, texts=False, **settings):
+    """Drive a SlotScheduler to the end (what batch_generate does), where it runs (`drive`): its finished
+    requests, with `watch` its slots after every step, and the fake model's record (None for a real model)."""
     scheduler = batch.SlotScheduler(model, tokenizer, **settings)
-    for idx, prompt in enumerate(prompts):
-        scheduler.add_request(prompt, idx)
-    while scheduler.has_work():
-        scheduler.step()
-        if check is not None:
-            check(scheduler)
-    return scheduler
+    return fakes.drive(scheduler, prompts, model, watch=watch, texts=texts)
+
+
+def run_fake(fakes, batch, prompts, **settings):
+    """run_scheduler on a fresh fake model, its slots checked after every step (`slot_invariants`); the record,
+    replayed by the judge and checked against the outputs, comes back as that replay."""
+    run = run_scheduler(fakes, batch, fakes.FakeModel(), fakes.FakeTokenizer(), prompts, watch=True, **settings)
+    for tape, view in replay_steps(run["events"], run["views"]):
+        slot_invariants(tape, view)
+    tape = replay(run["events"])
+    check_replay(tape, run["finished"], prompts)
+    return run["finished"], tape
 
 
 def fake_prompts(count: int) -> list[str]:
@@ -89,9 +105,9 @@ def fake_prompts(count: int) -> list[str]:
 # ---------------------------------------------------------------- Task 1: a request's output
 
 
-def test_task_1_record_token_appends_and_finishes_at_eos(batch):
-    tokenizer, model = FakeTokenizer(), FakeModel()
-    request = batch.Request(model, tokenizer, "abc", prompt_idx=4)
+def test_task_1_record_token_appends_and_finishes_at_eos(batch, fakes):
+    tokenizer, model = FakeTokenizer(), fakes.FakeModel()
+    request = batch.Request(model, fakes.FakeTokenizer(), "abc", prompt_idx=4)
     request.record_token(5)
     request.record_token(7)
     assert request.output_tokens == [5, 7] and request.next_token == 7
@@ -100,11 +116,11 @@ def test_task_1_record_token_appends_and_finishes_at_eos(batch):
     assert request.is_done and request.finish_reason == "stop"
     assert request.output_tokens == [5, 7], "EOS ends the request and is not part of its output"
     assert request.text() == tokenizer.decode([5, 7])
-    assert model.calls == [], "recording a token needs no model call"
+    assert replay(model.record()).calls == [], "recording a token needs no model call"
 
 
-def test_task_1_record_token_finishes_at_max_seq_len(batch):
-    request = batch.Request(FakeModel(), FakeTokenizer(), "abc", max_seq_len=6)
+def test_task_1_record_token_finishes_at_max_seq_len(batch, fakes):
+    request = batch.Request(fakes.FakeModel(), fakes.FakeTokenizer(), "abc", max_seq_len=6)
     for token in (1, 2):
         request.record_token(token)
         assert not request.is_done, "3 prompt + 2 output tokens < max_seq_len 6"
@@ -113,8 +129,8 @@ def test_task_1_record_token_finishes_at_max_seq_len(batch):
     assert request.output_tokens == [1, 2, 3]
 
 
-def test_task_1_decode_done_moves_offset_past_the_fed_token(batch):
-    request = batch.Request(FakeModel(), FakeTokenizer(), "abcd")
+def test_task_1_decode_done_moves_offset_past_the_fed_token(batch, fakes):
+    request = batch.Request(fakes.FakeModel(), fakes.FakeTokenizer(), "abcd")
     request.offset = 4  # as after the prefill: the cache holds the 4 prompt tokens
     request.record_token(9)  # the first token, from the prefill: not in the cache yet
     assert request.offset == 4
@@ -122,9 +138,9 @@ def test_task_1_decode_done_moves_offset_past_the_fed_token(batch):
     assert request.offset == 5 and request.next_token == 11 and request.output_tokens == [9, 11]
 
 
-def test_task_1_text_is_the_decoded_output(batch, real):
-    _, _, tokenizer = real
-    request = batch.Request(FakeModel(), tokenizer, [1, 2])  # ids the fake model knows (its vocabulary is 40)
+def test_task_1_text_is_the_decoded_output(batch, fakes, model32):
+    _, tokenizer = model32
+    request = batch.Request(fakes.FakeModel(), tokenizer, [1, 2])  # ids the fake model knows (its vocabulary is 40)
     ids = tokenizer.encode(" continuous batching", add_special_tokens=False)
     for token in ids:
         request.record_token(token)
@@ -135,68 +151,66 @@ def test_task_1_text_is_the_decoded_output(batch, real):
 # ---------------------------------------------------------------- Task 2: slots, admission, retirement
 
 
-def slot_invariants(scheduler):
-    """After every step: each slot's request is in every layer's batch cache, and no prefilled request idles."""
-    for layer in scheduler.batch_cache:
-        assert layer.held() == [b for b, r in enumerate(scheduler.slots) if r is not None], (
-            "the batch cache's occupied rows must be exactly the occupied slots")
-        for b, request in enumerate(scheduler.slots):
-            if request is not None:
-                assert layer.rows[b] in request.kv_cache, f"slot {b} holds another request's cache"
-    waiting = scheduler.prefilling
-    if waiting is not None and waiting.is_prefill_done:
-        assert scheduler.free_slot() is None, "a prefilled request waits although a slot is free"
-    for request in scheduler.finished:
-        assert request.is_done and all(request is not r for r in scheduler.slots)  # by identity: a handle while graded
+def slot_invariants(tape, view):
+    """After every step: each slot's request is in every layer's batch cache, and no prefilled request idles.
+
+    `view` is the scheduler's state after the step (its slots, the request it prefills), `tape` the judge's
+    replay of the fake model up to that step: which request cache each row of the batch cache holds."""
+    busy = [b for b, layers in enumerate(view["slots"]) if layers is not None]
+    for layer in range(tape.num_layers):
+        assert tape.held(0, layer) == busy, "the batch cache's occupied rows must be exactly the occupied slots"
+        for b in busy:
+            assert tape.batches[0][layer][b] in view["slots"][b], f"slot {b} holds another request's cache"
+    waiting = view["waiting"]
+    if waiting is not None and waiting[0]:
+        assert view["free"] is None, "a prefilled request waits although a slot is free"
+    assert view["retired"], "every finished request is done and holds no slot"
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8])
-def test_task_2_fake_outputs_equal_one_at_a_time(batch, batch_size):
+def test_task_2_fake_outputs_equal_one_at_a_time(batch, fakes, batch_size):
     prompts = fake_prompts(9)
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    scheduler = run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
-                              max_seq_len=24, batch_size=batch_size, prefill_step=64)
+    tokenizer = FakeTokenizer()
+    finished, tape = run_fake(fakes, batch, prompts, max_seq_len=24, batch_size=batch_size, prefill_step=64)
     expected = [expected_tokens(tokenizer.encode(p), 24) for p in prompts]
     assert {reason for _, reason in expected} == {"stop", "length"}, "the workload should end both ways"
-    got = {r.prompt_idx: (r.output_tokens, r.finish_reason) for r in scheduler.finished}
+    got = {r["idx"]: (r["tokens"], r["reason"]) for r in finished}
     assert got == dict(enumerate(expected))
-    busiest = max(len(c.active) for c in model.decode_calls)
+    busiest = max(len(c.active) for c in tape.calls if c.kind == "decode")
     assert busiest <= batch_size, "never more requests decoding than slots"
     if batch_size <= 3:
         assert busiest == batch_size, "with more requests than slots, every slot gets used"
-    assert all(layer.held() == [] for layer in scheduler.batch_cache), "every slot is free at the end"
-    assert all(r.kv_cache is None for r in scheduler.finished), "finished requests keep no cache"
+    assert all(tape.held(0, layer) == [] for layer in range(tape.num_layers)), "every slot is free at the end"
+    assert all(r["dropped"] for r in finished), "finished requests keep no cache"
 
 
-def test_task_2_fake_outputs_do_not_depend_on_prompt_order(batch):
+def test_task_2_fake_outputs_do_not_depend_on_prompt_order(batch, fakes):
     prompts = fake_prompts(6)
     tokenizer = FakeTokenizer()
     expected = {p: expected_tokens(tokenizer.encode(p), 20)[0] for p in prompts}
     for order in itertools.islice(itertools.permutations(prompts), 0, 720, 97):
-        scheduler = run_scheduler(batch, FakeModel(), tokenizer, list(order), check=slot_invariants,
-                                  max_seq_len=20, batch_size=3, prefill_step=64)
-        got = {order[r.prompt_idx]: r.output_tokens for r in scheduler.finished}
+        finished, _ = run_fake(fakes, batch, list(order), max_seq_len=20, batch_size=3, prefill_step=64)
+        got = {order[r["idx"]]: r["tokens"] for r in finished}
         assert got == expected, f"prompt order {order}"
 
 
-def test_task_2_a_freed_slot_is_reused(batch):
+def test_task_2_a_freed_slot_is_reused(batch, fakes):
     """With 2 slots and 5 requests, later requests decode in slots that earlier ones left."""
-    model, tokenizer, prompts = FakeModel(), FakeTokenizer(), fake_prompts(5)
-    run_scheduler(batch, model, tokenizer, prompts, check=slot_invariants,
-                  max_seq_len=16, batch_size=2, prefill_step=64)
+    tokenizer, prompts = FakeTokenizer(), fake_prompts(5)
+    _, tape = run_fake(fakes, batch, prompts, max_seq_len=16, batch_size=2, prefill_step=64)
     # A request whose first token is EOS never needs a slot; every other one takes one.
     needs_slot = sum(expected_tokens(tokenizer.encode(p), 16) != ([], "stop") for p in prompts)
     assert needs_slot > 2
-    assert model.batch_caches[0][0].adds == needs_slot
-    assert all(len(c.active) <= 2 for c in model.decode_calls)
+    assert tape.adds[0] == needs_slot
+    assert all(len(c.active) <= 2 for c in tape.calls if c.kind == "decode")
 
 
 @pytest.mark.parametrize("batch_size", [1, 2, 4])
-def test_task_2_real_model_outputs_equal_one_at_a_time(batch, real, oracle_texts, batch_size):
+def test_task_2_real_model_outputs_equal_one_at_a_time(batch, fakes, real, oracle_texts, batch_size):
     model, _, tokenizer = real
-    scheduler = run_scheduler(batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN,
-                              batch_size=batch_size, prefill_step=512)
-    got = {r.prompt_idx: r.text() for r in scheduler.finished}
+    run = run_scheduler(fakes, batch, model, tokenizer, PROMPTS, texts=True, max_seq_len=MAX_SEQ_LEN,
+                        batch_size=batch_size, prefill_step=512)
+    got = {r["idx"]: r["text"] for r in run["finished"]}
     assert got == dict(enumerate(oracle_texts))
 
 
@@ -219,9 +233,9 @@ def test_task_3_batch_generate_any_prompt_order(batch, real, oracle_texts):
     assert [text for _, text in results] == [oracle_texts[i] for i in order]
 
 
-def test_task_3_bad_input_fails_before_any_model_call(batch):
-    tokenizer = FakeTokenizer()
-    model = FakeModel()
+def test_task_3_bad_input_fails_before_any_model_call(batch, fakes):
+    tokenizer = fakes.FakeTokenizer()
+    model = fakes.FakeModel()
     assert batch.batch_generate(model, tokenizer, [], max_seq_len=16) == [], "no prompts: no results"
     bad = [
         dict(prompts=["abc"], batch_size=0),
@@ -231,32 +245,37 @@ def test_task_3_bad_input_fails_before_any_model_call(batch):
         dict(prompts=["abc", prompt_of(40, 1)]),  # longer than max_seq_len
     ]
     for case in bad:
-        model = FakeModel()
+        model = fakes.FakeModel()
         prompts = case.pop("prompts")
         with pytest.raises(ValueError):
             batch.batch_generate(model, tokenizer, prompts, max_seq_len=16, **case)
-        assert model.calls == [], f"{case}: the error must come before any model call"
+        # The record alone: a submission that rewrote its fake's record could hide a call (nothing else shows one).
+        assert replay(model.record()).calls == [], f"{case}: the error must come before any model call"
 
 
 @pytest.mark.parametrize("fail_on_call", [1, 3, 7, 12])
-def test_task_3_model_error_releases_every_slot_and_cache(batch, fail_on_call):
-    model = FakeModel(fail_on_call=fail_on_call)
-    with pytest.raises(ModelFailure):
-        batch.batch_generate(model, FakeTokenizer(), fake_prompts(6), max_seq_len=24, batch_size=3, prefill_step=4)
-    assert all(layer.held() == [] for layer in model.batch_caches[0]), "no decode slot may stay held"
+def test_task_3_model_error_releases_every_slot_and_cache(batch, fakes, fail_on_call):
+    model = fakes.FakeModel(fail_on_call=fail_on_call)
+    with pytest.raises(fakes.ModelFailure):
+        batch.batch_generate(model, fakes.FakeTokenizer(), fake_prompts(6), max_seq_len=24, batch_size=3,
+                             prefill_step=4)
+    tape = replay(model.record())
+    assert tape.calls[-1].kind == "failed", "the fake's failure ended the run"
+    assert all(tape.held(0, layer) == [] for layer in range(tape.num_layers)), "no decode slot may stay held"
 
 
-def test_task_3_release_all_after_an_error(batch):
-    model = FakeModel(fail_on_call=6)
-    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=24, batch_size=2, prefill_step=4)
+def test_task_3_release_all_after_an_error(batch, fakes):
+    model = fakes.FakeModel(fail_on_call=6)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=24, batch_size=2, prefill_step=4)
     requests = [scheduler.add_request(p) for p in fake_prompts(5)]
-    with pytest.raises(ModelFailure):
+    with pytest.raises(fakes.ModelFailure):
         while scheduler.has_work():
             scheduler.step()
     assert scheduler.num_running > 0, "the failure should hit while requests decode"
     scheduler.release_all()
     assert not scheduler.has_work() and scheduler.num_running == 0
-    assert all(layer.held() == [] for layer in scheduler.batch_cache)
+    tape = replay(model.record())
+    assert all(tape.held(0, layer) == [] for layer in range(tape.num_layers))
     finished = scheduler.finished
     unfinished = [r for r in requests if all(r is not f for f in finished)]
     assert unfinished and all(r.kv_cache is None and r.finish_reason == "abort" for r in unfinished)

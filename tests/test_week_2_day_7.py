@@ -1,10 +1,14 @@
 """Week 2 Day 7: chunked prefill (book/src/week2-07-chunked-prefill.md).
 
-Oracles: a recording fake model (tests/scheduler_fakes.py) for the order, offsets and lengths of the
+Oracles: a recording fake model (tests/actor_fakes/schedulers.py) for the order, offsets and lengths of the
 model calls; numpy and MLX built-ins (mx.fast.rope, mx.fast.scaled_dot_product_attention) for the
 chunk's mask and positions; one-shot prefill for chunked prefill (same logits, same KV cache);
 one-request-at-a-time greedy generation by mlx-lm's own Qwen2 for the scheduler's outputs; MLX's
 memory counters for materialization and peak memory; an injected clock for times, policies and logs.
+
+The fakes, the model the scheduler runs, the logits recorder and the memory counters are where the scheduler
+runs (`actor_fakes(sol, "schedulers")`); what they recorded comes back as data, and the fake model's record is
+replayed by the judge's own copy of the fake (`replay`, `check_replay`) before any check reads it.
 
 Day 2.6's parts of batch.py (a request's output, the decode slots) come from the reference here
 (tests/harness.py: each day's tests run that day's tasks only).
@@ -17,9 +21,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.harness import reference, solution
+from tests.harness import actor_fakes, reference, solution
 from tests.scheduler_fakes import (
-    EOS, FakeClock, FakeModel, FakeTokenizer, ModelFailure, expected_tokens, next_token_of, prompt_of,
+    EOS, FakeTokenizer, check_replay, expected_tokens, next_token_of, prompt_of, replay, replay_steps,
 )
 
 sol = solution(week=2, day=7)
@@ -42,27 +46,26 @@ def batch():
     return sol.batch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def fakes():
+    """tests/actor_fakes/schedulers.py where the scheduler runs: its fakes are built there."""
+    return actor_fakes(sol, "schedulers")
+
+
+@pytest.fixture
 def real(model32):
-    """(our reference Qwen2ModelWeek2, mlx-lm model, tokenizer) on the embedded weights, float32 everywhere."""
+    """(Qwen2ModelWeek2 where the scheduler runs, mlx-lm model, tokenizer) on the embedded weights, float32.
+
+    The scheduler's model is built from the package under test, where every task but this day's is the
+    reference's: day 2.1's model and day 2.5's batching cache."""
     mlx_model, tokenizer = model32
-    return ref.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
+    return sol.qwen2_week2.Qwen2ModelWeek2(mlx_model), mlx_model, tokenizer
 
 
-class LogitsRecorder:
-    """Wraps a model and keeps the logits of every call (the model's other attributes pass through)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.outputs = []
-
-    def __call__(self, inputs, offset, cache, **kwargs):
-        logits = self.model(inputs, offset, cache, **kwargs)
-        self.outputs.append(logits)
-        return logits
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+@pytest.fixture(scope="module")
+def oracle_model(model32):
+    """The reference's Qwen2ModelWeek2 here, in the judge: the one-shot prefill the chunked one is checked against."""
+    return ref.qwen2_week2.Qwen2ModelWeek2(model32[0])
 
 
 def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[int]:
@@ -82,21 +85,30 @@ def mlx_lm_greedy(mlx_model, tokenizer, prompt: str, max_seq_len: int) -> list[i
 
 
 @pytest.fixture(scope="module")
-def oracle_tokens(real):
-    _, mlx_model, tokenizer = real
+def oracle_tokens(model32):
+    mlx_model, tokenizer = model32
     return [mlx_lm_greedy(mlx_model, tokenizer, p, MAX_SEQ_LEN) for p in PROMPTS]
 
 
-def run_scheduler(batch, model, tokenizer, prompts, check=None, **settings):
-    """Drive a SlotScheduler to the end, as batch_generate does; `check(scheduler)` after every step."""
+def run_scheduler(fakes, batch, model, tokenizer, prompts, watch=False, texts=False, **settings):
+    """Drive a SlotScheduler to the end, as batch_generate does, where it runs (`drive`): its finished requests,
+    with `watch` its slots after every step, and the fake model's record (None for a real model)."""
     scheduler = batch.SlotScheduler(model, tokenizer, **settings)
-    for idx, prompt in enumerate(prompts):
-        scheduler.add_request(prompt, idx)
-    while scheduler.has_work():
-        scheduler.step()
-        if check is not None:
-            check(scheduler)
-    return scheduler
+    return fakes.drive(scheduler, prompts, model, watch=watch, texts=texts)
+
+
+def run_fake(fakes, batch, model, prompts, eos=True, **settings):
+    """run_scheduler on the fake `model` (made with `eos`); its record, replayed by the judge and checked against
+    the outputs, comes back as that replay."""
+    run = run_scheduler(fakes, batch, model, fakes.FakeTokenizer(), prompts, **settings)
+    tape = replay(run["events"], eos=eos)
+    check_replay(tape, run["finished"], prompts)
+    return run, tape
+
+
+def prefill_calls(model, eos=True):
+    """The prefill calls of a fake model's record, replayed by the judge."""
+    return [c for c in replay(model.record(), eos=eos).calls if c.kind == "prefill"]
 
 
 def prefill_all(request) -> list[int]:
@@ -182,78 +194,84 @@ def kv_bytes(model, tokens: int) -> int:
     return tokens * args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * 4  # float32
 
 
-def test_task_2_materialize_cache_computes_keys_and_values(batch, real):
-    model, _, tokenizer = real
+def test_task_2_materialize_cache_computes_keys_and_values(batch, fakes, real):
+    model, mlx_model, tokenizer = real
     ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
     cache = model.make_cache()
-    model(mx.array([ids]), 0, cache)  # lazy: nothing computed yet
-    mx.synchronize()
-    before = mx.get_active_memory()
+    fakes.call_lazily(model, ids, 0, cache)  # lazy: nothing computed yet
+    before = fakes.active_memory()  # measured where the cache is
     batch.materialize_cache(cache)
-    grown = mx.get_active_memory() - before
+    grown = fakes.active_memory() - before
     # Allocator accounting is not byte-exact; left lazy, the cache would have grown by ~0 bytes.
-    assert grown >= kv_bytes(model, len(ids)) / 2, f"the cache's arrays must be computed (grew {grown} bytes)"
+    assert grown >= kv_bytes(mlx_model, len(ids)) / 2, f"the cache's arrays must be computed (grew {grown} bytes)"
 
 
 # ---------------------------------------------------------------- Task 3: Request.try_prefill
 
 
-def test_task_3_seven_tokens_in_chunks_of_three(batch):
-    model, tokenizer = FakeModel(), FakeTokenizer()
+def test_task_3_seven_tokens_in_chunks_of_three(batch, fakes):
+    model, tokenizer = fakes.FakeModel(), FakeTokenizer()
     prompt = "abcdefg"
     ids = tokenizer.encode(prompt)
-    request = batch.Request(model, tokenizer, prompt, prefill_max_step=3, prompt_idx=2)
+    request = batch.Request(model, fakes.FakeTokenizer(), prompt, prefill_max_step=3, prompt_idx=2)
     progress = []
     for _ in range(3):
         assert not request.is_prefill_done and request.next_token is None
         ran = request.try_prefill()
         progress.append((ran, request.offset, request.is_prefill_done))
     assert progress == [(3, 3, False), (3, 6, False), (1, 7, True)]
-    calls = [(c.tokens, c.offset) for c in model.prefill_calls]
+    tape = replay(model.record())
+    calls = [(c.tokens, c.offset) for c in tape.calls if c.kind == "prefill"]
     assert calls == [(ids[0:3], 0), (ids[3:6], 3), (ids[6:7], 6)], "chunks of at most 3 at their absolute offsets"
     first = next_token_of(ids)
     assert request.next_token == first, "the last chunk picks the first output token (greedy)"
+    assert tape.generations() == [(tuple(ids), (first,))], "the replayed chunks predict that token"
     assert request.output_tokens == ([] if first == EOS else [first])
     with pytest.raises(ValueError):
         request.try_prefill()
-    assert len(model.calls) == 3, "a try_prefill after the prefill is done must not call the model"
+    assert model.num_calls == 3, "a try_prefill after the prefill is done must not call the model"
 
 
 @pytest.mark.parametrize("length, calls", [(4, 1), (5, 1), (6, 2), (1, 1), (11, 3)])
-def test_task_3_prompt_shorter_equal_longer_than_a_chunk(batch, length, calls):
-    model, tokenizer = FakeModel(), FakeTokenizer()
+def test_task_3_prompt_shorter_equal_longer_than_a_chunk(batch, fakes, length, calls):
+    model, tokenizer = fakes.FakeModel(), FakeTokenizer()
     prompt = prompt_of(length, seed=length)
-    request = batch.Request(model, tokenizer, prompt, prefill_max_step=5)
+    request = batch.Request(model, fakes.FakeTokenizer(), prompt, prefill_max_step=5)
     sizes = prefill_all(request)
-    assert len(model.prefill_calls) == calls and sum(sizes) == length and all(1 <= s <= 5 for s in sizes)
-    assert [c.offset for c in model.prefill_calls] == [5 * i for i in range(calls)]
+    tape = replay(model.record())
+    chunks = [c for c in tape.calls if c.kind == "prefill"]
+    assert len(chunks) == calls and sum(sizes) == length and all(1 <= s <= 5 for s in sizes)
+    assert [c.offset for c in chunks] == [5 * i for i in range(calls)]
     assert request.offset == length
-    assert request.next_token == next_token_of(tokenizer.encode(prompt))
+    first = next_token_of(tokenizer.encode(prompt))
+    assert request.next_token == first
+    assert tape.generations() == [(tuple(tokenizer.encode(prompt)), (first,))], "the replayed chunks predict it"
 
 
-def test_task_3_bad_input_fails_before_any_model_call(batch):
-    model, tokenizer = FakeModel(), FakeTokenizer()
+def test_task_3_bad_input_fails_before_any_model_call(batch, fakes):
+    model, tokenizer = fakes.FakeModel(), fakes.FakeTokenizer()
     request = batch.Request(model, tokenizer, "xy", prefill_max_step=1)
     assert prefill_all(request) == [1, 1]
     for kwargs in (dict(prompt="abc", prefill_max_step=0), dict(prompt=""), dict(prompt="abcdef", max_seq_len=6)):
-        model = FakeModel()
+        model = fakes.FakeModel()
         with pytest.raises(ValueError):
             batch.Request(model, tokenizer, **kwargs)
-        assert model.calls == []
+        # The record alone: a submission that rewrote its fake's record could hide a call (nothing else shows one).
+        assert replay(model.record()).calls == []
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, None])
-def test_task_3_chunked_prefill_equals_one_shot(batch, real, chunk):
+def test_task_3_chunked_prefill_equals_one_shot(batch, fakes, real, oracle_model, chunk):
     """Same logits at every prompt position and the same KV cache (the next decode step agrees)."""
     model, _, tokenizer = real
     prompt = PROMPTS[1]
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     chunk = chunk or len(ids) + 5  # None: one chunk longer than the prompt
 
-    one_shot_cache = model.make_cache()
-    one_shot = model(mx.array([ids]), 0, one_shot_cache)
+    one_shot_cache = oracle_model.make_cache()
+    one_shot = oracle_model(mx.array([ids]), 0, one_shot_cache)
 
-    recorder = LogitsRecorder(model)
+    recorder = fakes.LogitsRecorder(model)
     request = batch.Request(recorder, tokenizer, prompt, prefill_max_step=chunk)
     sizes = prefill_all(request)
     assert sizes == [min(chunk, len(ids) - s) for s in range(0, len(ids), chunk)]
@@ -265,29 +283,31 @@ def test_task_3_chunked_prefill_equals_one_shot(batch, real, chunk):
     # The caches agree if the next decode step on each gives the same logits.
     probe = mx.array([[request.next_token]])
     after_chunked = model(probe, len(ids), request.kv_cache)
-    after_one_shot = model(probe, len(ids), one_shot_cache)
+    after_one_shot = oracle_model(probe, len(ids), one_shot_cache)
     np.testing.assert_allclose(np.array(after_chunked), np.array(after_one_shot), rtol=1e-3, atol=1e-3)
 
 
-def test_task_3_chunks_go_to_the_model_with_their_chunk_mask(batch):
-    """The model gets `chunk_causal_mask(offset, chunk length)` with every chunk: the mask the chunk needs."""
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    request = batch.Request(model, tokenizer, prompt_of(11, 3), prefill_max_step=4)
+def test_task_3_chunks_go_to_the_model_with_their_chunk_mask(batch, fakes):
+    """The model gets `chunk_causal_mask(offset, chunk length)` with every chunk: the mask the chunk needs.
+
+    The record alone says which mask went with a chunk (the fake's tokens do not depend on it): a wrong mask the
+    record hid would still fail the real model's chunked-equals-one-shot test."""
+    model = fakes.FakeModel()
+    request = batch.Request(model, fakes.FakeTokenizer(), prompt_of(11, 3), prefill_max_step=4)
     prefill_all(request)
-    for call in model.prefill_calls:
+    for call in prefill_calls(model):
         assert call.mask is not None, "try_prefill must pass mask=chunk_causal_mask(...) to the model"
         np.testing.assert_array_equal(np.array(call.mask), numpy_chunk_mask(call.offset, len(call.tokens)))
 
 
-def test_task_3_try_prefill_materializes_between_chunks(batch, real):
-    model, _, tokenizer = real
+def test_task_3_try_prefill_materializes_between_chunks(batch, fakes, real):
+    model, mlx_model, tokenizer = real
     ids = list(range(1000, 1064))
     request = batch.Request(model, tokenizer, ids, prefill_max_step=32)
-    mx.synchronize()
-    before = mx.get_active_memory()
+    before = fakes.active_memory()  # measured where the request's cache is
     request.try_prefill()  # the first of two chunks: nobody reads its logits
-    grown = mx.get_active_memory() - before
-    assert grown >= kv_bytes(model, 32) / 2, (
+    grown = fakes.active_memory() - before
+    assert grown >= kv_bytes(mlx_model, 32) / 2, (
         f"after a chunk that is not the last, its keys and values must be computed (memory grew {grown} bytes)")
 
 
@@ -315,29 +335,31 @@ STATS_LINE = re.compile(
     r"waiting (?P<waiting>\d+), KV cache (?P<kv>[\d.]+)%")
 
 
-def scheduler_at(batch, clock, lines, **settings):
-    """A SlotScheduler on the fake model whose log goes to `lines`; nothing runs until the test says so."""
+def scheduler_at(fakes, batch, clock, log, **settings):
+    """A SlotScheduler on the fake model whose log goes to `log` (a LogLines); nothing runs until the test says so."""
     settings = {"max_seq_len": 32, "batch_size": 2, "prefill_step": 4, "log_interval": 1.0, **settings}
-    return batch.SlotScheduler(FakeModel(), FakeTokenizer(), clock=clock, log=lines.append, **settings)
+    return batch.SlotScheduler(fakes.FakeModel(), fakes.FakeTokenizer(), clock=clock, log=log, **settings)
 
 
-def test_task_4_start_up_line_says_whether_chunking_is_on(batch):
+def test_task_4_start_up_line_says_whether_chunking_is_on(batch, fakes):
     for prefill_step, max_seq_len, word in [(4, 32, "enabled"), (31, 32, "enabled"), (32, 32, "disabled"),
                                             (100, 32, "disabled")]:
-        lines = []
-        scheduler = scheduler_at(batch, FakeClock(), lines, prefill_step=prefill_step, max_seq_len=max_seq_len)
+        log = fakes.LogLines()
+        scheduler = scheduler_at(fakes, batch, fakes.FakeClock(), log, prefill_step=prefill_step,
+                                 max_seq_len=max_seq_len)
         scheduler.log_stats()
+        lines = log.lines
         assert len(lines) == 1 and f"chunked prefill {word}" in lines[0] and "token budget" in lines[0], lines
         if word == "enabled":
             assert scheduler.policy.describe() in lines[0], "the line names the policy"
         scheduler.log_stats()
-        assert len(lines) == 1, "no stats line before log_interval has passed"
+        assert len(log.lines) == 1, "no stats line before log_interval has passed"
 
 
-def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets(batch):
+def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets(batch, fakes):
     """Rates cover the time since the last line, not since the start; KV use counts what the slots hold."""
-    clock, lines = FakeClock(), []
-    scheduler = scheduler_at(batch, clock, lines, max_seq_len=50, batch_size=4, log_interval=2.0)
+    clock, log = fakes.FakeClock(), fakes.LogLines()
+    scheduler = scheduler_at(fakes, batch, clock, log, max_seq_len=50, batch_size=4, log_interval=2.0)
     scheduler.log_stats()  # the start-up line at t = 0
     scheduler.stats.prefill_tokens, scheduler.stats.decode_tokens = 40, 10
     clock.advance(2.0)
@@ -352,6 +374,7 @@ def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets
     scheduler.add_request("abc")
     clock.advance(4.0)
     scheduler.log_stats()
+    lines = log.lines
     first, second = (STATS_LINE.search(line) for line in lines[1:])
     assert (float(first["prompt"]), float(first["gen"])) == (20.0, 5.0), lines[1]
     assert (float(second["prompt"]), float(second["gen"])) == (1.0, 5.0), "rates since the previous line"
@@ -360,120 +383,128 @@ def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets
     assert "32/200 tokens" in lines[2]
 
 
-def test_task_4_no_stats_line_inside_the_interval(batch):
-    clock, lines = FakeClock(), []
-    scheduler = scheduler_at(batch, clock, lines)
+def test_task_4_no_stats_line_inside_the_interval(batch, fakes):
+    clock, log = fakes.FakeClock(), fakes.LogLines()
+    scheduler = scheduler_at(fakes, batch, clock, log)
     for _ in range(5):
         scheduler.log_stats()
         clock.advance(0.3)
-    assert len(lines) == 2, "the start-up line at 0 s, a stats line at 1.2 s"
+    assert len(log.lines) == 2, "the start-up line at 0 s, a stats line at 1.2 s"
 
 
 # ---------------------------------------------------------------- Task 5: the scheduler interleaves
 
 
-def test_task_5_each_iteration_runs_one_chunk_then_one_decode_step(batch):
-    model, tokenizer = FakeModel(eos=False), FakeTokenizer()
+def test_task_5_each_iteration_runs_one_chunk_then_one_decode_step(batch, fakes):
+    model = fakes.FakeModel(eos=False)
     short, long = prompt_of(3, 1), prompt_of(10, 2)
-    scheduler = batch.SlotScheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3)
     scheduler.add_request(short)
     scheduler.add_request(long)
-    kinds = []
+    ends = []  # how many calls the model had made after each iteration
     for _ in range(6):
-        before = len(model.calls)
         scheduler.step()
-        kinds.append([c.kind for c in model.calls[before:]])
+        ends.append(model.num_calls)
+    calls = replay(model.record(), eos=False).calls
+    kinds = [[c.kind for c in calls[start:end]] for start, end in zip([0] + ends, ends)]
     # Iteration 1: the short prompt in one chunk, then its first decode step. Iterations 2-5: one chunk
     # of the long prompt (offsets 0, 3, 6, 9) and one decode step of the short request. Then decode only.
     assert kinds == [["prefill", "decode"]] * 5 + [["decode"]]
-    long_chunks = [(len(c.tokens), c.offset) for c in model.prefill_calls[1:]]
+    long_chunks = [(len(c.tokens), c.offset) for c in calls if c.kind == "prefill"][1:]
     assert long_chunks == [(3, 0), (3, 3), (3, 6), (1, 9)]
-    decode_rows = [c.active for c in model.decode_calls]
+    decode_rows = [c.active for c in calls if c.kind == "decode"]
     assert decode_rows[:4] == [[0]] * 4, "the short request decodes while the long prompt prefills"
     assert decode_rows[4:] == [[0, 1], [0, 1]], "the long request takes a slot when its last chunk ran"
 
 
 @pytest.mark.parametrize("prefill_step", [1, 2, 3, 5, 1000])
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_task_5_fake_outputs_equal_for_every_chunk_size(batch, prefill_step, batch_size):
+def test_task_5_fake_outputs_equal_for_every_chunk_size(batch, fakes, prefill_step, batch_size):
     tokenizer = FakeTokenizer()
     prompts = [prompt_of(2 + (i * 7) % 13, seed=i) for i in range(7)]
-    scheduler = run_scheduler(batch, FakeModel(), tokenizer, prompts, max_seq_len=24,
-                              batch_size=batch_size, prefill_step=prefill_step)
-    got = {r.prompt_idx: (r.output_tokens, r.finish_reason) for r in scheduler.finished}
+    run, _ = run_fake(fakes, batch, fakes.FakeModel(), prompts, max_seq_len=24, batch_size=batch_size,
+                      prefill_step=prefill_step)
+    got = {r["idx"]: (r["tokens"], r["reason"]) for r in run["finished"]}
     assert got == {i: expected_tokens(tokenizer.encode(p), 24) for i, p in enumerate(prompts)}
 
 
 @pytest.mark.parametrize("prefill_step", [1, 2, 3, 7, 64])
-def test_task_5_real_model_outputs_equal_one_at_a_time(batch, real, oracle_tokens, prefill_step):
+def test_task_5_real_model_outputs_equal_one_at_a_time(batch, fakes, real, oracle_tokens, prefill_step):
     model, _, tokenizer = real
-    scheduler = run_scheduler(batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN,
-                              batch_size=3, prefill_step=prefill_step)
-    got = {r.prompt_idx: r.output_tokens for r in scheduler.finished}
+    run = run_scheduler(fakes, batch, model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN, batch_size=3,
+                        prefill_step=prefill_step)
+    got = {r["idx"]: r["tokens"] for r in run["finished"]}
     assert got == dict(enumerate(oracle_tokens))
 
 
-def test_task_5_first_token_eos_finishes_without_a_decode_step(batch):
+def test_task_5_first_token_eos_finishes_without_a_decode_step(batch, fakes):
     tokenizer = FakeTokenizer()
     eos_prompt = next(p for p in (prompt_of(n, s) for s in range(500) for n in (4, 9))
                       if next_token_of(tokenizer.encode(p)) == EOS)
     other = eos_free_prompt(5, 10)
-    model = FakeModel()
-    scheduler = run_scheduler(batch, model, tokenizer, [other, eos_prompt], max_seq_len=15,
-                              batch_size=2, prefill_step=3)
-    finished = {r.prompt_idx: r for r in scheduler.finished}
-    assert finished[1].finish_reason == "stop" and finished[1].output_tokens == [] and finished[1].text() == ""
-    assert model.batch_caches[0][0].adds == 1, "only the other request ever takes a slot"
-    assert all(c.active == [0] for c in model.decode_calls)
+    run, tape = run_fake(fakes, batch, fakes.FakeModel(), [other, eos_prompt], max_seq_len=15, batch_size=2,
+                         prefill_step=3, texts=True)
+    finished = {r["idx"]: r for r in run["finished"]}
+    assert finished[1]["reason"] == "stop" and finished[1]["tokens"] == [] and finished[1]["text"] == ""
+    assert tape.adds[0] == 1, "only the other request ever takes a slot"
+    assert all(c.active == [0] for c in tape.calls if c.kind == "decode")
 
 
 @pytest.mark.parametrize("fail_on_call", [3, 5, 7])  # calls: short prefill, decode, long chunk, decode, ...
-def test_task_5_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fail_on_call):
+def test_task_5_error_in_a_chunk_leaves_the_scheduler_releasable(batch, fakes, fail_on_call):
     """A chunk that raises propagates out of step(); release_all then frees every slot and cache."""
-    model, tokenizer = FakeModel(eos=False, fail_on_call=fail_on_call), FakeTokenizer()
-    scheduler = batch.SlotScheduler(model, tokenizer, max_seq_len=40, batch_size=2, prefill_step=3)
+    model = fakes.FakeModel(eos=False, fail_on_call=fail_on_call)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3)
     requests = [scheduler.add_request(prompt_of(3, 1)), scheduler.add_request(prompt_of(12, 2))]
-    with pytest.raises(ModelFailure):
+    with pytest.raises(fakes.ModelFailure):
         for _ in range(10):
             scheduler.step()
-    assert model.calls[-1].kind == "failed" and len(model.calls[-1].tokens) == 1, "the failure hit a prefill chunk"
+    calls = replay(model.record(), eos=False).calls
+    assert calls[-1].kind == "failed" and len(calls[-1].tokens) == 1, "the failure hit a prefill chunk"
     assert scheduler.prefilling is requests[1], "the failing request is still the one being prefilled"
     scheduler.release_all()
-    assert all(layer.held() == [] for layer in scheduler.batch_cache) and not scheduler.has_work()
+    tape = replay(model.record(), eos=False)
+    assert all(tape.held(0, layer) == [] for layer in range(tape.num_layers)) and not scheduler.has_work()
     assert all(r.kv_cache is None for r in requests)
 
 
-def test_task_5_stats_count_chunks_decode_steps_and_interleaving(batch):
-    clock = FakeClock()
-    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
-    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3, clock=clock)
-    scheduler.add_request(prompt_of(3, 1), max_tokens=8)
-    scheduler.add_request(prompt_of(10, 2), max_tokens=2)
+def test_task_5_stats_count_chunks_decode_steps_and_interleaving(batch, fakes):
+    clock = fakes.FakeClock()
+    model = fakes.FakeModel(eos=False, clock=clock, prefill_cost=(0.5, 0.25), decode_cost=0.125)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=40, batch_size=2, prefill_step=3,
+                                    clock=clock)
+    prompts = [prompt_of(3, 1), prompt_of(10, 2)]
+    scheduler.add_request(prompts[0], max_tokens=8)
+    scheduler.add_request(prompts[1], max_tokens=2)
     while scheduler.has_work():
         scheduler.step()
     stats = scheduler.stats
+    tape = replay(model.record(), eos=False)
+    check_replay(tape, [fakes.finished(r) for r in scheduler.finished], prompts)
+    calls = tape.calls
+    decodes = [c for c in calls if c.kind == "decode"]
     assert stats.chunks == 5 and stats.prefill_tokens == 13
     assert stats.chunk_seconds == pytest.approx(5 * 0.5 + 13 * 0.25)
     assert stats.avg_chunk_time == pytest.approx(stats.chunk_seconds / 5)
-    assert stats.decode_steps == len(model.decode_calls)
-    assert stats.decode_tokens == sum(len(c.active) for c in model.decode_calls) == 7 + 1
+    assert stats.decode_steps == len(decodes)
+    assert stats.decode_tokens == sum(len(c.active) for c in decodes) == 7 + 1
     assert stats.decode_seconds == pytest.approx(0.125 * stats.decode_steps)
     # A decode step is interleaved when the same iteration ran a chunk: the call just before it.
-    interleaved = sum(1 for before, c in zip(model.calls, model.calls[1:]) if c.kind == "decode" and before.kind == "prefill")
+    interleaved = sum(1 for before, c in zip(calls, calls[1:]) if c.kind == "decode" and before.kind == "prefill")
     assert stats.interleaved_steps == interleaved == 5
     assert stats.interleave_ratio == pytest.approx(5 / stats.decode_steps)
 
 
-def test_task_5_logs_the_set_up_then_periodic_stats(batch):
-    clock = FakeClock()
-    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
-    lines = []
-    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4, clock=clock,
-                                log=lines.append, log_interval=1.0)
+def test_task_5_logs_the_set_up_then_periodic_stats(batch, fakes):
+    clock, log = fakes.FakeClock(), fakes.LogLines()
+    model = fakes.FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4,
+                                    clock=clock, log=log, log_interval=1.0)
     for i in range(3):
         scheduler.add_request(prompt_of(8, i), max_tokens=6)
     while scheduler.has_work():
         scheduler.step()
+    lines = log.lines
     assert "chunked prefill enabled" in lines[0] and "4 prompt tokens" in lines[0], lines[0]
     assert "token budget" in lines[0]
     periodic = [STATS_LINE.search(line) for line in lines[1:]]
@@ -485,46 +516,47 @@ def test_task_5_logs_the_set_up_then_periodic_stats(batch):
     assert clock() / 1.0 - 1 <= len(periodic) <= clock() / 1.0 + 1, "about one line per log_interval"
 
 
-def test_task_5_every_output_token_is_timed_and_eos_is_not(batch):
+def test_task_5_every_output_token_is_timed_and_eos_is_not(batch, fakes):
     """metrics.token once per output token: the first one (TTFT ends there) included, an EOS never."""
     tokenizer = FakeTokenizer()
     eos_first = next(p for p in (prompt_of(n, s) for s in range(500) for n in (4, 9))
                      if next_token_of(tokenizer.encode(p)) == EOS)
     prompts = [eos_free_prompt(5, 6), eos_first, prompt_of(7, 3), prompt_of(3, 4)]
-    clock = FakeClock()
-    model = FakeModel(clock=clock, prefill_cost=(0.01, 0.001), decode_cost=0.02)
-    scheduler = run_scheduler(batch, model, tokenizer, prompts, max_seq_len=14, batch_size=2, prefill_step=3,
-                              clock=clock)
+    clock = fakes.FakeClock()
+    model = fakes.FakeModel(clock=clock, prefill_cost=(0.01, 0.001), decode_cost=0.02)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=14, batch_size=2, prefill_step=3,
+                                    clock=clock)
+    run = fakes.drive(scheduler, prompts, model)
+    check_replay(replay(run["events"]), run["finished"], prompts)
     timed = scheduler.metrics.requests
-    for request in scheduler.finished:
-        times = timed[request.prompt_idx].token_times
-        assert len(times) == len(request.output_tokens), (
-            f"request {request.prompt_idx}: {len(request.output_tokens)} output tokens, {len(times)} timed")
+    for request in run["finished"]:
+        times = timed[request["idx"]].token_times
+        assert len(times) == len(request["tokens"]), (
+            f"request {request['idx']}: {len(request['tokens'])} output tokens, {len(times)} timed")
     assert timed[0].ttft is not None and timed[0].ttft > 0, "the first token ends time-to-first-token"
     assert timed[1].token_times == [], "an EOS first token is not an output token"
 
 
-def test_task_5_a_freed_slot_goes_to_the_waiting_request_in_the_same_iteration(batch):
+def test_task_5_a_freed_slot_goes_to_the_waiting_request_in_the_same_iteration(batch, fakes):
     """After every step: never a free slot while a prefilled request waits for one."""
-    tokenizer = FakeTokenizer()
     prompts = [eos_free_prompt(3, 4, seed=s) for s in (0, 40, 80)] + [prompt_of(2, 9)]
-
-    def no_idle_slot(scheduler):
-        waiting = scheduler.prefilling
-        if waiting is not None and waiting.is_prefill_done and not waiting.is_done:
-            assert scheduler.free_slot() is None, (
-                f"request {waiting.prompt_idx} is prefilled and slot {scheduler.free_slot()} is free: "
+    run, _ = run_fake(fakes, batch, fakes.FakeModel(eos=False), prompts, eos=False, watch=True, max_seq_len=7,
+                      batch_size=1, prefill_step=8)
+    # The slots as the scheduler reports them, checked against the replay's batch cache after every step.
+    for step, (tape, view) in enumerate(replay_steps(run["events"], run["views"], eos=False)):
+        busy = [b for b, layers in enumerate(view["slots"]) if layers is not None]
+        assert tape.held(0, 0) == busy, f"step {step}: the batch cache's occupied rows must be the occupied slots"
+        waiting = view["waiting"]
+        if waiting is not None and waiting[0] and not waiting[1]:
+            assert view["free"] is None, (
+                f"step {step}: a request is prefilled and slot {view['free']} is free: "
                 "admit again after the decode step")
 
-    run_scheduler(batch, FakeModel(eos=False), tokenizer, prompts, check=no_idle_slot, max_seq_len=7,
-                  batch_size=1, prefill_step=8)
 
-
-def test_task_5_try_prefill_after_done_is_never_called(batch):
-    model, tokenizer = FakeModel(), FakeTokenizer()
-    run_scheduler(batch, model, tokenizer, [prompt_of(5, 1), prompt_of(9, 2)], max_seq_len=20, batch_size=1,
-                  prefill_step=4)
-    assert [len(c.tokens) for c in model.prefill_calls] == [4, 1, 4, 4, 1]
+def test_task_5_try_prefill_after_done_is_never_called(batch, fakes):
+    _, tape = run_fake(fakes, batch, fakes.FakeModel(), [prompt_of(5, 1), prompt_of(9, 2)], max_seq_len=20,
+                       batch_size=1, prefill_step=4)
+    assert [len(c.tokens) for c in tape.calls if c.kind == "prefill"] == [4, 1, 4, 4, 1]
 
 
 # ---------------------------------------------------------------- Task 6: the chunk-size policy
@@ -550,23 +582,23 @@ def test_task_6_adaptive_policy_from_measurements(batch):
     assert fast.next_chunk_size(1) == 512, "never above max_chunk"
 
 
-def test_task_6_adaptive_policy_holds_the_latency_target(batch):
+def test_task_6_adaptive_policy_holds_the_latency_target(batch, fakes):
     """With an injected clock: a chunk costs 10 ms + 1 ms/token, a decode step 20 ms; target 100 ms."""
-    clock = FakeClock()
-    model = FakeModel(eos=False, clock=clock, prefill_cost=(0.010, 0.001), decode_cost=0.020)
+    clock = fakes.FakeClock()
+    model = fakes.FakeModel(eos=False, clock=clock, prefill_cost=(0.010, 0.001), decode_cost=0.020)
     policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.1, min_chunk=4, max_chunk=1024, initial_chunk=16)
-    scheduler = batch.SlotScheduler(model, FakeTokenizer(), max_seq_len=2000, batch_size=2, prefill_step=16,
-                                policy=policy, clock=clock)
+    scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=2000, batch_size=2, prefill_step=16,
+                                    policy=policy, clock=clock)
     scheduler.add_request(eos_free_prompt(4, 60), max_tokens=60)
     scheduler.step()  # the short request prefills (nobody decoding: full size) and starts decoding
-    assert len(model.prefill_calls[0].tokens) == 4
+    assert len(prefill_calls(model, eos=False)[0].tokens) == 4
     scheduler.add_request(prompt_of(1200, 3), max_tokens=2)
     times = []
     while scheduler.prefilling is not None or scheduler.queue:
         start = clock()
         scheduler.step()
         times.append(clock() - start)
-    sizes = [len(c.tokens) for c in model.prefill_calls[1:]]
+    sizes = [len(c.tokens) for c in prefill_calls(model, eos=False)[1:]]
     # Measured on the short prompt: (10 + 4) ms / 4 tokens = 3.5 ms per token, so (100 - 20) / 3.5 = 22.
     assert sizes[0] == 22, "the first chunk under load is sized from what was measured so far"
     # The fixed point is 10 ms + 1 ms * n + 20 ms = 100 ms: n = 70. The sizes climb towards it.
@@ -574,10 +606,10 @@ def test_task_6_adaptive_policy_holds_the_latency_target(batch):
     assert all(t <= 0.1 + 1e-9 for t in times), "no iteration goes over the target"
 
 
-def test_task_6_without_decoders_the_whole_prompt_goes_at_once(batch):
-    clock = FakeClock()
-    model = FakeModel(clock=clock, prefill_cost=(0.01, 0.001))
+def test_task_6_without_decoders_the_whole_prompt_goes_at_once(batch, fakes):
+    clock = fakes.FakeClock()
+    model = fakes.FakeModel(clock=clock, prefill_cost=(0.01, 0.001))
     policy = sol.chunk_policy.AdaptiveChunkPolicy(target_itl=0.05, min_chunk=4, max_chunk=256)
-    run_scheduler(batch, model, FakeTokenizer(), [prompt_of(200, 1)], max_seq_len=203, batch_size=1,
-                  prefill_step=16, policy=policy, clock=clock)
-    assert [len(c.tokens) for c in model.prefill_calls] == [200]
+    _, tape = run_fake(fakes, batch, model, [prompt_of(200, 1)], max_seq_len=203, batch_size=1, prefill_step=16,
+                       policy=policy, clock=clock)
+    assert [len(c.tokens) for c in tape.calls if c.kind == "prefill"] == [200]
