@@ -419,7 +419,7 @@ def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
                 events = [line for line in lines if line.startswith("data: ")]
     except BaseException:
         if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
+            raise app.state.engine_thread.error  # the real cause (on a skeleton: its NotImplementedError)
         raise
     finally:
         stopped = servers.stop(port, timeout=30)
@@ -711,7 +711,7 @@ def test_task_4_fuzzed_requests_never_500(model):
     @given(data=st.data())
     def one_request(data):
         if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
+            raise app.state.engine_thread.error  # the real cause (on a skeleton: its NotImplementedError)
         chat = data.draw(st.booleans())
         body = {name: data.draw(JSON_VALUES) for name in data.draw(st.lists(st.sampled_from(FIELDS), max_size=4))}
         body["max_tokens"] = data.draw(st.integers(1, 3) | JSON_VALUES)
