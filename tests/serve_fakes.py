@@ -31,14 +31,11 @@ def running_server(app, timeout: float = 30.0):
     try:
         yield f"http://127.0.0.1:{port}"
     except BaseException:
-        error = app.state.engine_thread.error
-        if error is not None:
-            raise error
+        serving.raise_engine_error(app)
         raise
     finally:
         serving.stop(port, timeout)
-    if app.state.engine_thread.error is not None:
-        raise app.state.engine_thread.error
+    serving.raise_engine_error(app)
 
 
 def wait_until(condition, timeout: float = 30.0, interval: float = 0.02) -> bool:

@@ -418,8 +418,7 @@ def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
                 servers.stop(port, timeout=0)  # what uvicorn's signal handler does on Ctrl-C or SIGTERM
                 events = [line for line in lines if line.startswith("data: ")]
     except BaseException:
-        if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: its NotImplementedError)
+        servers.raise_engine_error(app)  # the real cause (on a skeleton: its NotImplementedError)
         raise
     finally:
         stopped = servers.stop(port, timeout=30)
@@ -710,8 +709,7 @@ def test_task_4_fuzzed_requests_never_500(model):
     @settings(max_examples=40, deadline=None)
     @given(data=st.data())
     def one_request(data):
-        if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: its NotImplementedError)
+        serving(served).raise_engine_error(app)  # the real cause (on a skeleton: its NotImplementedError)
         chat = data.draw(st.booleans())
         body = {name: data.draw(JSON_VALUES) for name in data.draw(st.lists(st.sampled_from(FIELDS), max_size=4))}
         body["max_tokens"] = data.draw(st.integers(1, 3) | JSON_VALUES)
@@ -881,7 +879,8 @@ def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
     with running_server(app) as url:
         sender = threading.Thread(target=lambda: answers.update(huge=send(url, "/v1/completions", huge)))
         sender.start()
-        assert slow.started.wait(timeout=60), "the huge prompt never reached the tokenizer"
+        assert wait_until(lambda: slow.started.is_set() or not sender.is_alive(), timeout=60) \
+            and slow.started.is_set(), "the huge prompt never reached the tokenizer"
         try:
             answers["health"] = httpx.get(f"{url}/health", timeout=10)
             answers["small"] = send(url, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 4,

