@@ -8,7 +8,9 @@ processes (never an ASGI call). Outside the sandbox `serve` binds a socket of it
 
 The rest stands where a test used to put a function of its own into the server: a tokenizer that records or
 waits, an app that holds its responses back, a method that sleeps, fails once or records its calls. Each keeps
-its record here and the test reads it back as data. Nothing here decides a verdict.
+its record here and the test reads it back as data. Two drivers feed the day's pure functions their inputs one
+piece at a time here (`find_stops`, `stream_text`): one round trip for a whole stream, not one per piece. Nothing
+here decides a verdict: the tests check what comes back.
 """
 
 from __future__ import annotations
@@ -138,6 +140,16 @@ class SlowTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
+
+
+def find_stops(find_stop, text: str, stops: list[str]) -> list:
+    """`find_stop` on each prefix of `text`, a character more each time, up to the first that finds a stop."""
+    answers = []
+    for n in range(1, len(text) + 1):
+        answers.append(find_stop(text[:n], stops))
+        if answers[-1][1]:
+            break
+    return answers
 
 
 def stream_text(detokenizer_class, tokenizer, tokens: list[int]) -> list[str]:
