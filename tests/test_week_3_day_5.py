@@ -9,14 +9,13 @@ the stop strings or the detokenizer costs those tasks' points, not Task 4's.
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import reference, solution, stack
+from tests.harness import actor_fakes, fetch, reference, solution, stack
 from tests.sampling_oracles import penalized, raw_logprobs
 from tests.serve_fakes import parse_prometheus, running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
@@ -27,6 +26,11 @@ served = solution(week=3, day=5, task=4)  # Task 4's server: the student's Task 
 ref = reference()
 
 MODEL = "tiny-test-model"
+
+
+def serving(package):
+    """tests/actor_fakes/serving where `package` runs: the fakes a server test puts into the student's code."""
+    return actor_fakes(package, "serving")
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +128,10 @@ def test_task_2_stop_strings_when_streaming(chars, stops):
     """Feeding text a character at a time: the pieces sent never include a stop string, never take back
     text, and add up to the text before the first stop string; nothing is held back that cannot be a stop."""
     sent, stopped = "", False
-    find_stop = sol.server.find_stop  # read once (while grading, a round trip)
-    for n in range(1, len(chars) + 1):
+    # find_stop on each prefix, driven where it runs (one round trip while grading); checked here.
+    answers = serving(sol).find_stops(sol.server.find_stop, "".join(chars), stops)
+    for n, (end, stopped) in enumerate(answers, 1):
         text = "".join(chars[:n])
-        end, stopped = find_stop(text, stops)
         assert end >= len(sent) and text[:len(sent)] == sent
         sent = text[:end]
         if stopped:
@@ -144,26 +148,14 @@ def test_task_2_stop_strings_when_streaming(chars, stops):
 # ---------------------------------------------------------------- task 3: incremental detokenization
 
 
-class CountingTokenizer:
-    """A tokenizer that records how many tokens each `decode` call was given."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.decoded_lengths: list[int] = []
-
-    def decode(self, tokens):
-        self.decoded_lengths.append(len(tokens))
-        return self.tokenizer.decode(tokens)
-
-
 # Rare scripts and emoji: byte-level BPE splits their characters across tokens.
 MULTIBYTE_TEXT = "héllo wörld, 世界 and 🙂🚀 ünïcödé — “quotes”, 𒀀𒀁𒀂 ሰላም ᚠᚢᚦ 🫠🪬 ok"
 
 
 def stream_text(tokenizer, tokens: list[int]) -> list[str]:
-    detokenizer = sol.server.IncrementalDetokenizer(tokenizer)
-    add = detokenizer.add  # read once (while grading, a round trip)
-    return [add(token) for token in tokens] + [detokenizer.flush()]
+    """The pieces the student's detokenizer gives, a token at a time, and its flush (driven where it runs: one
+    round trip while grading)."""
+    return serving(sol).stream_text(sol.server.IncrementalDetokenizer, tokenizer, tokens)
 
 
 def test_task_3_pieces_add_up_to_decode(tokenizer):
@@ -194,11 +186,21 @@ def test_task_3_random_text_and_tokens_add_up(tokenizer, data):
 def test_task_3_decodes_a_window_not_everything(tokenizer):
     """A long stream decodes a few tokens per call: re-decoding the whole output each token is quadratic."""
     tokens = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 40, add_special_tokens=False)
-    counting = CountingTokenizer(tokenizer)
+    counting = serving(sol).CountingTokenizer(tokenizer)
     pieces = stream_text(counting, tokens)
     assert "".join(pieces) == tokenizer.decode(tokens)
-    assert max(counting.decoded_lengths) <= 8, \
-        f"a decode call took {max(counting.decoded_lengths)} of {len(tokens)} tokens: decode a window, not all"
+    [[windows]] = fetch([counting], "windows")
+    # The record is the submission's to write while grading: it must at least be one a detokenizer could have made,
+    # every call a run of the stream's own tokens and every token in some call (a record emptied, or made up of a
+    # few short calls, fails); a lying one has to invent the decode calls a windowed detokenizer would make.
+    covered = set()
+    for window in filter(None, windows):
+        starts = [i for i in range(len(tokens) - len(window) + 1) if tokens[i:i + len(window)] == window]
+        assert starts, f"a decode call of {window} was recorded: not a run of the stream's tokens"
+        covered.update(start + i for start in starts for i in range(len(window)))
+    assert covered == set(range(len(tokens))), "the decode calls recorded never took some of the stream's tokens"
+    longest = max(map(len, windows))
+    assert longest <= 8, f"a decode call took {longest} of {len(tokens)} tokens: decode a window, not all"
 
 
 # ---------------------------------------------------------------- task 4: the engine thread, over HTTP
@@ -261,8 +263,7 @@ def test_task_4_latency_phases_add_up(model, tokenizer):
     """vLLM's request phases: queue, prefill and decode follow each other inside the end-to-end latency; a
     request that leaves while it waits in the engine's queue counts in none of them."""
     engine = make_engine(model, max_num_seqs=1)
-    step = engine.step
-    engine.step = lambda: (time.sleep(0.02), step())[1]  # 400 tokens take 8 s: time to queue the second request
+    serving(served).Patched(engine, "step", pause=0.02)  # 400 tokens take 8 s: time to queue the second request
     app = served.server.create_app(engine, tokenizer, MODEL)
     with running_server(app) as url:
         with httpx.Client(timeout=60) as client:
@@ -404,37 +405,24 @@ def test_task_4_stop_strings(model, tokenizer):
 def test_task_4_shutdown_drains_then_aborts(model, tokenizer):
     """Ctrl-C or SIGTERM (`pdm run serve`'s DrainingServer): a running stream gets the drain time, then ends
     with finish reason "abort" and [DONE], its blocks are freed, and the server stops without an error."""
-    import threading
-
-    import uvicorn
-
-    from scripts.serve import DrainingServer
-    from tests.serve_fakes import free_port
-
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", interface="asgi3")
-    server = DrainingServer(config, timeout=0.2)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started), "the server did not start"
+    servers = serving(served)
+    port = servers.serve(app, drain=0.2)  # stopped as `pdm run serve` stops: the app drains, then uvicorn
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 1000, "temperature": 1, "seed": 1, "stream": True}
     try:
         with httpx.Client(timeout=60) as client:
             with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")
-                server.should_exit = True  # what uvicorn's signal handler does on Ctrl-C or SIGTERM
+                servers.stop(port, timeout=0)  # what uvicorn's signal handler does on Ctrl-C or SIGTERM
                 events = [line for line in lines if line.startswith("data: ")]
     except BaseException:
-        if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
+        servers.raise_engine_error(app)  # the real cause (on a skeleton: its NotImplementedError)
         raise
     finally:
-        server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive(), "the server did not stop"
+        stopped = servers.stop(port, timeout=30)
+    assert stopped, "the server did not stop"
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert engine.generation_tokens_total < 1000, "the request ran to the end: it was never aborted"
@@ -550,21 +538,12 @@ def test_task_4_failed_step_fails_its_requests_only(model, tokenizer):
     """A step that raises fails the requests in it; the engine thread logs it and keeps serving."""
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
-    run = engine.runner.run
-    failures = []
-
-    def fails_once(plan):
-        if not failures:
-            failures.append(plan)
-            raise RuntimeError("injected fault in the model call")
-        return run(plan)
-
-    engine.runner.run = fails_once
+    fault = serving(served).Patched(engine.runner, "run", fail_first="injected fault in the model call")
     with running_server(app) as url:
         response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 3},
                               timeout=60)
         assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
-        assert failures, "the fault was never reached"
+        assert fault.calls, "the fault was never reached"
         assert app.state.engine_thread.running, "the engine thread must survive a failed step"
         assert_still_serving(url, model, engine)
 
@@ -573,20 +552,11 @@ def test_task_4_unexpected_add_request_error_fails_that_request_only(model, toke
     """`add_request` raising something other than ValueError/TypeError: that request gets a 500, not a hang."""
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
-    add_request = engine.add_request
-    failures = []
-
-    def fails_once(*args, **kwargs):
-        if not failures:
-            failures.append(args)
-            raise RuntimeError("injected fault in add_request")
-        return add_request(*args, **kwargs)
-
-    engine.add_request = fails_once
+    fault = serving(served).Patched(engine, "add_request", fail_first="injected fault in add_request")
     with running_server(app) as url:
         response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "boom", "max_tokens": 3},
                               timeout=60)
-        assert response.status_code == 500 and failures
+        assert response.status_code == 500 and fault.calls
         assert_still_serving(url, model, engine)
 
 
@@ -596,8 +566,7 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
 
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
-    run = engine.runner.run
-    engine.runner.run = lambda plan: (time.sleep(0.1), run(plan))[1]  # steps longer than a busy server's reaction
+    serving(served).Patched(engine.runner, "run", pause=0.1)  # steps longer than a busy server's reaction
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "temperature": 1,
                        "seed": 3}).encode()
     with running_server(app) as url:
@@ -615,22 +584,6 @@ def test_task_4_non_streaming_client_that_leaves_is_aborted(model, tokenizer):
         assert_still_serving(url, model, engine)
 
 
-class HeldStart:
-    """An app whose responses' first message is held back `hold` seconds: time for a client to leave before
-    the response body is ever read (as a slow machine or a busy event loop can make it)."""
-
-    def __init__(self, app, hold: float):
-        self.app, self.state, self.hold = app, app.state, hold
-
-    async def __call__(self, scope, receive, send):
-        async def held_send(message):
-            if message["type"] == "http.response.start":
-                await asyncio.sleep(self.hold)
-            await send(message)
-
-        await self.app(scope, receive, held_send)
-
-
 def test_task_4_streaming_client_that_leaves_before_the_body_is_aborted_and_counted(model, tokenizer):
     """A streaming client that leaves before the first byte of the response: the response is cancelled
     before its body is read, yet the request is aborted and counted (e2e latency, finish reason abort)."""
@@ -638,11 +591,11 @@ def test_task_4_streaming_client_that_leaves_before_the_body_is_aborted_and_coun
 
     engine = make_engine(model)
     app = served.server.create_app(engine, tokenizer, MODEL)
-    run = engine.runner.run
-    engine.runner.run = lambda plan: (time.sleep(0.02), run(plan))[1]  # 400 tokens would take 8 s
+    serving(served).Patched(engine.runner, "run", pause=0.02)  # 400 tokens would take 8 s
     body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 400, "stream": True,
                        "ignore_eos": True}).encode()
-    with running_server(HeldStart(app, hold=0.5)) as url:
+    # The app's first message of each response held back 0.5 s: the client leaves before the body is ever read.
+    with running_server(serving(served).HeldStart(app, hold=0.5)) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -689,14 +642,8 @@ def test_task_4_several_choices(model, tokenizer):
 def test_task_4_http_extras(model, tokenizer):
     """API key, CORS, request id, GET /v1/models/{id}, OpenAI's max_tokens precedence, priorities."""
     engine = make_engine(model, scheduling_policy="priority")
-    priorities = []
-    add_request = engine.add_request
-
-    def recording_add_request(*args, **kwargs):
-        priorities.append(kwargs.get("priority"))
-        return add_request(*args, **kwargs)
-
-    engine.add_request = recording_add_request
+    # While grading, the record is the submission's to write; a lying one must know this fake and write into it.
+    add_request = serving(served).Patched(engine, "add_request", keys=("priority",))
     app = served.server.create_app(engine, tokenizer, MODEL, api_key="sesame", cors_origins=("*",), max_model_len=64)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     with running_server(app) as url:
@@ -713,7 +660,7 @@ def test_task_4_http_extras(model, tokenizer):
                               json={**chat, "max_tokens": 9, "max_completion_tokens": 2, "priority": 3}, timeout=60)
         assert response.headers["x-request-id"] == "abc"
         assert response.json()["usage"]["completion_tokens"] <= 2, "max_completion_tokens wins over max_tokens"
-        assert priorities == [3], "the request's priority must reach engine.add_request"
+        assert add_request.calls == [{"priority": 3}], "the request's priority must reach engine.add_request"
         prompt_tokens = len(tokenizer.encode(chat_text(tokenizer, "hi"), add_special_tokens=False))
         expected = in_process_tokens(model, chat_text(tokenizer, "hi"), 64 - prompt_tokens + 1)
         response = httpx.post(f"{url}/v1/chat/completions", headers=auth, json=chat, timeout=60)
@@ -762,8 +709,7 @@ def test_task_4_fuzzed_requests_never_500(model):
     @settings(max_examples=40, deadline=None)
     @given(data=st.data())
     def one_request(data):
-        if app.state.engine_thread.error is not None:
-            raise app.state.engine_thread.error  # the real cause (on a skeleton: what is not implemented yet)
+        serving(served).raise_engine_error(app)  # the real cause (on a skeleton: its NotImplementedError)
         chat = data.draw(st.booleans())
         body = {name: data.draw(JSON_VALUES) for name in data.draw(st.lists(st.sampled_from(FIELDS), max_size=4))}
         body["max_tokens"] = data.draw(st.integers(1, 3) | JSON_VALUES)
@@ -921,38 +867,20 @@ def test_task_4_cached_tokens_in_usage(model, tokenizer):
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
 
 
-class SlowTokenizer:
-    """The real tokenizer, but encoding a long text waits until the test says so (and says when it started)."""
-
-    def __init__(self, tokenizer):
-        import threading
-
-        self.tokenizer = tokenizer
-        self.started, self.release = threading.Event(), threading.Event()
-
-    def encode(self, text, *args, **kwargs):
-        if len(text) > 100_000:
-            self.started.set()
-            self.release.wait(timeout=60)  # a step limit: never hangs the server for good
-        return self.tokenizer.encode(text, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-
 def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
     """A ~2 MB prompt: while it is tokenized, /health and another request are served; then it gets a 400."""
     import threading
 
     engine = make_engine(model)
-    slow = SlowTokenizer(tokenizer)
+    slow = serving(served).SlowTokenizer(tokenizer)  # encoding the huge prompt waits until the test says go
     app = served.server.create_app(engine, slow, MODEL)
     huge = {"model": MODEL, "prompt": "word " * 400_000, "max_tokens": 2}
     answers = {}
     with running_server(app) as url:
         sender = threading.Thread(target=lambda: answers.update(huge=send(url, "/v1/completions", huge)))
         sender.start()
-        assert slow.started.wait(timeout=60), "the huge prompt never reached the tokenizer"
+        assert wait_until(lambda: slow.started.is_set() or not sender.is_alive(), timeout=60) \
+            and slow.started.is_set(), "the huge prompt never reached the tokenizer"
         try:
             answers["health"] = httpx.get(f"{url}/health", timeout=10)
             answers["small"] = send(url, "/v1/completions", {"model": MODEL, "prompt": "fine", "max_tokens": 4,
