@@ -119,3 +119,38 @@ class ScriptedExchange:
         if self.calls > len(self.messages):
             raise AssertionError(f"the follower asked for message {self.calls} after the stop message")
         return self.messages[self.calls - 1]
+
+
+# ---------------------------------------------------------------- day 4.5: structured output
+
+
+class SchemaBreaker:
+    """A proposer whose guesses for a constrained request are its true constrained continuation for a random number
+    of tokens, then a token the schema refuses there, then anything; for a free request, anything.
+
+    `truths[request id]`: the request's constrained greedy output (the test's oracle's); `refused[request id][n]`: a
+    few tokens the schema refuses after the first n tokens of it (the test's oracle picked them). `calls` records each
+    proposal as (request id, tokens output so far, draft): the test counts, with its own oracle, the guesses the
+    engine must verify."""
+
+    def __init__(self, truths: dict, refused: dict, vocab_size: int, seed: int):
+        import random
+
+        self.truths, self.refused, self.vocab_size = truths, refused, vocab_size
+        self.rng = random.Random(seed)
+        self.calls: list[tuple] = []
+
+    def propose(self, seq, k):
+        truth, done = self.truths.get(seq.request_id), list(seq.output_token_ids)
+        if truth is None:
+            draft = [self.rng.randrange(self.vocab_size) for _ in range(k)]
+        else:
+            assert truth[:len(done)] == done, f"{seq.request_id}: guesses asked after an output off the oracle's"
+            right = self.rng.randint(0, max(min(k - 1, len(truth) - len(done) - 1), 0))
+            draft = truth[len(done):len(done) + right] + [self.rng.choice(self.refused[seq.request_id][len(done) + right])]
+            draft += [self.rng.randrange(self.vocab_size) for _ in range(k - len(draft))]
+        self.calls.append((seq.request_id, len(done), draft))
+        return draft
+
+    def forget(self, request_id):
+        pass
