@@ -43,6 +43,8 @@ LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the g
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py", "tasks.json")
+SERVER_SOCKETS_VARIABLE = "TINY_LLM_SERVER_SOCKETS"  # "fd:port,...": the worker's listening sockets (see Worker)
+SERVER_SOCKETS = 4  # a test's servers at once in one worker (module-scoped ones stay up beside a test's own)
 ACTOR_FAKES = "tests/actor_fakes"  # the one package of tests/ the worker holds (see its docstring)
 MAX_OUTPUT_BYTES = 16 << 20
 MAX_PROCESSES = 64  # without a cgroup, for a grader that is not root: RLIMIT_NPROC beyond this user's processes
@@ -155,7 +157,7 @@ def _python_dirs() -> list[str]:
     return sorted(dirs)
 
 
-def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
+def _bwrap_command(root: Path, inner: list[str], servers: str) -> list[str]:
     command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
                "--gid", str(NOBODY), "--clearenv", "--proc", "/proc", "--dev", "/dev",
                "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]
@@ -171,10 +173,18 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
         shared = os.path.realpath(EMBEDDED_MODEL_DIR)
         command += ["--ro-bind", shared, shared]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-                   "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0"}
+                   "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0",
+                   SERVER_SOCKETS_VARIABLE: servers}
     for name, value in environment.items():
         command += ["--setenv", name, value]
     return command + ["--chdir", "/tmp", *inner]
+
+
+def _listener() -> socket.socket:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    return listener
 
 
 def _processes_of_this_user() -> int:
@@ -245,19 +255,28 @@ class Worker:
         processes = _processes_of_this_user() + MAX_PROCESSES if counted else None
         memory = (memory_mb << 20) if memory_mb else None
         self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS, memory)
+        # A server the tests start in the worker (day 3.5's, 4.5's) listens on one of these: made here, on this
+        # machine's loopback, and handed over open, so the tests talk HTTP to it while the worker, with no network
+        # of its own, can only accept on them (bytes cross; no object of either side does).
+        listeners = [] if ranks else [_listener() for _ in range(SERVER_SOCKETS)]
+        self.server_ports = [listener.getsockname()[1] for listener in listeners]
+        servers = ",".join(f"{listener.fileno()}:{port}" for listener, port in zip(listeners, self.server_ports))
         self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
                                                dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():
-            command, cwd, env = _bwrap_command(root, inner), "/", {}
+            command, cwd, env = _bwrap_command(root, inner, servers), "/", {}
         else:
             command, cwd = inner, str(root)
             env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."]),
-                   "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root)}
+                   "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root), SERVER_SOCKETS_VARIABLE: servers}
         self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                        stderr=subprocess.STDOUT, pass_fds=[int(fd) for fd in inside],
+                                        stderr=subprocess.STDOUT,
+                                        pass_fds=[int(fd) for fd in inside] + [s.fileno() for s in listeners],
                                         preexec_fn=_limits(cpu_seconds, memory_mb, processes, self.group))
         for fd in inside:
             os.close(int(fd))
+        for listener in listeners:
+            listener.close()  # the worker's now
         # This side's ends: (read, write) per worker.
         self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
         self.fds = tuple(fd for pair in self.ends for fd in pair)
