@@ -3,12 +3,14 @@
 Day 4.3's in-process tests shard a layer for rank r of a group that does not exist: `StandInGroup` answers rank()
 and size(), and `AllSumOfOthers` stands in for `mx.distributed.all_sum` (its argument plus the other ranks'
 partials). Day 4.4's tests wrap the engine's own collaborators where it runs: a counter of the runner's samples, a
-recorder of the messages rank 0 sends, a follower's exchange fed those messages back. Each keeps its record as
-plain data the test reads back in one round trip; the verdicts stay with the tests, which check each record
-against what the engine returned.
+recorder of the messages rank 0 sends, a follower's exchange fed those messages back, a rank told to die. Day 4.5's
+`SchemaBreaker` proposes guesses the schema refuses. Each keeps its record as plain data the test reads back in one
+round trip; the verdicts stay with the tests, which check each record against what the engine returned, with
+oracles of their own.
 """
 
 import os
+import random
 
 import mlx.core as mx
 
@@ -57,18 +59,16 @@ def build_plan(sequence, scheduler, decodes: list, prefills: list):
 
 
 class SampleCounter:
-    """Counts the calls of a week-3 runner's `sample` (`runner.runner.sample` of a `TensorParallelRunner`), passing
-    each on. `calls`: how many; `tokens`: what each returned, to check against the engine's outputs."""
+    """Counts the calls of a week-3 runner's `sample` (`runner.runner.sample` of a `TensorParallelRunner`) in
+    `calls`, passing each on."""
 
     def __init__(self, runner):
-        self.sample, self.calls, self.tokens = runner.runner.sample, 0, []
+        self.sample, self.calls = runner.runner.sample, 0
         runner.runner.sample = self
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        tokens = self.sample(*args, **kwargs)
-        self.tokens.append(list(tokens))
-        return tokens
+        return self.sample(*args, **kwargs)
 
 
 class ToldToDie(Exception):
@@ -134,8 +134,6 @@ class SchemaBreaker:
     engine must verify."""
 
     def __init__(self, truths: dict, refused: dict, vocab_size: int, seed: int):
-        import random
-
         self.truths, self.refused, self.vocab_size = truths, refused, vocab_size
         self.rng = random.Random(seed)
         self.calls: list[tuple] = []
@@ -147,7 +145,8 @@ class SchemaBreaker:
         else:
             assert truth[:len(done)] == done, f"{seq.request_id}: guesses asked after an output off the oracle's"
             right = self.rng.randint(0, max(min(k - 1, len(truth) - len(done) - 1), 0))
-            draft = truth[len(done):len(done) + right] + [self.rng.choice(self.refused[seq.request_id][len(done) + right])]
+            refused = self.refused[seq.request_id][len(done) + right]
+            draft = truth[len(done):len(done) + right] + [self.rng.choice(refused)]
             draft += [self.rng.randrange(self.vocab_size) for _ in range(k - len(draft))]
         self.calls.append((seq.request_id, len(done), draft))
         return draft
