@@ -42,10 +42,14 @@ def class_of(obj) -> type:
 
 def actor_fakes(sol, module: str = ""):
     """The package tests/actor_fakes (or its `module`) where `sol`'s code runs: while grading, the worker's copy (its
-    fakes are built there and read in place by the engine under test, with no round trip); otherwise this
-    process's own."""
+    fakes are built there and read in place by the engine under test, with no round trip; in a rank program, its
+    rank's worker); otherwise this process's own. A test's object that wraps a selection names it `.wrapped`."""
     name = f"tests.actor_fakes.{module}" if module else "tests.actor_fakes"
+    while type(sol) is not sandbox.RemoteSelection and "wrapped" in getattr(sol, "__dict__", {}):
+        sol = sol.wrapped  # a test's wrapper of a selection (a stack whose model is built another way)
     if type(sol) is sandbox.RemoteSelection:
+        if os.environ.get(sandbox.RANK_PIPES_VARIABLE):  # in a rank program: the rank's worker
+            return sandbox.RankLink.get().endpoint.request("import", 0, name)
         return sol._worker().endpoint.request("import", 0, name)
     import importlib
 

@@ -30,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from course import ranks  # noqa: E402
 from course.models import load_model  # noqa: E402
 from tests import week3_stack  # noqa: E402
-from tests.harness import launched, reference  # noqa: E402
+from tests.harness import actor_fakes, fetch, launched, reference  # noqa: E402
 
 # Prompts of several lengths; the longest needs two chunks of the budget, so decodes and prefill
 # chunks share steps, and the pool is small enough that the run preempts and recomputes.
@@ -74,36 +74,22 @@ def mlx_lm_greedy(mlx_model, prompt: list[int]) -> list[int]:
     return tokens[len(prompt):]
 
 
-def count_samples(runner) -> list[int]:
-    """Count the calls of the wrapped week-3 runner's `sample` on this rank (one counter, in a list)."""
-    calls = [0]
-    sample = runner.runner.sample
+def count_samples(sol, runner):
+    """A counter of the calls of the wrapped week-3 runner's `sample` on this rank, built where `sol`'s code runs
+    (read back with `samples_counted`). Only rank 0 must sample: rank 0's count is checked against its steps; a
+    follower that sampled and hid it would have to find this counter and rewrite it."""
+    return actor_fakes(sol, "week4_late").SampleCounter(runner)
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return sample(*args, **kwargs)
 
-    runner.runner.sample = counted
+def samples_counted(counter) -> int:
+    [[calls]] = fetch([counter], "calls")
     return calls
-
-
-def die_after_first_step(runner) -> None:
-    """Make this rank exit as it starts its second step (after one plan run with the others)."""
-    forward, steps = runner.forward, [0]
-
-    def dying(plan):
-        steps[0] += 1
-        if steps[0] == 2:
-            os._exit(DIED)
-        return forward(plan)
-
-    runner.forward = dying
 
 
 def lead(sol, model, tokenizer, mlx_model, die_rank) -> dict:
     """Rank 0: the engine across the ranks, then the oracles."""
     engine = sol.distributed_engine.TensorParallelEngine(model, tokenizer, engine_config(sol))
-    sampled = count_samples(engine.runner)
+    sampled = count_samples(sol, engine.runner)
     try:
         got = run_engine(engine, sol)
         engine.shutdown()
@@ -113,18 +99,22 @@ def lead(sol, model, tokenizer, mlx_model, die_rank) -> dict:
         return got
     ref = reference()
     single = ref.engine.LLMEngine(ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), tokenizer, engine_config(ref))
-    return {**got, "sample_calls": sampled[0], "pool_shape": list(engine.runner.pool.keys[0].shape),
+    return {**got, "sample_calls": samples_counted(sampled), "pool_shape": list(engine.runner.pool.keys[0].shape),
             "single_process": run_engine(single, ref), "mlx_lm": [mlx_lm_greedy(mlx_model, p) for p in PROMPTS]}
 
 
 def follow(sol, model, die: bool) -> dict:
     """Every other rank: follow rank 0's plans until it stops."""
     runner = sol.distributed_engine.follow_engine(model, engine_config(sol))
-    sampled = count_samples(runner)
+    sampled = count_samples(sol, runner)
+    fakes = actor_fakes(sol, "week4_late")
     if die:
-        die_after_first_step(runner)
-    steps = runner.follow()
-    return {"steps": steps, "sample_calls": sampled[0], "pool_shape": list(runner.pool.keys[0].shape)}
+        fakes.DieOnStep(runner, 2)  # raises as this rank starts its second step, after one plan run with the others
+    try:
+        steps = runner.follow()
+    except fakes.ToldToDie:
+        os._exit(DIED)  # this rank is gone, without a word to the others
+    return {"steps": steps, "sample_calls": samples_counted(sampled), "pool_shape": list(runner.pool.keys[0].shape)}
 
 
 def lead_stack(package, model) -> dict:
@@ -132,11 +122,11 @@ def lead_stack(package, model) -> dict:
 
     Every stream is checked against mlx-lm's model on the request alone, and every block must be back.
     """
-    failures, steps = [], []
+    failures, steps, fakes = [], [], actor_fakes(package)
     for name, requests, options in STACK_RUNS:
-        probe = week3_stack.ModelProbe(model)
+        probe = fakes.ModelProbe(model)  # built where the engine runs: it reads the probe at every step
         config = package.engine.EngineConfig(**options, **STACK_OPTIONS)
-        engine = package.distributed_engine.TensorParallelEngine(probe, week3_stack.Tokenizer(), config,
+        engine = package.distributed_engine.TensorParallelEngine(probe, fakes.StackTokenizer(), config,
                                                                  clock=probe.clock)
         run = week3_stack.Run(engine, probe, requests, options["max_num_seqs"])
         try:
@@ -156,9 +146,9 @@ def follow_stack(package, model) -> dict:
     steps, sample_calls = [], 0
     for _, _, options in STACK_RUNS:
         runner = package.distributed_engine.follow_engine(model, package.engine.EngineConfig(**options, **STACK_OPTIONS))
-        sampled = count_samples(runner)
+        sampled = count_samples(package, runner)
         steps.append(runner.follow())
-        sample_calls += sampled[0]
+        sample_calls += samples_counted(sampled)
     return {"steps": steps, "sample_calls": sample_calls, "pool_kv_heads": runner.pool.keys[0].shape[1]}
 
 

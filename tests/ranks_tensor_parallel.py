@@ -124,12 +124,12 @@ class ShardedStack:
     `package.qwen2_week3.Qwen2ModelWeek3(mlx_model)`, which here is `Qwen2TensorParallel(mlx_model, group)`."""
 
     def __init__(self, package, group):
-        self.package = package
+        self.wrapped = package  # the name tests/harness.py's `actor_fakes` looks for
         sharded = lambda mlx_model: package.tensor_parallel.Qwen2TensorParallel(mlx_model, group)  # noqa: E731
         self.qwen2_week3 = SimpleNamespace(Qwen2ModelWeek3=sharded)
 
     def __getattr__(self, name):
-        return getattr(self.package, name)
+        return getattr(self.wrapped, name)
 
 
 def check_stack(package, group) -> dict:

@@ -31,7 +31,7 @@ import mlx.core as mx
 import pytest
 
 from course import ranks
-from tests.harness import RankLaunches, solution
+from tests.harness import RankLaunches, actor_fakes, solution
 from tests.ranks_tensor_parallel import DIED, TOKENS, prefill, rope_angles
 from tests.week4_stack import two_rank_stack_records
 
@@ -46,17 +46,9 @@ RANKS_PROGRAM = [sys.executable, "-m", "tests.ranks_tensor_parallel"]
 LAUNCHES = {"task2": ["mlp"], "task3": ["attention"], "task4": ["model"], "stack": ["stack"]}
 
 
-class StandInGroup:
-    """The part of an `mx.distributed.Group` that sharding reads: which rank, out of how many."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
+def stand_in_group(package, rank: int, size: int):
+    """A group that only answers rank() and size(), built where `package`'s code runs (tests/actor_fakes/week4_late.py)."""
+    return actor_fakes(package, "week4_late").StandInGroup(rank, size)
 
 
 @contextlib.contextmanager
@@ -65,16 +57,15 @@ def simulated_all_sum(package, partials: list[mx.array]):
     the other ranks' partials.
 
     With `partials[r]` what rank r's local part computes, a rank that all_sums its partial gets the full
-    output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage.
+    output; one that skips the all_sum keeps its partial, and one that sums anything else gets garbage. The
+    stand-in is built where the code under test runs (no call-back into this process); the expected output is
+    mlx-lm's, computed here. (The stand-in holds the partials, which the code under test could read; it could as
+    well compute the whole layer from the weights it is handed: what is graded is each rank's shards, checked
+    above, and that rank r's own output, all_summed, is the layer's.)
     """
     distributed = package.tensor_parallel.mx.distributed  # where the code under test runs (while grading, its sandbox)
     real = distributed.all_sum
-
-    def all_sum(x, *args, group=None, **kwargs):
-        rank = (group if group is not None else args[0]).rank()
-        return x + sum(p for r, p in enumerate(partials) if r != rank)
-
-    distributed.all_sum = all_sum
+    distributed.all_sum = actor_fakes(package, "week4_late").AllSumOfOthers(partials)
     try:
         yield
     finally:
@@ -171,7 +162,7 @@ def test_task_2_mlp_shards_and_their_sum(week3):
     full, mlx_model = week3(2)
     mlp = full.layers[0].mlp
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(4))
-    shards = [TASKS[2].tensor_parallel.ShardedMLP(mlp, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    shards = [TASKS[2].tensor_parallel.ShardedMLP(mlp, stand_in_group(TASKS[2], rank, WORLD)) for rank in range(WORLD)]
     for rank, shard in enumerate(shards):
         local = shard.local
         assert local.w_gate.shape == local.w_up.shape == (full.args.intermediate_size // WORLD, full.args.hidden_size), (
@@ -198,7 +189,7 @@ def test_task_3_attention_divides_heads_and_kv_heads(week3):
     attention = full.layers[0].self_attn  # 4 query heads, 2 KV heads
     x = mx.random.normal((TOKENS, full.args.hidden_size), key=mx.random.key(5))
     cos, sin = rope_angles(full, mx.arange(TOKENS))
-    shards = [TASKS[3].tensor_parallel.ShardedAttention(attention, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    shards = [TASKS[3].tensor_parallel.ShardedAttention(attention, stand_in_group(TASKS[3], rank, WORLD)) for rank in range(WORLD)]
     for rank, shard in enumerate(shards):
         local = shard.local
         assert (local.num_heads, local.num_kv_heads) == (attention.num_heads // WORLD, attention.num_kv_heads // WORLD), (
@@ -219,7 +210,7 @@ def test_task_3_attention_divides_heads_and_kv_heads(week3):
         for rank, shard in enumerate(shards):
             assert_close(run(shard, whole=True), expected, f"rank {rank}'s attention output (its heads, all_summed)")
     with pytest.raises(ValueError, match="divide"):
-        TASKS[3].tensor_parallel.ShardedAttention(attention, StandInGroup(0, 4))  # 2 KV heads among 4 ranks
+        TASKS[3].tensor_parallel.ShardedAttention(attention, stand_in_group(TASKS[3], 0, 4))  # 2 KV heads among 4 ranks
 
 
 def test_task_3_attention_on_two_ranks_matches_mlx_lm(two_ranks):
@@ -238,7 +229,7 @@ def test_task_4_each_rank_holds_its_share_of_every_layer(week3):
     layer_bytes = sum(a.nbytes for b in full.layers for a in (
         b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo, b.self_attn.bq, b.self_attn.bk,
         b.self_attn.bv, b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down))
-    models = [TASKS[4].tensor_parallel.Qwen2TensorParallel(mlx_model, StandInGroup(rank, WORLD)) for rank in range(WORLD)]
+    models = [TASKS[4].tensor_parallel.Qwen2TensorParallel(mlx_model, stand_in_group(TASKS[4], rank, WORLD)) for rank in range(WORLD)]
     for rank, tp in enumerate(models):
         assert tp.weight_bytes() == {"sharded": layer_bytes // WORLD, "replicated": replicated}, f"rank {rank}"
         pool = tp.make_kv_pool(2, 16)

@@ -28,7 +28,7 @@ import mlx.core as mx
 import pytest
 
 from course import ranks
-from tests.harness import RankLaunches, reference, solution
+from tests.harness import RankLaunches, actor_fakes, fetch, reference, solution
 from tests.ranks_distributed_engine import DIED, MAX_TOKENS, PROMPTS, engine_config, run_engine
 from tests.week4_stack import two_rank_stack_records
 
@@ -55,10 +55,16 @@ def one_rank():
 
 @pytest.fixture(scope="module")
 def models(model32, one_rank):
-    """(sharded model on one rank, whole week-3 model, tokenizer): the same weights, float32."""
+    """(sharded model on one rank, whole week-3 model, tokenizer): the reference's, here, on the same weights, float32."""
     mlx_model, tokenizer = model32
     return (ref.tensor_parallel.Qwen2TensorParallel(mlx_model, one_rank), ref.qwen2_week3.Qwen2ModelWeek3(mlx_model),
             tokenizer)
+
+
+@pytest.fixture(scope="module")
+def task3_model(model32, one_rank):
+    """The sharded model on one rank, built where Task 3's code runs (its day-4.3 code is the reference's)."""
+    return TASKS[3].tensor_parallel.Qwen2TensorParallel(model32[0], one_rank)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +85,23 @@ def rank_results(run: ranks.RankRun) -> list[dict]:
     return run.results
 
 
-def hand_made_plan():
+def plan_of(sol, decodes: list, prefills: list):
+    """A plan made of `sol`'s own classes, where its code runs, from plain data: each chunk (request id, prompt ids,
+    output ids, block table, start, length) (tests/actor_fakes/week4_late.py)."""
+    return actor_fakes(sol, "week4_late").build_plan(sol.sequence, sol.scheduler, decodes, prefills)
+
+
+def as_data(plan) -> tuple[list, list]:
+    """A plan of this process's engine as `plan_of`'s data: its decodes' and its prefills'."""
+    def chunks(of):
+        return [(c.seq.request_id, c.seq.prompt_token_ids, c.seq.output_token_ids, c.seq.block_table, c.start, c.length)
+                for c in of]
+    return chunks(plan.decodes), chunks(plan.prefills)
+
+
+def hand_made_plan(sol):
     """A decode of sequence A (6 tokens, blocks 3 and 7) and the first 3 tokens of B's prompt (block 5)."""
-    Sequence, ScheduledChunk = ref.sequence.Sequence, ref.scheduler.ScheduledChunk
-    a, b = Sequence("a", [11, 12, 13, 14, 15]), Sequence("b", [21, 22, 23, 24])
-    a.output_token_ids.append(16)
-    a.block_table, b.block_table = [3, 7], [5]
-    return ref.scheduler.StepPlan(decodes=[ScheduledChunk(a, 5, 1)], prefills=[ScheduledChunk(b, 0, 3)])
+    return plan_of(sol, [("a", [11, 12, 13, 14, 15], [16], [3, 7], 5, 1)], [("b", [21, 22, 23, 24], [], [5], 0, 3)])
 
 
 def batch_arrays(batch) -> list:
@@ -121,7 +137,7 @@ def capacity_of(engine) -> int:
 
 
 def test_task_1_layout_of_a_hand_made_plan():
-    message = TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 30)
+    message = TASKS[1].distributed_engine.encode_plan(hand_made_plan(TASKS[1]), 30)
     assert message.dtype == mx.int32 and message.shape == (30,), f"{message.dtype}, {message.shape}"
     expected = [1, 1,  5, 1, 1, 2, 16, 3, 7,  0, 3, 0, 1, 21, 22, 23, 5]
     assert message.tolist() == expected + [0] * (30 - len(expected)), (
@@ -130,17 +146,18 @@ def test_task_1_layout_of_a_hand_made_plan():
 
 def test_task_1_a_plan_that_overflows_is_refused():
     with pytest.raises(ValueError):
-        TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 16)
-    assert TASKS[1].distributed_engine.encode_plan(hand_made_plan(), 17).shape == (17,)
+        TASKS[1].distributed_engine.encode_plan(hand_made_plan(TASKS[1]), 16)
+    assert TASKS[1].distributed_engine.encode_plan(hand_made_plan(TASKS[1]), 17).shape == (17,)
 
 
 def test_task_1_every_plan_of_a_run_fits_and_reads_back(models):
-    """Read back by the reference, every message of a real run is its plan: the same batch."""
+    """Read back by the reference, every message of a real run is its plan: the same batch. The run is the
+    reference's, here; Task 1 encodes a copy of each plan made of its own classes, where it runs."""
     _, model, tokenizer = models
 
     def check(step, plan, engine):
         capacity = capacity_of(engine)
-        message = TASKS[1].distributed_engine.encode_plan(plan, capacity)
+        message = TASKS[1].distributed_engine.encode_plan(plan_of(TASKS[1], *as_data(plan)), capacity)
         assert message.shape == (capacity,) and message.dtype == mx.int32, f"step {step}: {message.shape}, {message.dtype}"
         decoded = ref.distributed_engine.decode_plan(message)
         assert batch_arrays(engine.runner.prepare(decoded)) == batch_arrays(engine.runner.prepare(plan)), f"step {step}"
@@ -179,44 +196,46 @@ def test_task_2_every_plan_of_a_run_runs_the_same_batch(models):
 # ---------------------------------------------------------------- Task 3: rank 0's step, the others' loop
 
 
-def run_tensor_parallel(models):
-    """The day's engine on a group of one rank, every prompt to the end; (its result, the engine)."""
-    tp, _, tokenizer = models
-    engine = TASKS[3].distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
-    return run_engine(engine, ref), engine
-
-
-def test_task_3_one_rank_engine_equals_the_single_process_engine(models):
+def test_task_3_one_rank_engine_equals_the_single_process_engine(models, task3_model):
     _, model, tokenizer = models
-    got, _ = run_tensor_parallel(models)
+    engine = TASKS[3].distributed_engine.TensorParallelEngine(task3_model, tokenizer, engine_config(TASKS[3]))
+    got = run_engine(engine, ref)
     expected = run_engine(ref.engine.LLMEngine(model, tokenizer, engine_config(ref)), ref)
     assert not got["unfinished"], "the engine did not finish within its step limit"
     assert got["outputs"] == expected["outputs"]
     assert got["free_blocks"] == got["num_blocks"], "every block back in the pool"
 
 
-def test_task_3_a_follower_runs_rank_0s_messages_into_the_same_pool(models):
-    """Fed the messages rank 0 sent, a follower runs every plan, never samples, and its pool is rank 0's."""
+def test_task_3_a_follower_runs_rank_0s_messages_into_the_same_pool(models, task3_model):
+    """Fed the messages rank 0 sent, a follower runs every plan, never samples, and its pool is rank 0's.
+
+    Both run where Task 3's code runs; what rank 0 sent is read back from a recorder there. The evidence is
+    checked against this process's own replay: the reference's follower, here, run on those messages, must write
+    the very pool rank 0 and the follower report (a lying record of the messages would have to replay into the
+    pool the engine wrote)."""
     tp, _, tokenizer = models
-    engine = TASKS[3].distributed_engine.TensorParallelEngine(tp, tokenizer, engine_config(ref))
-    sent, exchange = [], engine.runner.exchange
-    engine.runner.exchange = lambda message: sent.append(exchange(message)) or sent[-1]
+    fakes = actor_fakes(TASKS[3], "week4_late")
+    engine = TASKS[3].distributed_engine.TensorParallelEngine(task3_model, tokenizer, engine_config(TASKS[3]))
+    recorder = fakes.ExchangeRecorder(engine.runner)
     result = run_engine(engine, ref)
     engine.shutdown()
+    [[sent]] = fetch([recorder], "received")
     assert len(sent) == result["steps"] + 1, f"rank 0 sent {len(sent)} messages for {result['steps']} steps and the stop"
-    follower = ref.distributed_engine.follow_engine(tp, engine_config(ref))
-    messages = iter(sent)
-
-    def exchange_as_rank_1(message):
-        assert not mx.any(message).item(), "a follower adds zeros to the all_sum: anything else corrupts rank 0's plan"
-        return next(messages)
-
-    follower.exchange = exchange_as_rank_1
-    follower.runner.sample = lambda *args: pytest.fail("a follower sampled: only rank 0 samples")
+    follower = TASKS[3].distributed_engine.follow_engine(task3_model, engine_config(TASKS[3]))
+    script, sampled = fakes.ScriptedExchange(follower, sent), fakes.SampleCounter(follower)
     steps = TASKS[3].distributed_engine.TensorParallelRunner.follow(follower)
+    [[nonzero_sent]], [[sample_calls]] = fetch([script], "nonzero_sent"), fetch([sampled], "calls")
+    assert nonzero_sent == 0, "a follower adds zeros to the all_sum: anything else corrupts rank 0's plan"
+    assert sample_calls == 0, f"a follower sampled {sample_calls} times: only rank 0 samples"
     assert steps == result["steps"], f"the follower ran {steps} steps, rank 0 {result['steps']}"
-    for leader_array, follower_array in zip(engine.runner.pool.arrays(), follower.pool.arrays()):
+
+    replay, messages = ref.distributed_engine.follow_engine(tp, engine_config(ref)), iter(sent)
+    replay.exchange = lambda message: mx.array(next(messages), dtype=mx.int32)
+    assert replay.follow() == result["steps"]
+    for leader_array, follower_array, replayed in zip(engine.runner.pool.arrays(), follower.pool.arrays(),
+                                                      replay.pool.arrays()):
         assert mx.array_equal(leader_array, follower_array), "the follower's pool differs from rank 0's"
+        assert mx.allclose(leader_array, replayed, atol=1e-5), "rank 0's pool is not what its messages write"
 
 
 def test_task_3_two_ranks_equal_single_process_and_mlx_lm(two_ranks):

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import reference, solution, stack
+from tests.harness import actor_fakes, fetch, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE
 
 TASKS = {n: solution(week=4, day=5, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
@@ -557,35 +557,40 @@ def test_task_3_constrained_requests_reuse_cached_blocks(model32):
     assert hits[0].prefix_cache_hit_rate > 0, "the workload was meant to find blocks in the prefix cache"
 
 
-class SchemaBreaker:
-    """A proposer whose guesses for a constrained request are its true constrained continuation (the oracle's) for
-    a random number of tokens, then a token the schema refuses there, then anything; for a free request, anything.
-    It counts the guesses the engine must verify: the true ones (the cut falls before the refused one), or the
-    whole draft of a free request."""
+def schema_breaker(package, truths: dict, constraint, vocab_size: int, seed: int):
+    """A proposer built where `package`'s engine runs (tests/actor_fakes/week4_late.py's SchemaBreaker): for each
+    constrained request, its true continuation (`truths`) for a random number of tokens, then a token `constraint`
+    (this process's oracle) refuses there, then anything; for a free request, anything."""
+    rng, refused = random.Random(seed), {}
+    for request_id, truth in truths.items():
+        state, refused[request_id] = constraint.start, []
+        for token in [*truth, None]:
+            options = np.nonzero(~np.array(constraint.index.mask(state)))[0]
+            refused[request_id].append([int(t) for t in rng.sample(list(options), 4)])
+            if token is not None:
+                state = constraint.next_state(state, token)
+    return actor_fakes(package, "week4_late").SchemaBreaker(truths, refused, vocab_size, seed)
 
-    def __init__(self, truths: dict, constraint, vocab_size: int, seed: int):
-        self.truths, self.constraint, self.vocab_size = truths, constraint, vocab_size
-        self.rng = random.Random(seed)
-        self.expected = 0  # guesses that must reach verification, over every call
 
-    def propose(self, seq, k):
-        truth, done = self.truths.get(seq.request_id), list(seq.output_token_ids)
-        if truth is None:
-            self.expected += k
-            return [self.rng.randrange(self.vocab_size) for _ in range(k)]
-        assert truth[:len(done)] == done, f"{seq.request_id}: guesses asked after an output off the oracle's"
-        right = self.rng.randint(0, max(min(k - 1, len(truth) - len(done) - 1), 0))
-        guesses = truth[len(done):len(done) + right]
-        state = self.constraint.start
-        for token in done + guesses:
-            state = self.constraint.next_state(state, token)
-        refused = np.nonzero(~np.array(self.constraint.index.mask(state)))[0]
-        draft = guesses + [int(self.rng.choice(refused))]
-        self.expected += len(guesses)
-        return draft + [self.rng.randrange(self.vocab_size) for _ in range(k - len(draft))]
-
-    def forget(self, request_id):
-        pass
+def guesses_to_verify(calls: list, truths: dict, constraint) -> int:
+    """The guesses of a SchemaBreaker's recorded proposals the engine must verify, counted with this process's oracle
+    `constraint`: a constrained draft up to its first guess the schema refuses, a free draft whole. (A record that
+    lied would have to hold drafts whose oracle count is the number the engine reports, beside outputs that are the
+    oracle's.)"""
+    count = 0
+    for request_id, done, draft in calls:
+        if request_id not in truths:
+            count += len(draft)
+            continue
+        state = constraint.start
+        for token in truths[request_id][:done]:
+            state = constraint.next_state(state, token)
+        for token in draft:
+            if not constraint.index.mask(state)[token].item():
+                break
+            count += 1
+            state = constraint.next_state(state, token)
+    return count
 
 
 def test_task_3_constraints_with_speculation(model32):
@@ -596,7 +601,8 @@ def test_task_3_constraints_with_speculation(model32):
     package, vocab_size = TASKS[3], mlx_model.args.vocab_size
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     truths = {f"json{i}": greedy_oracle(mlx_model, tokenizer, prompts[i], MAX_TOKENS)[0] for i in (0, 3)}
-    proposer = SchemaBreaker(truths, oracle_constraint(tokenizer, vocab_size), vocab_size, seed=3)
+    oracle = oracle_constraint(tokenizer, vocab_size)
+    proposer = schema_breaker(package, truths, oracle, vocab_size, seed=3)
     constraint = package.structured.make_constraint(SCHEMA, tokenizer, vocab_size)
     free = [(f"free{i}", prompts[i], package.sequence.SamplingParams(max_tokens=12)) for i in (1, 2)]
     bound = [(f"json{i}", prompts[i], package.sequence.SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint))
@@ -607,9 +613,11 @@ def test_task_3_constraints_with_speculation(model32):
                                     **options)
     check_mixed_outputs(package, model32, tokens, reasons, free, bound, options)
     engine = engines[0]
-    assert engine.speculation.proposed == proposer.expected, \
+    [[calls]] = fetch([proposer], "calls")
+    expected = guesses_to_verify(calls, truths, oracle)
+    assert engine.speculation.proposed == expected, \
         f"{engine.speculation.proposed} guesses verified; a constrained draft cut before its first refused guess " \
-        f"(and free drafts whole) make {proposer.expected}"
+        f"(and free drafts whole) make {expected}"
     assert engine.speculation.accepted > 0, "the true guesses were meant to be accepted"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "blocks left held"
 
