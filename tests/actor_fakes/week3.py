@@ -9,6 +9,7 @@ It keeps every plan it ran as plain data (`trace`) and the tokens it returned (`
 the submission runs, so the judge never takes them on trust: it runs the same chunks through a `PoolSimulation` of
 its own and ties what that predicts to the outputs the engine returned (tests/week3_fakes.py, `replay`).
 
+`step` is one engine step with what a test reads after it, in one call (tests/week3_stack.py's `Run`).
 `Lines` (a log sink) and `TickingClock` stand in for the lambdas a test would pass; their record is read back as data.
 Plain Python only: the worker imports this package alone.
 """
@@ -100,3 +101,10 @@ class TickingClock:
     def __call__(self) -> float:
         self.now += self.tick
         return self.now
+
+
+def step(engine, fields: tuple[str, ...]) -> tuple[list[tuple], bool, int, int]:
+    """One `engine.step()`: each StepOutput's `fields`, then whether the engine has work left and how many sequences
+    wait and run (while grading, the test reads all of it in one round trip a step)."""
+    outputs = [tuple(getattr(output, name) for name in fields) for output in engine.step()]
+    return outputs, engine.has_work(), engine.num_waiting, engine.num_running
