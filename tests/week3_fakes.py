@@ -59,7 +59,9 @@ def replay(engine, block_size: int, outputs: dict, eos: bool = True) -> Replay:
     reported for it (`outputs`: request id -> (output token ids, finish reason)), EOS included where it ended one.
     As the test also checks those outputs against one-at-a-time generation, a lying record would have to be a whole
     valid paged schedule of its own: every history of every request written into blocks no other live sequence
-    overwrote, one plan per step, reproducing every token.
+    overwrote, reproducing every token. (Block ids it made up, private to each request, would pass here; what a
+    scheduler really did with its blocks is also checked from its state (day 3.2's `check_pool`) and, in the stack
+    tests, by a real model whose tokens a shared block would change.)
     """
     [(trace, sampled)] = fetch([engine], "runner.trace", "runner.sampled")
     assert len(trace) - 1 <= len(sampled) <= len(trace), "the runner's record: a plan without its tokens"
