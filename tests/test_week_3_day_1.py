@@ -309,7 +309,7 @@ def run_plan(model, plan_chunks, pool_blocks=64, block_size=4, pool=None):
 
 
 def make_seq(request_id, tokens, first_block, package=ref):
-    """A sequence of `package` (while grading, the student's is built in the sandbox, beside the code it is handed to)."""
+    """A sequence of `package` (while grading, the student's is built in the sandbox, beside the code it meets)."""
     seq = package.sequence.Sequence(request_id, tokens)
     seq.block_table = list(range(first_block, first_block + 8))
     return seq

@@ -42,7 +42,7 @@ from tests.serve_fakes import running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 
 STEP_LIMIT = 400  # no workload here needs more than about 100 steps; more means the engine stopped progressing
-BASE_SECONDS, SECONDS_PER_TOKEN = 0.002, 0.00025  # the probe's cost model (ModelProbe's defaults): a step, a prefill token
+BASE_SECONDS, SECONDS_PER_TOKEN = 0.002, 0.00025  # the probe's cost model (its defaults): a step, a prefill token
 ref = reference()
 
 
