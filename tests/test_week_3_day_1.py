@@ -17,8 +17,9 @@ import mlx.core as mx
 import pytest
 
 from tests.harness import actor_fakes, fetch, reference, solution, stack
-from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeRunner, FakeTokenizer, FakeWeek3Model, fake_expected,
-                                mlx_lm_greedy, run_until_done)
+from tests.week3_fakes import (EOS, PLAIN_ENGINE, FakeTokenizer, FakeWeek3Model, TraceRunner, block_size_of,
+                                fake_expected, mlx_lm_greedy, outputs_of, replay, run_until_done,
+                                trace_runner)
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=1)
@@ -38,11 +39,12 @@ def real(model32):
 
 
 def fake_engine(package, **kwargs):
-    """`package`'s engine over the fake runner; its fake model and tokenizer built beside it (read at every step)."""
+    """`package`'s engine over the trace runner; its fake model and tokenizer built beside it (read at every step).
+    Check its run with `replay(engine, block_size_of(**kwargs), outputs)`."""
     fakes = actor_fakes(package)
     config = package.engine.EngineConfig(**{**PLAIN_ENGINE, **kwargs})
     engine = package.engine.LLMEngine(fakes.FakeWeek3Model(), fakes.FakeTokenizer(), config)
-    engine.runner = FakeRunner(engine)
+    engine.runner = trace_runner(package, engine)
     return engine
 
 
@@ -183,11 +185,13 @@ def test_task_1_the_engine_shrinks_late_chunks():
     engine = ref.engine.LLMEngine(FakeWeek3Model(), FakeTokenizer(), config, clock=lambda: now[0])
     engine.scheduler.token_budget = sol.token_budget.AdaptiveTokenBudget(
         target_itl=0.5, max_num_batched_tokens=256, min_tokens=16, initial_tokens=64)
-    runner = engine.runner = FakeRunner(engine, eos=False)
+    runner = engine.runner = TraceRunner(engine, eos=False)  # the reference's engine, here: the runner is local
+    plans = []
 
     def timed_run(plan):
+        plans.append(plan)
         now[0] += 0.2 + sum(chunk.length * (0.004 + 5e-6 * chunk.start) for chunk in plan.prefills)
-        return FakeRunner.run(runner, plan)
+        return TraceRunner.run(runner, plan)
 
     runner.run = timed_run
     for i in range(4):
@@ -201,8 +205,8 @@ def test_task_1_the_engine_shrinks_late_chunks():
             break
         start = now[0]
         engine.step()
-        if runner.plans[-1].prefills:  # (the prompt's last token runs as a decode)
-            chunks.append(runner.plans[-1].prefills[0].length)
+        if plans[-1].prefills:  # (the prompt's last token runs as a decode)
+            chunks.append(plans[-1].prefills[0].length)
             seconds.append(now[0] - start)
     assert long.status == ref.sequence.SequenceStatus.FINISHED, f"the long prompt did not finish in 200 steps: {chunks}"
     # Two chunks measure the line; from then on every step lands within the target (to 0.1%).
@@ -220,12 +224,15 @@ def test_task_2_budget_never_exceeded_decodes_never_starved(budget, seed):
     prompts = random_prompts(7, seed)
     rng = random.Random(seed)
     pending = list(enumerate(prompts))
+    alone = {}  # request id -> its one-at-a-time generation
     for _ in range(1000):  # a planner that stops making progress fails below instead of hanging
         if not (pending or engine.has_work()):
             break
         if pending and rng.random() < 0.4:  # requests arrive while others run
             i, prompt = pending.pop(0)
-            engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=rng.randint(1, 9)), request_id=i)
+            max_tokens = rng.randint(1, 9)
+            engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=max_tokens), request_id=i)
+            alone[i] = fake_expected(prompt, max_tokens)
         # Whole lists and each list's fields at once: while grading, the engine is the submission's (round trips).
         scheduler = engine.scheduler
         running = scheduler.running
@@ -245,6 +252,7 @@ def test_task_2_budget_never_exceeded_decodes_never_starved(budget, seed):
             scheduler.update_from_output(plan, engine.runner.run(plan))
     assert not (pending or engine.has_work()), \
         f"the planner made no progress in 1000 steps (every request ends): {len(engine.scheduler.waiting)} waiting"
+    replay(engine, 4, alone)  # every block read back whole; each request sampled what it samples alone
 
 
 def test_task_2_fills_the_budget_with_several_prefills():
@@ -256,6 +264,8 @@ def test_task_2_fills_the_budget_with_several_prefills():
     assert not plan.decodes and plan.num_tokens == 16
     assert [c.samples for c in plan.prefills] == [True, True, False]
     engine.scheduler.update_from_output(plan, engine.runner.run(plan))
+    # Prompts 0 and 1 sampled their first token, each read back whole through its blocks.
+    replay(engine, 4, {i: fake_expected(list(range(1, n + 1)), 1) for i, n in enumerate([5, 6])})
     plan = engine.scheduler.schedule()  # two decodes first, then the rest of prompt 2
     assert [(c.seq.request_id, c.start, c.length) for c in plan.decodes] == [(0, 5, 1), (1, 6, 1)]
     assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [(2, 5, 2)]
@@ -275,8 +285,10 @@ def test_task_2_outputs_equal_one_at_a_time(budget):
     prompts = random_prompts(6, seed=budget)
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=12)) for p in prompts]
     run_until_done(engine, rule="every request ends")
-    for prompt, seq in zip(prompts, seqs):
-        assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, 12)
+    outputs = outputs_of(seqs)
+    replay(engine, 2, outputs)  # what the runner fed and sampled, checked here: every block read back whole
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output == fake_expected(prompt, 12)
 
 
 # ---------------------------------------------------------------- Task 3: the ragged model
@@ -296,8 +308,9 @@ def run_plan(model, plan_chunks, pool_blocks=64, block_size=4, pool=None):
     return plan, logits, runner.pool
 
 
-def make_seq(request_id, tokens, first_block):
-    seq = ref.sequence.Sequence(request_id, tokens)
+def make_seq(request_id, tokens, first_block, package=ref):
+    """A sequence of `package` (while grading, the student's is built in the sandbox, beside the code it meets)."""
+    seq = package.sequence.Sequence(request_id, tokens)
     seq.block_table = list(range(first_block, first_block + 8))
     return seq
 
@@ -346,12 +359,12 @@ def test_task_3_no_attention_bias_means_zero(model32):
 def test_task_4_prepare_lays_out_the_plan(real):
     model, _, _ = real
     runner = sol.model_runner.ModelRunner(model, num_blocks=16, block_size=4)
-    seq_a = make_seq("a", list(range(10, 16)), 0)  # 6 tokens, 5 computed: a decode at position 5
+    seq_a = make_seq("a", list(range(10, 16)), 0, sol)  # 6 tokens, 5 computed: a decode at position 5
     seq_a.block_table = [7, 3]
-    seq_b = make_seq("b", list(range(20, 30)), 0)  # a chunk of 3 at positions 4..6 (does not sample)
+    seq_b = make_seq("b", list(range(20, 30)), 0, sol)  # a chunk of 3 at positions 4..6 (does not sample)
     seq_b.block_table = [1, 9]
-    plan = ref.scheduler.StepPlan(decodes=[ref.scheduler.ScheduledChunk(seq_a, 5, 1)],
-                                  prefills=[ref.scheduler.ScheduledChunk(seq_b, 4, 3)])
+    plan = sol.scheduler.StepPlan(decodes=[sol.scheduler.ScheduledChunk(seq_a, 5, 1)],
+                                  prefills=[sol.scheduler.ScheduledChunk(seq_b, 4, 3)])
     batch = runner.prepare(plan)
     assert batch.token_ids.tolist() == [15, 24, 25, 26]
     assert batch.positions.tolist() == [5, 4, 5, 6]
@@ -368,9 +381,9 @@ def test_task_4_prepare_lays_out_the_plan(real):
 def test_task_4_decode_view_masks_padding(real):
     model, _, _ = real
     runner = sol.model_runner.ModelRunner(model, num_blocks=16, block_size=4)
-    short, long = make_seq("s", [1, 2], 0), make_seq("l", [1, 2, 3, 4, 5], 8)
-    slots, mask = runner.decode_view([ref.scheduler.ScheduledChunk(short, 1, 1),
-                                      ref.scheduler.ScheduledChunk(long, 4, 1)])
+    short, long = make_seq("s", [1, 2], 0, sol), make_seq("l", [1, 2, 3, 4, 5], 8, sol)
+    slots, mask = runner.decode_view([sol.scheduler.ScheduledChunk(short, 1, 1),
+                                      sol.scheduler.ScheduledChunk(long, 4, 1)])
     assert slots.shape == (2, 5) and slots[1].tolist() == [32, 33, 34, 35, 36] and slots[0, :2].tolist() == [0, 1]
     assert mask.shape == (2, 1, 1, 5)
     assert mask[0, 0, 0].tolist() == [0, 0, -float("inf"), -float("inf"), -float("inf")]
@@ -381,9 +394,9 @@ def test_task_4_sampling_per_sequence(real):
     model, _, _ = real
     runner = sol.model_runner.ModelRunner(model, num_blocks=4, block_size=4)
     logits = mx.random.normal((3, 50), key=mx.random.key(1))
-    greedy = ref.sequence.Sequence("g", [1])
-    top1 = ref.sequence.Sequence("k", [1], ref.sequence.SamplingParams(temperature=1.0, top_k=1))
-    seeded = ref.sequence.Sequence("s", [1], ref.sequence.SamplingParams(temperature=1.0, seed=7))
+    greedy = sol.sequence.Sequence("g", [1])
+    top1 = sol.sequence.Sequence("k", [1], ref.sequence.SamplingParams(temperature=1.0, top_k=1))
+    seeded = sol.sequence.Sequence("s", [1], ref.sequence.SamplingParams(temperature=1.0, seed=7))
     tokens = runner.sample(logits, [greedy, top1, seeded])
     assert tokens[:2] == mx.argmax(logits[:2], axis=-1).tolist()  # top_k 1 is greedy whatever the temperature
     again = runner.sample(logits[::-1], [seeded, top1, greedy])
@@ -424,6 +437,7 @@ def test_task_5_step_outputs():
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert outputs[-1].finish_reason == reason
     assert engine.generation_tokens_total == len(expected) and engine.prompt_tokens_total == len(prompt)
+    replay(engine, block_size_of(token_budget=64), {"r": (expected, reason)})
 
 
 def test_task_5_eos_ends_a_sequence_without_a_token():
@@ -436,6 +450,7 @@ def test_task_5_eos_ends_a_sequence_without_a_token():
     seq = engine.add_request(prompt, ref.sequence.SamplingParams(max_tokens=30))
     outputs = run_until_done(engine, rule="a request ends at EOS")
     assert seq.output_token_ids == expected and seq.finish_reason == "stop"
+    replay(engine, block_size_of(), outputs_of([seq]))  # the EOS the runner sampled ended it
     assert (outputs[-1].token, outputs[-1].finished, outputs[-1].finish_reason) == (None, True, "stop")
 
 
@@ -452,6 +467,7 @@ def test_task_5_ignore_eos_runs_past_eos():
     assert seq.finish_reason == "length" and len(seq.output_token_ids) == 30
     assert seq.output_token_ids[len(expected)] == EOS, "EOS is an output token of a request that ignores it"
     assert [o.token for o in outputs] == seq.output_token_ids
+    replay(engine, block_size_of(), outputs_of([seq]))
 
 
 def test_task_4_sampled_and_greedy_rows_see_the_logits_processing(engine_module, real):
@@ -480,12 +496,13 @@ def test_task_5_bad_requests_rejected_before_the_model_runs():
         ref.sequence.SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="never fit"):
         engine.add_request([1] * 10, ref.sequence.SamplingParams(max_tokens=8))  # 17 positions > 16 slots
-    engine.add_request([1], request_id="x")
+    valid = engine.add_request([1], request_id="x")
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request([1], request_id="x")
-    assert engine.runner.plans == []
+    assert engine.runner.num_plans == 0
     run_until_done(engine, rule="the valid request ends")  # only it runs
-    assert {c.seq.request_id for plan in engine.runner.plans for c in plan.chunks} == {"x"}
+    ran = replay(engine, 4, outputs_of([valid])).trace
+    assert {request_id for plan in ran for request_id, *_ in plan} == {"x"}
 
 
 # ---------------------------------------------------------------- Task 6: your stack so far

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.harness import actor_fakes, fetch, reference, solution, stack
-from tests.week3_fakes import EOS, PLAIN_ENGINE, FakeRunner, fake_expected, mlx_lm_greedy
+from tests.week3_fakes import EOS, PLAIN_ENGINE, fake_expected, mlx_lm_greedy, outputs_of, replay, trace_runner
 from tests.week3_stack import check_stack
 
 sol = solution(week=3, day=2)
@@ -42,9 +42,10 @@ def make_engine(package, model, tokenizer, **kwargs):
 
 
 def fake_engine(**kwargs):
+    """The engine over the trace runner (check its run with `replay(engine, block_size, outputs)`)."""
     fakes = actor_fakes(sol)  # read at every step: built where the engine runs
     engine = make_engine(sol, fakes.FakeWeek3Model(), fakes.FakeTokenizer(), **kwargs)
-    engine.runner = FakeRunner(engine)
+    engine.runner = trace_runner(sol, engine)
     return engine
 
 
@@ -163,15 +164,16 @@ def test_task_3_admission_by_free_blocks():
 
 
 def test_task_3_preemption_recomputes_to_the_same_output():
-    lines = []
-    engine = fake_engine(block_size=2, num_blocks=8, token_budget=32, max_num_seqs=4,
-                         log=lines.append)
+    log = actor_fakes(sol, "week3").Lines()  # the engine's log sink, beside it
+    engine = fake_engine(block_size=2, num_blocks=8, token_budget=32, max_num_seqs=4, log=log)
     prompts = [[i + 1] * 5 for i in range(4)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=10)) for p in prompts]
     run_to_end(engine)
-    assert engine.num_preemptions > 0 and any("preempt" in line for line in lines)
-    for prompt, seq in zip(prompts, seqs):
-        assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, 10)
+    assert engine.num_preemptions > 0 and any("preempt" in line for line in log.lines)
+    outputs = outputs_of(seqs)
+    replay(engine, 2, outputs)  # recomputed after preemption: every history read back whole, no token sampled twice
+    for prompt, output in zip(prompts, outputs.values()):
+        assert output == fake_expected(prompt, 10)
     assert engine.block_manager.num_free_blocks == 8
 
 
@@ -198,10 +200,11 @@ def test_task_3_no_leaks_on_abort_and_error():
     engine.abort(1)
     engine.abort(1)  # already gone: nothing happens
     check_pool(engine)
-    engine.runner.fail_on_step = len(engine.runner.plans) + 1
+    engine.runner.fail_on_step = engine.runner.num_plans + 1
     with pytest.raises(RuntimeError, match="model failed"):
         engine.step()
     assert not engine.has_work() and engine.block_manager.num_free_blocks == 16
+    replay(engine, 2, {})
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -223,21 +226,24 @@ def test_task_3_pool_accounting_holds_after_every_step(lengths, max_tokens, budg
     prompts = [[(7 * i + j) % EOS for j in range(n)] for i, n in enumerate(lengths)]
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
     steps = 0
+    runner = engine.runner
     while engine.has_work():  # at most 2000 steps: the assertion at the end of the body
-        plan_count = len(engine.runner.plans)
+        plan_count = runner.num_plans
         engine.step()
         steps += 1
-        assert len(engine.runner.plans) == plan_count + 1, "a step with work ran nothing"
-        assert engine.runner.plans[-1].num_tokens <= budget
+        assert runner.num_plans == plan_count + 1, "a step with work ran nothing"
         check_pool(engine)
         if steps == abort_at:
             engine.abort(0)
         assert steps < 2000, f"the engine made no progress in 2000 steps (every request ends, preempted ones " \
                              f"recomputed): {engine.num_running} running, {engine.num_waiting} waiting"
     assert engine.block_manager.num_free_blocks == num_blocks
-    for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
-        if seq.finish_reason != "abort":
-            assert (seq.output_token_ids, seq.finish_reason) == fake_expected(prompt, max_tokens)
+    outputs = outputs_of(seqs)
+    trace = replay(engine, block_size, outputs).trace  # every plan run, checked here slot by slot
+    assert all(sum(length for *_, length, _ in plan) <= budget for plan in trace), "a step over the token budget"
+    for prompt, (output, reason) in zip(prompts, outputs.values()):
+        if reason != "abort":
+            assert (output, reason) == fake_expected(prompt, max_tokens)
 
 
 # ---------------------------------------------------------------- Task 4: your stack so far

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.harness import reference, solution, stack
+from tests.harness import actor_fakes, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 from tests.week3_stack import check_stack
 
@@ -310,20 +310,17 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
     sol = TASKS[4]
     monkeypatch.setattr(sol.engine, "PrefixCachingBlockManager", sol.prefix_cache.PrefixCachingBlockManager)
     model, tokenizer = model_of(sol, week3_model)
-    now = [0.0]
-    lines = []
-
-    def clock():
-        now[0] += 1.0  # every reading one second later: a log line at every step
-        return now[0]
-
+    fakes = actor_fakes(sol, "week3")  # the clock and the log sink, beside the engine that calls them
+    clock = fakes.TickingClock(1.0)  # every reading one second later: a log line at every step
+    log = fakes.Lines()
     config = sol.engine.EngineConfig(**{**PLAIN_ENGINE, "enable_prefix_caching": True}, token_budget=64, block_size=BLOCK,
                                      num_blocks=32, log_interval=1.0)
-    engine = sol.engine.LLMEngine(model, tokenizer, config, clock=clock, log=lines.append)
+    engine = sol.engine.LLMEngine(model, tokenizer, config, clock=clock, log=log)
     prompt = tokens(2 * BLOCK + 1, 90)
     run(engine, [prompt, prompt], max_tokens=2, one_at_a_time=True)
     engine.step()
     assert engine.prefix_cache_hit_rate == pytest.approx(8 / 18)
+    lines = log.lines
     assert any("prefix cache hit rate 44.4%" in line for line in lines), lines
 
 

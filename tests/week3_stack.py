@@ -42,6 +42,7 @@ from tests.serve_fakes import running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 
 STEP_LIMIT = 400  # no workload here needs more than about 100 steps; more means the engine stopped progressing
+BASE_SECONDS, SECONDS_PER_TOKEN = 0.002, 0.00025  # the probe's cost model (its defaults): a step, a prefill token
 ref = reference()
 
 
@@ -169,21 +170,22 @@ class Run:
     """One workload on one engine: every StepOutput, by request, and the steps they came in."""
 
     def __init__(self, engine, probe: ModelProbe, requests: list[Request], max_num_seqs: int,
-                 step_limit: int = STEP_LIMIT, rule: str = "every request ends"):
+                 step_limit: int = STEP_LIMIT, rule: str = "every request ends", fakes=None):
         self.engine, self.probe, self.requests, self.max_num_seqs = engine, probe, requests, max_num_seqs
+        self.fakes = fakes  # `actor_fakes(package, "week3")`, where the engine runs: a step in one round trip
         self.step_limit, self.rule = step_limit, rule  # a bug that stops progress fails naming `rule`
         self.streams: dict[str, list] = {r.request_id: [] for r in requests}  # (step, StepOutput)
         self.aborted: set[str] = set()
         self.step_index = 0
         self.refusals = 0  # steps ending with a sequence waiting although a sequence slot was free
         self.pending = sorted(requests, key=lambda r: r.arrive)
+        self.first_call = len(probe.calls)  # the probe's calls before this run (a probe may serve several runs)
 
     def drive(self, until_done=True, after_step=None):
         """Step to the end (or once): requests join and abort at their steps; `after_step(self)` after each."""
         pending = self.pending
-        step, has_work = self.engine.step, self.engine.has_work  # while grading, read once: not a round trip a step
-        while pending or has_work() or any(r.abort is not None and r.abort >= self.step_index
-                                                        for r in self.requests):
+        has_work = self.engine.has_work()
+        while pending or has_work or any(r.abort is not None and r.abort >= self.step_index for r in self.requests):
             if self.step_index >= self.step_limit:
                 raise AssertionError(f"the engine made no progress in {self.step_limit} steps ({self.rule}): "
                                      f"{self.engine.num_running} running, {self.engine.num_waiting} waiting")
@@ -195,8 +197,8 @@ class Run:
                 if request.abort == self.step_index:
                     self.engine.abort(request.request_id)
                     self.aborted.add(request.request_id)
-            self.record(step())
-            [(waiting, running)] = fetch([self.engine], "num_waiting", "num_running")
+            outputs, has_work, waiting, running = self.step()
+            self.record(outputs)
             if waiting and running < self.max_num_seqs:
                 self.refusals += 1
             self.step_index += 1
@@ -205,9 +207,16 @@ class Run:
             if not until_done:
                 return
 
-    def record(self, outputs):
-        # Each StepOutput's fields at once, kept as data (while grading, one round trip a step, not four an output).
-        for output in map(Output._make, fetch(outputs, *Output._fields)):
+    def step(self) -> tuple[list, bool, int, int]:
+        """One engine step: (its StepOutputs' `Output` fields, whether work is left, sequences waiting, running)."""
+        if self.fakes is not None:
+            return self.fakes.step(self.engine, Output._fields)
+        outputs = fetch(self.engine.step(), *Output._fields)  # while grading: a round trip for all the outputs
+        [(waiting, running)] = fetch([self.engine], "num_waiting", "num_running")
+        return outputs, self.engine.has_work(), waiting, running
+
+    def record(self, outputs: list):
+        for output in map(Output._make, outputs):
             stream = self.streams.get(output.request_id)
             assert stream is not None, f"step {self.step_index}: a StepOutput for unknown request {output.request_id!r}"
             assert not (stream and stream[-1][1].finished), \
@@ -249,8 +258,53 @@ class Run:
         assert manager.num_free_blocks == manager.num_blocks, \
             f"after the run {manager.num_blocks - manager.num_free_blocks} of {manager.num_blocks} blocks are not free"
 
+    def samples(self, request_id) -> int:
+        """Tokens the model sampled for the request: its output tokens, and the EOS that ended it."""
+        stream = self.streams[request_id]
+        return len(self.tokens_of(request_id)) + (stream[-1][1].finish_reason == "stop" if stream else 0)
+
+    def calls(self) -> list[tuple[int, int, float]]:
+        """The probe's record of this run's model calls, (tokens, decode tokens, seconds) each, checked first.
+
+        The probe runs where the submission does, so its record is the submission's to write: before any check
+        reads it, it must agree with the run. At most one model call a step; each call's seconds are the cost
+        model's for its tokens (what the fake clock the engine read moved by); and the calls' tokens add up to at
+        least the rows the streams prove the model computed: a row for every token it sampled and, with prefix
+        caching off, every position before it (prompt and fed-back outputs alike). So a record that hides tokens
+        from the budget checks would have to spread at least that much work over no more calls than the run had
+        steps, each call priced right: a schedule of its own, consistent with every stream.
+        """
+        calls = self.probe.calls[self.first_call:]
+        assert len(calls) <= self.step_index, f"the probe recorded {len(calls)} model calls in {self.step_index} steps"
+        for index, (num_tokens, decodes, seconds) in enumerate(calls):
+            if (num_tokens, decodes, seconds) == (0, 0, 0.0):
+                continue  # the call the probe failed on purpose
+            cost = BASE_SECONDS + SECONDS_PER_TOKEN * (num_tokens - decodes)
+            assert 0 <= decodes <= num_tokens and seconds == pytest.approx(cost, abs=1e-12), \
+                f"the probe's record of model call {index + 1}: {(num_tokens, decodes, seconds)}"
+        [caching] = fetch([self.engine], "config.enable_prefix_caching")[0]
+        rows = 0
+        for request in self.requests:
+            sampled = self.samples(request.request_id)
+            rows += sampled + (len(request.prompt) - 1 if sampled and not caching else 0)
+        computed = sum(num_tokens for num_tokens, _, _ in calls)
+        assert computed >= rows, f"the probe recorded {computed} tokens in this run's model calls, but its streams " \
+                                 f"need at least {rows} computed"
+        return calls
+
+    def decode_calls(self) -> list[tuple[int, int, float]]:
+        """`calls()` of a plain engine (no speculation), whose decode counts the checks read too: every token sampled
+        after a request's first comes from a decode, but after a preemption (recomputed), so the record must hold
+        at least that many decode tokens (a record claiming none would make every step look like a prefill)."""
+        calls = self.calls()
+        preemptions = self.engine.summary()["num_preemptions"]
+        needed = sum(max(self.samples(r.request_id) - 1, 0) for r in self.requests) - preemptions
+        recorded = sum(decodes for _, decodes, _ in calls)
+        assert recorded >= needed, f"the probe recorded {recorded} decode tokens, but the streams need {needed}"
+        return calls
+
     def check_budget(self, budget):
-        for index, (num_tokens, _, _) in enumerate(self.probe.calls):
+        for index, (num_tokens, _, _) in enumerate(self.calls()):
             assert num_tokens <= budget, f"model call {index + 1} ran {num_tokens} tokens, over the budget of {budget}"
 
 
@@ -277,7 +331,8 @@ def run(package, day, requests, probe=None, step_limit=STEP_LIMIT, rule="every r
     probe = probe or new_probe(package)
     merged = dict(token_budget=16, max_num_seqs=4, block_size=4, num_blocks=64, **engine_options(day))
     merged.update(options)
-    result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"], step_limit, rule)
+    result = Run(make_engine(package, probe, **merged), probe, requests, merged["max_num_seqs"], step_limit, rule,
+                 actor_fakes(package, "week3"))
     result.drive()
     return result
 
@@ -317,13 +372,14 @@ def workload_model_failure(package, day):
     probe = new_probe(package, fail_on_call=6)
     engine = make_engine(package, probe, token_budget=16, max_num_seqs=4, block_size=4, num_blocks=14,
                          **engine_options(day))
-    failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4)
+    fakes = actor_fakes(package, "week3")
+    failing = Run(engine, probe, [Request(r.request_id, r.prompt, r.max_tokens) for r in requests], 4, fakes=fakes)
     with pytest.raises(actor_fakes(package).ModelFailure):
         failing.drive()
     failing.check_clean()
     again = [Request(f"again-{r.request_id}", r.prompt, r.max_tokens, arrive=r.arrive, priority=r.priority)
              for r in requests]
-    clean = Run(engine, probe, again, 4)
+    clean = Run(engine, probe, again, 4, fakes=fakes)
     clean.step_index = failing.step_index
     for request in again:
         request.arrive += clean.step_index
@@ -340,7 +396,7 @@ def workload_adaptive_budget(package, day):
     result = run(package, day, requests, budget_policy="adaptive", target_itl=target, token_budget=64, num_blocks=64)
     result.check_outputs()
     result.check_clean()
-    mixed = [(index, call) for index, call in enumerate(result.probe.calls) if 0 < call[1] < call[0]]
+    mixed = [(index, call) for index, call in enumerate(result.decode_calls()) if 0 < call[1] < call[0]]
     assert mixed, "the long prompt never shared a step with the chat's decode"
     for index, (num_tokens, decodes, seconds) in mixed[1:]:  # the first one measures the cost of a prefill token
         assert seconds <= target + 1e-9, f"model call {index + 1}: {decodes} decode(s) and " \
@@ -355,14 +411,14 @@ def workload_goodput_budget(package, day):
     """Day 3.4: the goodput budget through the engine: every step sized for the oldest wait, never past the ITL target."""
     # The probe charges 2 ms a step and 0.25 ms a prefill token: the ITL target leaves 8 ms of room above a decode
     # step (32 prefill tokens), half of it (16) while nobody waits, all of it once a request has waited 30 ms.
-    itl, ttft, base, per_token = 0.010, 0.030, 0.002, 0.00025
+    itl, ttft, base, per_token = 0.010, 0.030, BASE_SECONDS, SECONDS_PER_TOKEN
     requests = [Request("chat", tokens(4, 30), max_tokens=40), Request("long", tokens(150, 31), max_tokens=3, arrive=2),
                 Request("late", tokens(60, 32), max_tokens=3, arrive=16)]
     result = run(package, day, requests, budget_policy="goodput", target_itl=itl, target_ttft=ttft, token_budget=64,
                  num_blocks=64)
     result.check_outputs()
     result.check_clean()
-    calls = result.probe.calls
+    calls = result.decode_calls()
     assert len(calls) == result.step_index, "every step of this workload runs the model once"
     starts = [sum(seconds for _, _, seconds in calls[:index]) for index in range(len(calls))]
     first_mixed = next(index for index, (num_tokens, decodes, _) in enumerate(calls) if 0 < decodes < num_tokens)
