@@ -15,6 +15,14 @@ VOCAB = 40
 EOS = VOCAB - 1
 
 
+def next_token_of(history: list[int], eos: bool = True) -> int:
+    """The fake model's greedy next token after `history`: a hash of the whole sequence."""
+    h = 17
+    for token in history:
+        h = (h * 1_000_003 + token + 7) % 2_147_483_647
+    return h % VOCAB if eos else h % (VOCAB - 1)
+
+
 class FakeTokenizer:
     """Characters to token ids 0..38 and back; EOS is 39."""
 

@@ -21,19 +21,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import EOS, VOCAB, FakeTokenizer  # noqa: F401  (the fake model's tokenizer)
+from . import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401  (the fake model's tokenizer)
 
 
 class ModelFailure(Exception):
     """What FakeModel(fail_on_call=n) raises (not a RuntimeError, so NotImplementedError never passes for it)."""
-
-
-def next_token_of(history: list[int], eos: bool = True) -> int:
-    """The fake model's greedy next token after `history`: a hash of the whole sequence."""
-    h = 17
-    for token in history:
-        h = (h * 1_000_003 + token + 7) % 2_147_483_647
-    return h % VOCAB if eos else h % (VOCAB - 1)
 
 
 @dataclass

@@ -14,17 +14,9 @@ its own and ties what that predicts to the outputs the engine returned (tests/we
 Plain Python only: the worker imports this package alone.
 """
 
-from . import VOCAB
+from . import VOCAB, next_token_of
 
 CHUNK_FIELDS = ("request_id", "block_table", "token_ids", "start", "length", "samples")
-
-
-def next_token_of(history: list[int], eos: bool = True) -> int:
-    """The fake model's greedy next token after `history`: a hash of the whole sequence."""
-    h = 17
-    for token in history:
-        h = (h * 1_000_003 + token + 7) % 2_147_483_647
-    return h % VOCAB if eos else h % (VOCAB - 1)
 
 
 class PoolSimulation:
