@@ -14,7 +14,7 @@ its own and ties what that predicts to the outputs the engine returned (tests/we
 Plain Python only: the worker imports this package alone.
 """
 
-from . import VOCAB, next_token_of
+from . import next_token_of
 
 CHUNK_FIELDS = ("request_id", "block_table", "token_ids", "start", "length", "samples")
 
