@@ -1,5 +1,6 @@
-"""Day 4.1's fakes, built where the engine under test runs (`actor_fakes(sol, "speculative")`): the fake models, the
-fake runner and the proposers of tests/test_week_4_day_1.py and tests/week4_stack.py.
+"""Days 4.1 and 4.2's fakes, built where the engine under test runs (`actor_fakes(sol, "speculative")`): the fake
+models, the fake runner and the proposers of tests/test_week_4_day_1.py and tests/week4_stack.py, and day 4.2's
+tokenizer.
 
 Each one decides nothing the test trusts on its word: the runner computes rows of a fixed function of the history and
 records what each step fed it (`trace`), the proposers guess from data the test gave them and record what they were
@@ -287,3 +288,13 @@ def greedy_past_eos(model, prompt: list[int], length: int) -> list[int]:
     for _ in range(length):
         history.append(mx.argmax(model(mx.array([history]))[0, -1]).item())
     return history[len(prompt):]
+
+
+# ---------------------------------------------------------------- day 4.2 (tests/test_week_4_day_2.py)
+
+
+class EndToken:
+    """What the engine needs of a tokenizer when prompts are token ids: the one EOS id."""
+
+    def __init__(self, eos: int):
+        self.eos_token_ids = {eos}
