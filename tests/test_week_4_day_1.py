@@ -15,6 +15,7 @@ acceptance with the reference's planning and roll-back, so a bug in one task nev
 task's points. Task 6 runs the student's whole day 4.1 on their week 3.
 """
 
+import functools
 import math
 import random
 
@@ -23,6 +24,7 @@ import pytest
 
 from tests.chi_square import assert_distribution, chi_square_p_value
 from tests.actor_fakes import EOS, VOCAB
+from tests.actor_fakes import speculative
 from tests.actor_fakes.speculative import MARKOV, MODELS, PERIOD, copying_logits, fake_logits, markov_logits
 from tests.harness import actor_fakes, class_of, fetch, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE, mlx_lm_greedy
@@ -76,6 +78,7 @@ class PoolReplay:
         self.slots: dict[int, tuple[int, int]] = {}
         self.implied: dict[object, list[tuple[list[int], list[int]]]] = {}  # request id -> (context, tokens it gives)
         self.last: list[dict] = []  # the last step's chunks
+        self.verified: list[tuple] = []  # every verify chunk: (request id, tokens before its guesses, its guesses)
 
     def slot(self, request_id, table, position):
         assert position // self.block_size < len(table), \
@@ -85,12 +88,14 @@ class PoolReplay:
     def step(self, chunks: list[dict]):
         """One model call's chunks: the model writes every row's key before any row reads."""
         for chunk in chunks:
-            for i, token in enumerate(chunk["tokens"]):
-                self.slots[self.slot(chunk["request_id"], chunk["table"], chunk["start"] + i)] = (chunk["start"] + i, token)
+            for position, token in enumerate(chunk["tokens"], chunk["start"]):
+                self.slots[self.slot(chunk["request_id"], chunk["table"], position)] = (position, token)
         for chunk in chunks:
             if "context" not in chunk:
                 continue
             request_id, context = chunk["request_id"], chunk["context"]
+            if chunk["verify"]:
+                self.verified.append((request_id, context[: chunk["start"] + 1], context[chunk["start"] + 1 :]))
             for position, token in enumerate(context):
                 held = self.slots.get(self.slot(request_id, chunk["table"], position))
                 assert held == (position, token), \
@@ -124,8 +129,9 @@ class FakeEngine:
     """`sol`'s SpeculativeEngine over the fake runner (both in the process that runs the code under test), with the
     test's `PoolReplay` of what the runner was fed. Reads and calls go to the engine; `step` also replays the step."""
 
-    def __init__(self, engine, runner, replay: PoolReplay):
+    def __init__(self, engine, runner, replay: PoolReplay, proposer=None, replica=None):
         self.engine, self.runner, self.replay = engine, runner, replay
+        self.proposer, self.replica = proposer, replica  # a fake proposer, and how to build the test's own copy
         self.seqs = []
 
     def __getattr__(self, name):
@@ -146,7 +152,28 @@ class FakeEngine:
         for chunks in self.runner.take():
             self.replay.step(chunks)
 
+    def proposals(self) -> list[tuple]:
+        """The fake proposer's record, (request id, tokens so far, k, guesses) per call, checked.
+
+        It comes from the process that runs the code under test, so the test's own copy answers every recorded
+        call again and must give the recorded guesses, and every verify chunk the model was fed (the replayed trace)
+        must hold the guesses of a recorded call made on those very tokens (cut to what the step had room for): a
+        record rewritten to show other calls fails one or the other.
+        """
+        self.catch_up()
+        calls, made, replica = self.proposer.calls, {}, self.replica()  # a fresh copy: the calls from the first
+        for request_id, tokens, k, draft in calls:
+            assert draft == replica.guess(request_id, tokens, k), \
+                f"{request_id!r}: the proposer's record does not replay (guesses {draft} after {tokens})"
+            made.setdefault((request_id, tuple(tokens)), []).append(draft)
+        for request_id, tokens, draft in self.replay.verified:
+            assert any(guesses[: len(draft)] == draft for guesses in made.get((request_id, tuple(tokens)), [])), \
+                f"{request_id!r}: the model verified guesses {draft} after {tokens}, which no recorded call proposed"
+        return calls
+
     def check_outputs(self):
+        if self.replica is not None:
+            self.proposals()
         self.catch_up()
         fields = fetch(self.seqs, "request_id", "token_ids", "prompt_token_ids", "sampling.greedy")
         self.replay.check_outputs([(request_id, tokens, prompt) for request_id, tokens, prompt, greedy in fields
@@ -175,7 +202,16 @@ def fake_engine(sol, model="fake", proposer=None, num_speculative_tokens=4, min_
                 probe_interval=8, **config) -> FakeEngine:
     """`sol`'s SpeculativeEngine over the fake runner of the fake model named `model` (tests/actor_fakes/
     speculative.py's MODELS); `config` holds EngineConfig's fields. Engine, runner and proposer live where the code
-    under test runs; the test keeps the replay."""
+    under test runs; the test keeps the replay.
+
+    `proposer`: a proposer of the package under test, or (class name, keyword arguments) of one of tests/actor_fakes/
+    speculative.py's, built there and here (the copy that checks its record: `FakeEngine.proposals`).
+    """
+    replica = None
+    if type(proposer) is tuple:
+        name, arguments = proposer
+        proposer = getattr(speculative_fakes(sol), name)(**arguments)
+        replica = functools.partial(getattr(speculative, name), **arguments)
     speculation = sol.speculative.SpeculativeConfig(num_speculative_tokens, min_acceptance_rate, probe_interval)
     fakes = actor_fakes(sol)  # read at every step: built where the engine runs
     config = {**PLAIN_ENGINE, **config}
@@ -185,7 +221,7 @@ def fake_engine(sol, model="fake", proposer=None, num_speculative_tokens=4, min_
     runner = speculative_fakes(sol).FakeSpeculativeRunner(model, (sol.speculative.VerifyChunk,
                                                                   sol.scheduler.VerifyChunk))
     engine.runner = runner
-    return FakeEngine(engine, runner, PoolReplay(engine.block_manager.block_size, MODELS[model]))
+    return FakeEngine(engine, runner, PoolReplay(engine.block_manager.block_size, MODELS[model]), proposer, replica)
 
 
 def run_to_end(engine, arrivals=(), check=None) -> dict:
@@ -227,7 +263,8 @@ def running_fields(engine):
 
 
 def blocks_are_sound(engine, shared: bool = False, fields=None):
-    """No block in two tables (unless `shared`: the prefix cache) or both held and free; none past a sequence's tokens."""
+    """No block in two tables (unless `shared`: the prefix cache) or both held and free; none past a sequence's
+    tokens."""
     block_size, num_free, num_blocks, running = fields or running_fields(engine)
     held = [b for _, table, _, _ in running for b in table]
     if not shared:
@@ -358,7 +395,7 @@ def test_task_2_accept_greedy(draft, target, expected):
 def test_task_2_engine_gains_exactly_the_agreeing_guesses(k):
     """In the engine, each verify chunk gains its agreeing guesses plus one token; outputs as without speculation."""
     sol, Params = for_task(2)
-    engine = fake_engine(sol, proposer=speculative_fakes(sol).OracleProposer(seed=k), num_speculative_tokens=k, token_budget=32,
+    engine = fake_engine(sol, proposer=("OracleProposer", dict(seed=k)), num_speculative_tokens=k, token_budget=32,
                          max_num_seqs=4, block_size=4, min_acceptance_rate=0.0)
     prompts = random_prompts(6, seed=40 + k)
     arrivals = [(p, Params(max_tokens=16), i) for i, p in enumerate(prompts)]
@@ -433,8 +470,8 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
     sol, Params = for_task(3)
     temperature = 0.8
     mx.random.seed(1234)
-    engine = fake_engine(sol, "markov", proposer=actor_fakes(sol).FixedGuess(1), num_speculative_tokens=2, token_budget=512,
-                         max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
+    engine = fake_engine(sol, "markov", proposer=actor_fakes(sol).FixedGuess(1), num_speculative_tokens=2,
+                         token_budget=512, max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
     add_request, params = engine.add_request, Params(temperature=temperature, max_tokens=4)
     seqs = [add_request([2], params, request_id=i) for i in range(n)]
@@ -462,7 +499,7 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
 def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
     """Speculation changes how many tokens a step yields, never which: same outputs as one request alone."""
     sol, Params = for_task(4)
-    engine = fake_engine(sol, proposer=speculative_fakes(sol).OracleProposer(seed=budget * 10 + k), num_speculative_tokens=k,
+    engine = fake_engine(sol, proposer=("OracleProposer", dict(seed=budget * 10 + k)), num_speculative_tokens=k,
                          token_budget=budget, max_num_seqs=3, block_size=2)
     rng = random.Random(budget + k)
     prompts = random_prompts(7, seed=budget + 100 * k)
@@ -483,17 +520,17 @@ def test_task_4_greedy_output_identical_for_every_budget_mix_and_k(budget, k):
 
 def test_task_4_proposals_fill_only_the_leftover_budget():
     sol, Params = for_task(4)
-    proposer = speculative_fakes(sol).OracleProposer(seed=1)
-    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=4, token_budget=8, max_num_seqs=4)
+    engine = fake_engine(sol, proposer=("OracleProposer", dict(seed=1)), num_speculative_tokens=4, token_budget=8,
+                         max_num_seqs=4)
     engine.add_request([1, 2, 3], Params(max_tokens=30), request_id="a")
     engine.add_request([4, 5], Params(max_tokens=30), request_id="b")
     engine.step()  # both prompts prefill (5 tokens): nobody decodes yet, nothing to guess
-    assert proposer.calls == []
+    assert engine.proposals() == []
     engine.add_request(list(range(1, 30)), Params(max_tokens=3), request_id="long")
     plan = engine.scheduler.schedule()
     engine.propose(plan)
     # Two decodes and a 6-token prefill chunk fill the budget of 8: no room for a single guess.
-    assert plan.num_tokens == 8 and proposer.calls == []
+    assert plan.num_tokens == 8 and engine.proposals() == []
     assert all(not is_verify_class(class_of(c), sol) for c in plan.chunks)
     engine.record(plan, engine.update(plan, engine.runner.run(plan)))
     run_to_end(engine)
@@ -501,8 +538,8 @@ def test_task_4_proposals_fill_only_the_leftover_budget():
 
 def test_task_4_proposals_within_room_blocks_and_max_tokens():
     sol, Params = for_task(4)
-    proposer = speculative_fakes(sol).Listed([1, 2, 3, 4, 5, 6])
-    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=6, token_budget=16, max_num_seqs=4,
+    engine = fake_engine(sol, proposer=("Listed", dict(guesses=[1, 2, 3, 4, 5, 6])), num_speculative_tokens=6,
+                         token_budget=16, max_num_seqs=4,
                          block_size=4, num_blocks=4)
     engine.add_request([7] * 6, Params(max_tokens=4), request_id="a")  # 6 prompt tokens: 2 blocks
     engine.add_request([8] * 7, Params(max_tokens=9), request_id="b")  # 7 prompt tokens: 2 blocks, the pool is full
@@ -512,7 +549,7 @@ def test_task_4_proposals_within_room_blocks_and_max_tokens():
     chunks = {c.seq.request_id: c for c in plan.chunks}
     # a: 7 tokens, may emit 3 more: at most 2 guesses (the last token is always the target's own), and
     # its 2 blocks have room for 1 position more with none free: 1 guess.
-    [(_, _, asked, _), *_] = proposer.calls
+    [(_, _, asked, _), *_] = engine.proposals()
     assert asked == 2
     assert is_verify_class(class_of(chunks["a"]), sol) and chunks["a"].draft == [1]
     assert (chunks["a"].start, chunks["a"].length) == (6, 2)
@@ -529,13 +566,13 @@ def test_task_4_backs_off_when_guesses_fail():
     prompt = [3] * 5
     expected, _ = fake_greedy(prompt, 60)
     max_tokens = len(expected)  # no EOS within the run
-    proposer = speculative_fakes(sol).NeverRight()  # never the greedy token
-    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=3, min_acceptance_rate=0.5, probe_interval=5)
+    engine = fake_engine(sol, proposer=("NeverRight", {}), num_speculative_tokens=3, min_acceptance_rate=0.5,
+                         probe_interval=5)
     engine.add_request(prompt, Params(max_tokens=max_tokens), request_id="r")
     run_to_end(engine)
     decode_steps = max_tokens - 1
     # Two failed guesses turn it down (the rate starts at 1); then probes after 2 and 4 steps, then every 5.
-    calls = len(proposer.calls)
+    calls = len(engine.proposals())
     assert calls <= 2 + 2 + decode_steps // 5 + 1, f"{calls} proposals in {decode_steps} decode steps"
     assert calls >= decode_steps // 5, "a turned-down sequence must still probe now and then"
     assert engine.speculation.accepted == 0
@@ -547,11 +584,11 @@ def test_task_4_guesses_follow_what_gets_accepted():
     sol, Params = for_task(4)
     prompt = next([start, 8, 7] for start in range(EOS) if fake_greedy([start, 8, 7], 40)[1] == "length")
     expected, _ = fake_greedy(prompt, 40)
-    proposer = speculative_fakes(sol).FirstRight(right_after=6)
-    engine = fake_engine(sol, proposer=proposer, num_speculative_tokens=4, min_acceptance_rate=0.2, token_budget=64)
+    engine = fake_engine(sol, proposer=("FirstRight", dict(right_after=6)), num_speculative_tokens=4,
+                         min_acceptance_rate=0.2, token_budget=64)
     engine.add_request(prompt, Params(max_tokens=len(expected)), request_id="r")
     run_to_end(engine)
-    asked = [k for _, _, k, _ in proposer.calls]
+    asked = [k for _, _, k, _ in engine.proposals()]
     assert asked[0] == 4, "a new sequence guesses as many as it may"
     assert asked[1:6] == [2] * 5, f"one guess accepted a time: it should ask for 2, asked {asked[:6]}"
     assert asked[6:9] == [2, 3, 4], f"every guess right from the 7th proposal: 2, 3, 4 guesses; asked {asked[6:9]}"
@@ -566,7 +603,7 @@ def test_task_5_counters_exact_on_a_constructed_case():
     truth, _ = fake_greedy(prompt, 30)
     assert EOS not in truth[:12]
 
-    scripted = speculative_fakes(sol).Scripted(len(prompt), truth)  # 2 right of 3, 0 of 2, 3 of 3
+    scripted = ("Scripted", dict(prompt_length=len(prompt), truth=truth))  # 2 right of 3, 0 of 2, 3 of 3
     engine = fake_engine(sol, proposer=scripted, num_speculative_tokens=3, block_size=2,
                          min_acceptance_rate=0.0)
     seq = engine.add_request(prompt, Params(max_tokens=12), request_id="r")
@@ -595,7 +632,7 @@ def test_task_5_counters_exact_on_a_constructed_case():
 def test_task_5_rejected_positions_never_leak_blocks(block_size):
     """Tight pool, many rejections across block boundaries, preemptions: blocks always add up."""
     sol, Params = for_task(5)
-    engine = fake_engine(sol, proposer=speculative_fakes(sol).OracleProposer(seed=block_size), num_speculative_tokens=4,
+    engine = fake_engine(sol, proposer=("OracleProposer", dict(seed=block_size)), num_speculative_tokens=4,
                          token_budget=24, max_num_seqs=4, block_size=block_size,
                          num_blocks=ref.block_manager.blocks_for(60, block_size), min_acceptance_rate=0.0)
     prompts = random_prompts(8, seed=block_size, longest=12)
@@ -615,7 +652,7 @@ def test_task_5_prefix_caching_and_eos_inside_accepted_tokens():
         output, reason = fake_greedy(prompt, 12)
         if reason == "stop" and len(output) >= 3:
             break
-    engine = fake_engine(sol, proposer=speculative_fakes(sol).OracleProposer(seed=4), num_speculative_tokens=5, block_size=2,
+    engine = fake_engine(sol, proposer=("OracleProposer", dict(seed=4)), num_speculative_tokens=5, block_size=2,
                          enable_prefix_caching=True, min_acceptance_rate=0.0)
     arrivals = [(prompt, Params(max_tokens=12), 0), (prompt, Params(max_tokens=12), 1),
                 (prompt + output, Params(max_tokens=4), 2)]
