@@ -101,8 +101,8 @@ def prefill_logits(model, pool, tokens: list[int], block_table: list[int], block
 def engine_config(package=ref, **knobs):
     """`package`'s EngineConfig of the tests' engine knobs: blocks of 4 tokens, 4 sequences, 16 tokens a step, and
     `knobs`."""
-    return package.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16,
-                                      **knobs})
+    return package.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": BLOCK_SIZE, "max_num_seqs": 4,
+                                          "token_budget": 16, **knobs})
 
 
 def make_engine(sol, mlx_model, kv_cache_bytes: int, kv_bits: int | None = None):
