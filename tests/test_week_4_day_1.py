@@ -127,12 +127,14 @@ class PoolReplay:
 
 class FakeEngine:
     """`sol`'s SpeculativeEngine over the fake runner (both in the process that runs the code under test), with the
-    test's `PoolReplay` of what the runner was fed. Reads and calls go to the engine; `step` also replays the step."""
+    test's `PoolReplay` of what the runner was fed. Reads and calls go to the engine; `step` also replays the step
+    and keeps the engine's `state` after it (read in the same round trip while grading)."""
 
-    def __init__(self, engine, runner, replay: PoolReplay, proposer=None, replica=None):
-        self.engine, self.runner, self.replay = engine, runner, replay
+    def __init__(self, sol, engine, runner, replay: PoolReplay, proposer=None, replica=None):
+        self.fakes, self.engine, self.runner, self.replay = speculative_fakes(sol), engine, runner, replay
         self.proposer, self.replica = proposer, replica  # a fake proposer, and how to build the test's own copy
         self.seqs = []
+        self.state = None  # the engine's state after the last step (None once a request was added since)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -140,11 +142,16 @@ class FakeEngine:
     def add_request(self, prompt, params, request_id):
         seq = self.engine.add_request(prompt, params, request_id=request_id)
         self.seqs.append(seq)
+        self.state = None
         return seq
 
+    def has_work(self) -> bool:
+        return self.engine.has_work() if self.state is None else self.state["has_work"]
+
     def step(self):
-        outputs = self.engine.step()
-        self.catch_up()
+        outputs, steps, self.state = self.fakes.step(self.engine, self.runner)
+        for chunks in steps:
+            self.replay.step(chunks)
         return outputs
 
     def catch_up(self):
@@ -221,7 +228,7 @@ def fake_engine(sol, model="fake", proposer=None, num_speculative_tokens=4, min_
     runner = speculative_fakes(sol).FakeSpeculativeRunner(model, (sol.speculative.VerifyChunk,
                                                                   sol.scheduler.VerifyChunk))
     engine.runner = runner
-    return FakeEngine(engine, runner, PoolReplay(engine.block_manager.block_size, MODELS[model]), proposer, replica)
+    return FakeEngine(sol, engine, runner, PoolReplay(engine.block_manager.block_size, MODELS[model]), proposer, replica)
 
 
 def run_to_end(engine, arrivals=(), check=None) -> dict:
@@ -254,6 +261,9 @@ def random_prompts(n, seed, longest=30):
 
 def running_fields(engine):
     """(block size, free blocks, blocks, running sequences' (request id, block table, tokens, computed tokens))."""
+    if type(engine) is FakeEngine and engine.state is not None:
+        state = engine.state  # read with the step
+        return state["block_size"], state["num_free"], state["num_blocks"], state["running"]
     engine = engine.engine if type(engine) is FakeEngine else engine
     [(block_size, num_free, num_blocks, running)] = fetch([engine], "block_manager.block_size",
                                                           "block_manager.num_free_blocks", "block_manager.num_blocks",
