@@ -145,6 +145,13 @@ class FakeEngine:
         self.state = None
         return seq
 
+    def add_requests(self, requests: list[tuple]) -> list:
+        """`add_request` of each (prompt, params, request id), in one round trip while grading: the sequences."""
+        seqs = self.fakes.add_requests(self.engine, requests)
+        self.seqs += seqs
+        self.state = None
+        return seqs
+
     def has_work(self) -> bool:
         return self.engine.has_work() if self.state is None else self.state["has_work"]
 
@@ -483,8 +490,8 @@ def test_task_3_engine_sampled_output_follows_the_target_distribution():
     engine = fake_engine(sol, "markov", proposer=actor_fakes(sol).FixedGuess(1), num_speculative_tokens=2,
                          token_budget=512, max_num_seqs=128, block_size=4, num_blocks=2048, min_acceptance_rate=0.0)
     n = 4000
-    add_request, params = engine.add_request, Params(temperature=temperature, max_tokens=4)
-    seqs = [add_request([2], params, request_id=i) for i in range(n)]
+    params = Params(temperature=temperature, max_tokens=4)
+    seqs = engine.add_requests([([2], params, i) for i in range(n)])
     run_to_end(engine, check=blocks_are_sound)
     counts, probs = {}, {}
     for (output,) in fetch(seqs, "output_token_ids"):

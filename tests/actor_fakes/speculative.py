@@ -108,6 +108,12 @@ class FakeSpeculativeRunner:
         return new
 
 
+def add_requests(engine, requests: list[tuple]) -> list:
+    """`engine.add_request(prompt, params, request_id=request_id)` for each (prompt, params, request id), in one call:
+    the sequences."""
+    return [engine.add_request(prompt, params, request_id=request_id) for prompt, params, request_id in requests]
+
+
 def step(engine, runner):
     """One step of `engine` (whose runner is `runner`), with what the test reads after every step, in one call: (the
     step's outputs, the runner's new records, the engine's state: block size, free blocks, blocks, whether work is
