@@ -1,9 +1,12 @@
 """Week 4 Day 1: speculative decoding, verified as a prefill chunk (book/src/week4-01-speculative-decoding.md).
 
-Oracles: a fake runner that simulates the paged pool (every slot remembers which token of which
-sequence was written there, and every sampled row first checks that its sequence's block table reads
-back exactly its own context) and whose "model" is a fixed function of the history, so generation
-one request at a time, without speculation, is computed directly; exact probabilities of that
+Oracles: a fake runner whose "model" is a fixed function of the history, so generation one request
+at a time, without speculation, is computed directly. The runner and the fake proposers run beside
+the engine under test (tests/actor_fakes/speculative.py) and record what they were fed and asked; the
+test reads those records as data after every step and checks them itself: it replays the paged pool
+(every slot remembers which token of which sequence was written there, and every sampled row's block
+table must read back exactly its own context), requires every greedy output token to be one a row
+the model computed gives, and asks its own copy of each proposer the recorded questions. Exact probabilities of that
 function for the statistical tests (a chi-square test with a stated false-alarm rate); mlx-lm's own
 Qwen2, one request at a time, for greedy outputs on the embedded model; hand-built cases for the
 acceptance rules and the counters.

@@ -25,7 +25,10 @@ oracle, token for token:
   (every call in the model's dtype), heads of 128 features in groups of 64, a float16 pool on a
   float32 model.
 
-Every workload ends with every block back in the pool; every loop has a step limit.
+Every workload ends with every block back in the pool; every loop has a step limit. Day 4.1's proposers are
+built where the engine runs (tests/actor_fakes/speculative.py); what they record comes back as data and is checked
+here against the test's own oracles (the truth proposer's calls replayed through its own copy, each prompt-lookup
+proposal against the rule, each guess against the guess limit).
 """
 
 from __future__ import annotations
