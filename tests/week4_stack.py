@@ -117,16 +117,14 @@ def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate
                                                  speculation=speculation, proposer=proposer, clock=probe.clock)
 
 
-def check_blocks_after_every_step(engine):
+def check_blocks_after_every_step(package, engine):
     """No running sequence holds a block past its tokens (rejected guesses give theirs back); none leaked."""
-    # Read at once (while grading, the engine is the submission's: one round trip each, not one per attribute).
-    [(num_free, num_blocks, block_size, running)] = fetch([engine], "block_manager.num_free_blocks",
-                                                          "block_manager.num_blocks", "block_manager.block_size",
-                                                          "scheduler.running")
-    running = fetch(running, "request_id", "block_table", "num_tokens")
-    held = {block for _, table, _ in running for block in table}
+    # Read at once, where the engine runs (while grading, one round trip, not one per attribute).
+    state = speculative_fakes(package).state(engine)
+    num_free, num_blocks, block_size = state["num_free"], state["num_blocks"], state["block_size"]
+    held = {block for _, table, _, _ in state["running"] for block in table}
     assert len(held) + num_free == num_blocks, f"{num_blocks - num_free - len(held)} blocks are neither held nor free"
-    for request_id, table, num_tokens in running:
+    for request_id, table, num_tokens, _ in state["running"]:
         most = -(-num_tokens // block_size)
         assert len(table) <= most, \
             f"{request_id!r} holds {len(table)} blocks for {num_tokens} tokens: rejected positions kept"
@@ -140,7 +138,7 @@ def drive_speculative(package, requests, proposer, probe=None, after_step=None, 
     result = Run(engine, probe, requests, engine.config.max_num_seqs)
 
     def check(run):
-        check_blocks_after_every_step(run.engine)
+        check_blocks_after_every_step(package, run.engine)
         if after_step:
             after_step(run)
 
@@ -486,7 +484,7 @@ def workload_speculative_follow_up(package):
     probe = w3.new_probe(package)
     engine = speculative_engine(package, probe, truth_proposer(package, [first, follow_up], seed=9)[0])
     earlier = Run(engine, probe, [first], 4)
-    earlier.drive(after_step=lambda run: check_blocks_after_every_step(run.engine))
+    earlier.drive(after_step=lambda run: check_blocks_after_every_step(package, run.engine))
     earlier.check_outputs()
     calls = len(probe.calls)
     later = Run(engine, probe, [follow_up], 4)

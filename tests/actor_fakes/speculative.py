@@ -114,17 +114,21 @@ def add_requests(engine, requests: list[tuple]) -> list:
     return [engine.add_request(prompt, params, request_id=request_id) for prompt, params, request_id in requests]
 
 
-def step(engine, runner):
-    """One step of `engine` (whose runner is `runner`), with what the test reads after every step, in one call: (the
-    step's outputs, the runner's new records, the engine's state: block size, free blocks, blocks, whether work is
-    left, each running sequence's (request id, block table, tokens, computed tokens))."""
-    outputs = engine.step()
+def state(engine) -> dict:
+    """What the tests check of an engine after a step, read in one call: block size, free blocks, blocks, whether work
+    is left, each running sequence's (request id, block table, tokens, computed tokens)."""
     manager = engine.block_manager
     running = [(seq.request_id, list(seq.block_table), seq.num_tokens, seq.num_computed_tokens)
                for seq in engine.scheduler.running]
-    state = dict(block_size=manager.block_size, num_free=manager.num_free_blocks, num_blocks=manager.num_blocks,
-                 has_work=engine.has_work(), running=running)
-    return outputs, runner.take(), state
+    return dict(block_size=manager.block_size, num_free=manager.num_free_blocks, num_blocks=manager.num_blocks,
+                has_work=engine.has_work(), running=running)
+
+
+def step(engine, runner):
+    """One step of `engine` (whose runner is `runner`) in one call: (the step's outputs, the runner's new records,
+    the engine's `state` after it)."""
+    outputs = engine.step()
+    return outputs, runner.take(), state(engine)
 
 
 # ---------------------------------------------------------------- proposers of the day's tests
