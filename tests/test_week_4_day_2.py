@@ -128,31 +128,29 @@ def oracle_engine(model, tokenizer, bits, num_blocks):
     return engine
 
 
-def run_to_end(engine, prompts, max_tokens, max_steps=3000):
-    """Add the prompts, step to the end checking the block accounting after every step; the outputs."""
+def run_to_end(engine, prompts, max_tokens, package=ref, max_steps=3000):
+    """Add the prompts, step to the end checking the block accounting after every step; the outputs. `package`: the
+    code `engine` is made of (its state is read where it runs, in one round trip a step while grading)."""
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    has_work, step = engine.has_work, engine.step  # read once (while grading, a round trip each)
+    state_of, step = actor_fakes(package, "speculative").state, engine.step  # read once (while grading, a round trip)
     for _ in range(max_steps):
-        if not has_work():
+        state = state_of(engine)
+        if not state["has_work"]:
             return [output for (output,) in fetch(seqs, "output_token_ids")]
         step()
-        check_pool(engine)
+        check_pool(state_of(engine))
     raise AssertionError(f"no end after {max_steps} steps: every step must make progress (a prefill chunk, a token "
                          "or a preemption), so the engine stopped moving")
 
 
-def check_pool(engine):
-    """Day 3.2's accounting: every block free or held by exactly one running sequence, and enough of them."""
-    # Read at once (while grading, the engine is the submission's: a round trip per fetch, not per attribute).
-    [(running, num_free, num_blocks, block_size)] = fetch(
-        [engine], "scheduler.running", "block_manager.num_free_blocks", "block_manager.num_blocks",
-        "block_manager.block_size")
-    running = fetch(running, "block_table", "num_computed_tokens")
-    held = [b for table, _ in running for b in table]
+def check_pool(state: dict):
+    """Day 3.2's accounting on an engine's state (tests/actor_fakes/speculative.py's `state`): every block free or
+    held by exactly one running sequence, and enough of them."""
+    held = [b for _, table, _, _ in state["running"] for b in table]
     assert len(held) == len(set(held)), "a block is held twice"
-    assert len(held) + num_free == num_blocks, "blocks leaked"
-    for table, computed in running:
-        assert len(table) * block_size >= computed
+    assert len(held) + state["num_free"] == state["num_blocks"], "blocks leaked"
+    for _, table, _, computed in state["running"]:
+        assert len(table) * state["block_size"] >= computed
 
 
 def group_max(x: mx.array, group_size: int) -> mx.array:
@@ -428,8 +426,8 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
         with pytest.raises(ValueError):
             engine_config(ref, **bad)
     assert ref.quantized_kv.pool_nbytes(quantized.runner.pool) <= memory
-    run_to_end(float_engine, prompts, max_tokens)
-    outputs = run_to_end(quantized, prompts, max_tokens)
+    run_to_end(float_engine, prompts, max_tokens, sol)
+    outputs = run_to_end(quantized, prompts, max_tokens, sol)
     assert float_engine.num_preemptions > 0 and quantized.num_preemptions == 0
     assert quantized.block_manager.num_free_blocks == quantized.block_manager.num_blocks
     oracle = oracle_engine(model, tokenizer, 8, quantized.block_manager.num_blocks)
@@ -445,7 +443,7 @@ def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
     prompts, max_tokens = [prompt_of(n, 20 + n, 512) for n in (9, 14, 5, 11, 7)], 10
     engine = make_engine(sol, mlx_model, kv_cache_bytes=memory, kv_bits=bits)
     assert engine.block_manager.num_blocks == 12
-    outputs = run_to_end(engine, prompts, max_tokens)
+    outputs = run_to_end(engine, prompts, max_tokens, sol)
     assert engine.num_preemptions > 0, "the workload was meant to preempt"
     assert engine.block_manager.num_free_blocks == 12 and not engine.has_work()
     oracle = oracle_engine(model, tokenizer, bits, 12)
