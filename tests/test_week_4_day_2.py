@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from tests.harness import fetch, reference, solution, stack
+from tests.harness import actor_fakes, fetch, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE
 from tests.week4_stack import check_quantized_stack
 
@@ -57,7 +57,9 @@ class RoundTripPool(ref.block_manager.KvPool):
 
 @pytest.fixture(scope="module")
 def wide_model():
-    """A random two-layer Qwen2 with head_dim 64 (SmolLM2's), 512 tokens, float32: (week-3 model, tokenizer)."""
+    """A random two-layer Qwen2 with head_dim 64 (SmolLM2's), 512 tokens, float32: (week-3 model, mlx-lm model,
+    tokenizer); the week-3 model and the tokenizer are this process's (the oracles'), the engine under test builds
+    its own from the mlx-lm model (`make_engine`)."""
     from mlx.utils import tree_map
     from mlx_lm.models import qwen2 as mlx_qwen2
 
@@ -69,7 +71,7 @@ def wide_model():
     # Wider than the default initialisation, so attention is peaked and quantization error shows.
     mlx_model.update(tree_map(lambda p: (p * 3).astype(mx.float32), mlx_model.parameters()))
     mx.eval(mlx_model.parameters())
-    return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), SimpleNamespace(eos_token_ids={WIDE_EOS})
+    return ref.qwen2_week3.Qwen2ModelWeek3(mlx_model), mlx_model, SimpleNamespace(eos_token_ids={WIDE_EOS})
 
 
 def pool_shape(model, num_blocks, block_size):
@@ -96,57 +98,59 @@ def prefill_logits(model, pool, tokens: list[int], block_table: list[int], block
     return mx.concatenate(rows)
 
 
-def engine_config(**knobs):
-    """The tests' engine knobs: blocks of 4 tokens, 4 sequences, 16 tokens a step, and `knobs`."""
-    return ref.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": BLOCK_SIZE, "max_num_seqs": 4, "token_budget": 16,
-                                      **knobs})
+def engine_config(package=ref, **knobs):
+    """`package`'s EngineConfig of the tests' engine knobs: blocks of 4 tokens, 4 sequences, 16 tokens a step, and
+    `knobs`."""
+    return package.engine.EngineConfig(**{**PLAIN_ENGINE, "block_size": BLOCK_SIZE, "max_num_seqs": 4,
+                                          "token_budget": 16, **knobs})
 
 
-def make_engine(sol, model, tokenizer, kv_cache_bytes: int, kv_bits: int | None = None):
-    """The reference engine on `sol`'s pool, sized by memory with `sol`'s sizing.
+def make_engine(sol, mlx_model, kv_cache_bytes: int, kv_bits: int | None = None):
+    """The reference engine on `sol`'s pool, sized by memory with `sol`'s sizing, all of it (the week-3 model of
+    `mlx_model` too) built where `sol` runs.
 
     The engine module is the reference's (the selector keeps modules without the day's tasks as they
     are), so the pool and its size are put in here: the one place the tests build an engine.
     """
+    model = sol.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     qkv = sol.quantized_kv
     num_blocks = qkv.num_blocks_for_memory(kv_cache_bytes, BLOCK_SIZE, qkv.model_bytes_per_token(model, kv_bits))
-    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(num_blocks=num_blocks, kv_bits=kv_bits))
+    tokenizer = actor_fakes(sol, "speculative").EndToken(WIDE_EOS)
+    engine = sol.engine.LLMEngine(model, tokenizer, engine_config(sol, num_blocks=num_blocks, kv_bits=kv_bits))
     engine.runner.pool = qkv.make_kv_pool(model, num_blocks, BLOCK_SIZE, kv_bits)
     return engine
 
 
 def oracle_engine(model, tokenizer, bits, num_blocks):
     """The reference engine over `RoundTripPool`: what the quantized engine must generate, token for token."""
-    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(num_blocks=num_blocks))
+    engine = ref.engine.LLMEngine(model, tokenizer, engine_config(ref, num_blocks=num_blocks))
     engine.runner.pool = RoundTripPool(*pool_shape(model, num_blocks, BLOCK_SIZE), bits=bits)
     return engine
 
 
-def run_to_end(engine, prompts, max_tokens, max_steps=3000):
-    """Add the prompts, step to the end checking the block accounting after every step; the outputs."""
+def run_to_end(engine, prompts, max_tokens, package=ref, max_steps=3000):
+    """Add the prompts, step to the end checking the block accounting after every step; the outputs. `package`: the
+    code `engine` is made of (its state is read where it runs, in one round trip a step while grading)."""
     seqs = [engine.add_request(p, ref.sequence.SamplingParams(max_tokens=max_tokens)) for p in prompts]
-    has_work, step = engine.has_work, engine.step  # read once (while grading, a round trip each)
+    state_of, step = actor_fakes(package, "speculative").state, engine.step  # read once (while grading, a round trip)
     for _ in range(max_steps):
-        if not has_work():
+        state = state_of(engine)
+        if not state["has_work"]:
             return [output for (output,) in fetch(seqs, "output_token_ids")]
         step()
-        check_pool(engine)
+        check_pool(state_of(engine))
     raise AssertionError(f"no end after {max_steps} steps: every step must make progress (a prefill chunk, a token "
                          "or a preemption), so the engine stopped moving")
 
 
-def check_pool(engine):
-    """Day 3.2's accounting: every block free or held by exactly one running sequence, and enough of them."""
-    # Read at once (while grading, the engine is the submission's: a round trip per fetch, not per attribute).
-    [(running, num_free, num_blocks, block_size)] = fetch(
-        [engine], "scheduler.running", "block_manager.num_free_blocks", "block_manager.num_blocks",
-        "block_manager.block_size")
-    running = fetch(running, "block_table", "num_computed_tokens")
-    held = [b for table, _ in running for b in table]
+def check_pool(state: dict):
+    """Day 3.2's accounting on an engine's state (tests/actor_fakes/speculative.py's `state`): every block free or
+    held by exactly one running sequence, and enough of them."""
+    held = [b for _, table, _, _ in state["running"] for b in table]
     assert len(held) == len(set(held)), "a block is held twice"
-    assert len(held) + num_free == num_blocks, "blocks leaked"
-    for table, computed in running:
-        assert len(table) * block_size >= computed
+    assert len(held) + state["num_free"] == state["num_blocks"], "blocks leaked"
+    for _, table, _, computed in state["running"]:
+        assert len(table) * state["block_size"] >= computed
 
 
 def group_max(x: mx.array, group_size: int) -> mx.array:
@@ -345,7 +349,7 @@ def test_task_2_rewriting_a_slot_requantizes_it(bits):
 def test_task_2_model_over_quantized_pool_matches_mlx_round_trip(wide_model, bits):
     """Two sequences, the second on the first one's blocks, prefilled in chunks: logits as the MLX oracle's."""
     sol = TASKS[2]
-    model, _ = wide_model
+    model, _, _ = wide_model
     shape = pool_shape(model, 8, 4)
     pool, oracle = sol.quantized_kv.QuantizedKvPool(*shape, bits=bits), RoundTripPool(*shape, bits=bits)
     for seed, table in ((0, [3, 1, 4, 0, 6, 2, 5]), (1, [2, 5, 0, 7, 1, 3])):
@@ -367,7 +371,8 @@ def test_task_2_embedded_logits_within_tolerance_of_float_pool(model32):
     model = ref.qwen2_week3.Qwen2ModelWeek3(mlx_model)
     tokens, table = prompt_of(200, 3, 5000), list(range(13))
     base = prefill_logits(model, model.make_kv_pool(13, 16), tokens, table, 16, chunk=32)
-    pool = sol.quantized_kv.make_kv_pool(model, 13, 16, kv_bits=8)
+    # The pool is made where the code under test runs, for that process's week-3 model of the same weights.
+    pool = sol.quantized_kv.make_kv_pool(sol.qwen2_week3.Qwen2ModelWeek3(mlx_model), 13, 16, kv_bits=8)
     prefill_logits(model, pool, prompt_of(200, 4, 5000), table, 16, chunk=200)  # an earlier sequence's blocks
     logits = prefill_logits(model, pool, tokens, table, 16, chunk=32)
     error = mx.abs(logits - base).max().item()
@@ -408,21 +413,21 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
     Eight requests, four at a time: the later ones reuse the blocks of the finished ones.
     """
     sol = TASKS[3]
-    model, tokenizer = wide_model
-    memory = 10 * 4 * sol.quantized_kv.model_bytes_per_token(model, None)
+    model, mlx_model, tokenizer = wide_model
+    memory = 10 * 4 * ref.quantized_kv.model_bytes_per_token(model, None)
     prompts, max_tokens = [prompt_of(12, 10 + i, 512) for i in range(8)], 12
-    float_engine = make_engine(sol, model, tokenizer, kv_cache_bytes=memory)
-    quantized = make_engine(sol, model, tokenizer, kv_cache_bytes=memory, kv_bits=8)
+    float_engine = make_engine(sol, mlx_model, kv_cache_bytes=memory)
+    quantized = make_engine(sol, mlx_model, kv_cache_bytes=memory, kv_bits=8)
     assert float_engine.block_manager.num_blocks == 10
     assert quantized.block_manager.num_blocks >= 3.5 * 10
-    knob = ref.engine.LLMEngine(model, tokenizer, engine_config(kv_cache_bytes=memory, kv_bits=8))
+    knob = ref.engine.LLMEngine(model, tokenizer, engine_config(ref, kv_cache_bytes=memory, kv_bits=8))
     assert knob.block_manager.num_blocks == quantized.block_manager.num_blocks, "the engine's kv_cache_bytes knob"
     for bad in ({"kv_bits": 3}, {"kv_cache_bytes": 0}, {"kv_cache_bytes": memory, "num_blocks": 10}):
         with pytest.raises(ValueError):
-            engine_config(**bad)
+            engine_config(ref, **bad)
     assert ref.quantized_kv.pool_nbytes(quantized.runner.pool) <= memory
-    run_to_end(float_engine, prompts, max_tokens)
-    outputs = run_to_end(quantized, prompts, max_tokens)
+    run_to_end(float_engine, prompts, max_tokens, sol)
+    outputs = run_to_end(quantized, prompts, max_tokens, sol)
     assert float_engine.num_preemptions > 0 and quantized.num_preemptions == 0
     assert quantized.block_manager.num_free_blocks == quantized.block_manager.num_blocks
     oracle = oracle_engine(model, tokenizer, 8, quantized.block_manager.num_blocks)
@@ -433,19 +438,19 @@ def test_task_3_equal_memory_holds_more_and_preempts_less(wide_model):
 def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
     """Your pool in the engine, memory tight enough to preempt and reuse blocks: MLX's tokens, every block back."""
     sol = TASKS[3]
-    model, tokenizer = wide_model
-    memory = 12 * 4 * sol.quantized_kv.model_bytes_per_token(model, bits)
+    model, mlx_model, tokenizer = wide_model
+    memory = 12 * 4 * ref.quantized_kv.model_bytes_per_token(model, bits)
     prompts, max_tokens = [prompt_of(n, 20 + n, 512) for n in (9, 14, 5, 11, 7)], 10
-    engine = make_engine(sol, model, tokenizer, kv_cache_bytes=memory, kv_bits=bits)
+    engine = make_engine(sol, mlx_model, kv_cache_bytes=memory, kv_bits=bits)
     assert engine.block_manager.num_blocks == 12
-    outputs = run_to_end(engine, prompts, max_tokens)
+    outputs = run_to_end(engine, prompts, max_tokens, sol)
     assert engine.num_preemptions > 0, "the workload was meant to preempt"
     assert engine.block_manager.num_free_blocks == 12 and not engine.has_work()
     oracle = oracle_engine(model, tokenizer, bits, 12)
     assert outputs == run_to_end(oracle, prompts, max_tokens)
     assert oracle.num_preemptions == engine.num_preemptions
     with pytest.raises(ValueError):
-        make_engine(sol, model, tokenizer, kv_cache_bytes=100, kv_bits=bits)
+        make_engine(sol, mlx_model, kv_cache_bytes=100, kv_bits=bits)
 
 
 # ---------------------------------------------------------------- Task 4: your stack so far

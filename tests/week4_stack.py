@@ -25,7 +25,10 @@ oracle, token for token:
   (every call in the model's dtype), heads of 128 features in groups of 64, a float16 pool on a
   float32 model.
 
-Every workload ends with every block back in the pool; every loop has a step limit.
+Every workload ends with every block back in the pool; every loop has a step limit. Day 4.1's proposers are
+built where the engine runs (tests/actor_fakes/speculative.py); what they record comes back as data and is checked
+here against the test's own oracles (the truth proposer's calls replayed through its own copy, each prompt-lookup
+proposal against the rule, each guess against the guess limit).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from mlx_lm.models.cache import KVCache
 from tests import week3_stack as w3
 from tests.chi_square import assert_distribution
 from tests.harness import actor_fakes, fetch, solution_name
+from tests.actor_fakes import speculative
 from tests.week3_stack import (EOS, VOCAB, ModelProbe, Request, RoundTripCache, Run, expected,
                                tokens)
 
@@ -51,33 +55,45 @@ K = 3  # guesses per verify chunk in the speculative workloads
 # ---------------------------------------------------------------- day 4.1: speculative decoding
 
 
-class TruthProposer:
-    """Guesses each request's true greedy continuation (mlx-lm's, alone) right for a random number of tokens,
-    then wrong: the test knows exactly how many guesses of each proposal the target must accept."""
+def speculative_fakes(package):
+    """tests/actor_fakes/speculative.py where `package` runs: the proposers the engine calls, built there."""
+    return actor_fakes(package, "speculative")
 
-    def __init__(self, requests: list[Request], seed: int):
-        self.truth = {}
-        for request in requests:
-            output, reason = expected(request)
-            self.truth[request.request_id] = request.prompt + output + ([EOS] if reason == "stop" else [])
-        self.rng = random.Random(seed)
-        self.calls: dict[object, tuple[int, int]] = {}  # request id -> (guesses, right ones), this step
-        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
 
-    def propose(self, seq, k):
-        truth, n = self.truth[seq.request_id], len(seq.token_ids)
-        assert truth[:n] == seq.token_ids, f"{seq.request_id!r} asked for guesses after tokens it should not have"
-        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
-        # Right guesses stop before the last true token, so the first wrong one is always checked against the truth.
-        right = min(self.rng.randint(0, k), len(truth) - n - 1)
-        draft = truth[n : n + right] + [(truth[n + right] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB]
-        while len(draft) < k:
-            draft.append(self.rng.randrange(VOCAB))
-        self.calls[seq.request_id] = (k, right)
-        return draft
+def truths(requests: list[Request]) -> dict:
+    """Each request's prompt, its output alone (mlx-lm's) and the EOS that ended it, if one did: what a
+    `TruthProposer` guesses from."""
+    truth = {}
+    for request in requests:
+        output, reason = expected(request)
+        truth[request.request_id] = request.prompt + output + ([EOS] if reason == "stop" else [])
+    return truth
 
-    def forget(self, request_id):
-        pass
+
+def truth_proposer(package, requests: list[Request], seed: int):
+    """A `TruthProposer` where `package` runs, and the test's own copy to replay its calls: (there, here)."""
+    truth = truths(requests)
+    return speculative_fakes(package).TruthProposer(truth, seed), speculative.TruthProposer(truth, seed)
+
+
+def right_guesses(calls, requests: list[Request], replica) -> dict:
+    """Each recorded call of a `TruthProposer` checked and counted: request id -> (guesses, right ones).
+
+    The record comes from the process that runs the code under test, so `replica` (the test's own proposer, same
+    truth and seed) answers every recorded question again and must give the recorded guesses: a record rewritten to
+    hide proposals or change guesses parts from the replay's random draws. Each proposal must be asked after true
+    tokens only, within the guess limit."""
+    limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
+    counted = {}
+    for request_id, tokens, k, draft in calls:
+        truth = replica.truth[request_id]
+        assert truth[: len(tokens)] == tokens, f"{request_id!r} asked for guesses after tokens it should not have"
+        check_guess_limit(request_id, k, len(tokens), *limits[request_id])
+        assert draft == replica.guess(request_id, tokens, k), \
+            f"{request_id!r}: the proposer's record does not replay (it guessed {draft})"
+        right = next((i for i, guess in enumerate(draft) if guess != truth[len(tokens) + i]), len(draft))
+        counted[request_id] = (k, right)
+    return counted
 
 
 def check_guess_limit(request_id, k: int, num_tokens: int, prompt_length: int, max_tokens: int) -> None:
@@ -101,16 +117,14 @@ def speculative_engine(package, probe: ModelProbe, proposer, min_acceptance_rate
                                                  speculation=speculation, proposer=proposer, clock=probe.clock)
 
 
-def check_blocks_after_every_step(engine):
+def check_blocks_after_every_step(package, engine):
     """No running sequence holds a block past its tokens (rejected guesses give theirs back); none leaked."""
-    # Read at once (while grading, the engine is the submission's: one round trip each, not one per attribute).
-    [(num_free, num_blocks, block_size, running)] = fetch([engine], "block_manager.num_free_blocks",
-                                                          "block_manager.num_blocks", "block_manager.block_size",
-                                                          "scheduler.running")
-    running = fetch(running, "request_id", "block_table", "num_tokens")
-    held = {block for _, table, _ in running for block in table}
+    # Read at once, where the engine runs (while grading, one round trip, not one per attribute).
+    state = speculative_fakes(package).state(engine)
+    num_free, num_blocks, block_size = state["num_free"], state["num_blocks"], state["block_size"]
+    held = {block for _, table, _, _ in state["running"] for block in table}
     assert len(held) + num_free == num_blocks, f"{num_blocks - num_free - len(held)} blocks are neither held nor free"
-    for request_id, table, num_tokens in running:
+    for request_id, table, num_tokens, _ in state["running"]:
         most = -(-num_tokens // block_size)
         assert len(table) <= most, \
             f"{request_id!r} holds {len(table)} blocks for {num_tokens} tokens: rejected positions kept"
@@ -124,7 +138,7 @@ def drive_speculative(package, requests, proposer, probe=None, after_step=None, 
     result = Run(engine, probe, requests, engine.config.max_num_seqs)
 
     def check(run):
-        check_blocks_after_every_step(run.engine)
+        check_blocks_after_every_step(package, run.engine)
         if after_step:
             after_step(run)
 
@@ -135,15 +149,17 @@ def drive_speculative(package, requests, proposer, probe=None, after_step=None, 
 def workload_speculative_pressure(package):
     """A pool too small for the load, the student's prompt lookup guessing at every step: preemptions,
     EOS, aborts, every token mlx-lm's, every rejected position given back, every block home."""
-    for proposer in (package.speculative.NgramProposer(max_ngram=2, min_ngram=1),
-                     TruthProposer(w3.pressure_requests(4), seed=3)):
+    truth, replica = truth_proposer(package, w3.pressure_requests(4), seed=3)
+    for proposer in (package.speculative.NgramProposer(max_ngram=2, min_ngram=1), truth):
         result = drive_speculative(package, w3.pressure_requests(4), proposer, num_blocks=14)
         result.check_outputs()
         result.check_budget(16)
         result.check_clean()
         summary = result.engine.summary()
         assert summary["num_preemptions"] > 0, "a pool of 14 blocks must force preemptions"
-        assert summary["speculative_proposed"] > 0, f"{type(proposer).__name__} never guessed"
+        assert summary["speculative_proposed"] > 0, f"{'prompt lookup' if proposer is not truth else 'the truth'} " \
+                                                    "never guessed"
+    right_guesses(truth.calls, result.requests, replica)
     assert summary["speculative_proposed"] > summary["speculative_accepted"] > 0, \
         f"{summary['speculative_accepted']} of {summary['speculative_proposed']} right guesses accepted: " \
         "some must be accepted and some rejected"
@@ -156,19 +172,18 @@ def workload_speculative_exact(package):
     # Three run to max_tokens; the last meets EOS after two tokens, inside a verification.
     requests = [Request(f"x{i}", tokens(length, seed), max_tokens=max_tokens, arrive=i)
                 for i, (length, seed, max_tokens) in enumerate([(8, 80, 16), (11, 81, 16), (5, 84, 16), (7, 81, 12)])]
-    proposer = TruthProposer(requests, seed=5)
+    proposer, replica = truth_proposer(package, requests, seed=5)
     totals = {"proposed": 0, "accepted": 0}
     before: dict[str, int] = {}
 
     def exact(result):
-        for request_id, (guesses, right) in proposer.calls.items():
+        for request_id, (guesses, right) in right_guesses(proposer.take(), requests, replica).items():
             want = expected(next(r for r in result.requests if r.request_id == request_id))[0]
             had, now = before.get(request_id, 0), len(result.tokens_of(request_id))
             assert now == min(had + right + 1, len(want)), \
                 f"{request_id!r}: {right} of {guesses} guesses right, so {right + 1} new tokens; got {now - had}"
             totals["proposed"] += guesses
             totals["accepted"] += right
-        proposer.calls.clear()
         before.update({r.request_id: len(result.tokens_of(r.request_id)) for r in result.requests})
 
     # A budget of 7: beside three or four decodes only a few guesses fit, so the budget cuts proposals short.
@@ -343,20 +358,12 @@ def workload_speculative_sampling(package):
     assert result.engine.summary()["speculative_proposed"] >= NUM_SAMPLED // 2, "the second tokens were not verified"
 
 
-class ArgmaxProposer:
-    """Guesses the target's own greedy continuation of whatever the sequence holds: at temperature 1 such a guess
-    is often, not always, accepted, so the outcome of each verification turns on rejection sampling's draws."""
-
-    def propose(self, seq, k):
-        return greedy_past_eos(list(seq.token_ids), k)
-
-    def forget(self, request_id):
-        pass
-
-
 def seeded_run(package, requests: list[Request]) -> dict[str, list[int]]:
     """`requests` on a fresh speculative engine guessing the target's argmax: each request's tokens."""
-    result = drive_speculative(package, requests, ArgmaxProposer(), token_budget=32)
+    # Guesses the target's own greedy continuation of whatever the sequence holds: at temperature 1 such a guess is
+    # often, not always, accepted, so the outcome of each verification turns on rejection sampling's draws.
+    proposer = speculative_fakes(package).ArgmaxProposer(w3.tiny_mlx_model())
+    result = drive_speculative(package, requests, proposer, token_budget=32)
     result.check_clean()
     summary = result.engine.summary()
     assert summary["speculative_proposed"] > summary["speculative_accepted"] > 0, \
@@ -385,32 +392,11 @@ def workload_speculative_seeded(package):
         "reproduces a request whatever shares its batch"
 
 
-def greedy_past_eos(prompt: list[int], length: int) -> list[int]:
-    """mlx-lm's model alone, greedy, for `length` tokens, going on past EOS as if it were any token."""
-    model, history = w3.tiny_mlx_model(), list(prompt)
-    for _ in range(length):
-        history.append(mx.argmax(model(mx.array([history]))[0, -1]).item())
-    return history[len(prompt):]
-
-
-class PastEosProposer:
-    """Guesses each request's greedy continuation right, EOS included and the target's tokens after it: the target
-    accepts every guess, so an EOS inside the accepted guesses must end the request there."""
-
-    def __init__(self, requests: list[Request]):
-        self.truth = {r.request_id: r.prompt + greedy_past_eos(r.prompt, r.max_tokens + K) for r in requests}
-        self.limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
-        self.eos_guessed = 0  # proposals with EOS before their last guess
-
-    def propose(self, seq, k):
-        n = len(seq.token_ids)
-        check_guess_limit(seq.request_id, k, n, *self.limits[seq.request_id])
-        draft = self.truth[seq.request_id][n : n + k]
-        self.eos_guessed += EOS in draft[:-1]
-        return draft
-
-    def forget(self, request_id):
-        pass
+def check_guess_limits(calls, requests: list[Request]) -> None:
+    """`check_guess_limit` for every recorded call of a proposer."""
+    limits = {r.request_id: (len(r.prompt), r.max_tokens) for r in requests}
+    for request_id, tokens_so_far, k, _ in calls:
+        check_guess_limit(request_id, k, len(tokens_so_far), *limits[request_id])
 
 
 def stopping_requests(count: int, max_tokens: int) -> list[Request]:
@@ -429,29 +415,21 @@ def workload_speculative_eos_guessed(package):
     """A proposer guesses EOS followed by more tokens, and the target agrees with all of them: the request ends at
     the EOS (finish reason "stop", no token after it streamed, its blocks home), whatever guesses were accepted."""
     requests = stopping_requests(3, max_tokens=14)
-    proposer = PastEosProposer(requests)
+    # Guesses each request's greedy continuation right, EOS included and the target's tokens after it: the target
+    # accepts every guess, so an EOS inside the accepted guesses must end the request there.
+    truth = {r.request_id: r.prompt + speculative.greedy_past_eos(w3.tiny_mlx_model(), r.prompt, r.max_tokens + K)
+             for r in requests}
+    proposer = speculative_fakes(package).PastEosProposer(truth)
     result = drive_speculative(package, requests, proposer)
     result.check_outputs()
     result.check_clean()
-    assert proposer.eos_guessed > 0, "no proposal had an EOS followed by more guesses: the workload checks nothing"
-
-
-class WrongProposer:
-    """Guesses wrong every time (the first guess is never the target's token) and records, per request, how many
-    tokens it had emitted and how many guesses it was asked for."""
-
-    def __init__(self, requests: list[Request]):
-        self.truth = {r.request_id: r.prompt + expected(r)[0] + [EOS] for r in requests}
-        self.prompts = {r.request_id: len(r.prompt) for r in requests}
-        self.asked: dict[object, list[tuple[int, int]]] = {r.request_id: [] for r in requests}
-
-    def propose(self, seq, k):
-        n = len(seq.token_ids)
-        self.asked[seq.request_id].append((n - self.prompts[seq.request_id], k))
-        return [(self.truth[seq.request_id][n] + 1) % VOCAB] * k
-
-    def forget(self, request_id):
-        pass
+    calls = proposer.calls
+    check_guess_limits(calls, requests)
+    # The record comes from the code under test's process: each guess must be what the truth says there.
+    assert all(draft == truth[request_id][len(so_far) : len(so_far) + k] for request_id, so_far, k, draft in calls), \
+        "the proposer's record does not replay"
+    eos_guessed = sum(EOS in draft[:-1] for _, _, _, draft in calls)  # proposals with EOS before their last guess
+    assert eos_guessed > 0, "no proposal had an EOS followed by more guesses: the workload checks nothing"
 
 
 def tracker_schedule(request: Request, min_rate: float, probe_interval: int) -> list[tuple[int, int]]:
@@ -477,13 +455,18 @@ def workload_speculative_back_off(package):
     acceptance tracker, so a request guesses k, then fewer, then stops and probes with one guess after 2, 4, 8 ...
     plain steps: the guesses asked for, step by step, are an AcceptanceTracker's told every outcome."""
     requests = [Request(f"b{i}", tokens(6, 300 + i), max_tokens=24) for i in range(2)]
-    proposer = WrongProposer(requests)
+    # Guesses wrong every time (the first guess is never the target's token); its record says, per request, how
+    # many tokens it had emitted and how many guesses it was asked for.
+    proposer = speculative_fakes(package).WrongProposer(truths(requests))
     result = drive_speculative(package, requests, proposer, min_acceptance_rate=0.3, token_budget=16)
     result.check_outputs()
     result.check_clean()
+    calls = proposer.calls
     for request in requests:
         want = tracker_schedule(request, 0.3, 16)
-        got = proposer.asked[request.request_id]
+        # A record rewritten to show this schedule must be the schedule a tracker gives: the back-off itself.
+        got = [(len(so_far) - len(request.prompt), k) for request_id, so_far, k, _ in calls
+               if request_id == request.request_id]
         assert got == want, \
             f"{request.request_id!r} (every guess wrong) was asked for guesses at (tokens emitted, guesses) {got}; " \
             f"a tracker told each verification's outcome (tracker.observe(request id, proposed, accepted guesses)) " \
@@ -499,9 +482,9 @@ def workload_speculative_follow_up(package):
     assert reason == "length" and len(answer) == 16, "pick a seed whose first turn runs to max_tokens"
     follow_up = Request("turn2", first.prompt + answer[:10], max_tokens=4)
     probe = w3.new_probe(package)
-    engine = speculative_engine(package, probe, TruthProposer([first, follow_up], seed=9))
+    engine = speculative_engine(package, probe, truth_proposer(package, [first, follow_up], seed=9)[0])
     earlier = Run(engine, probe, [first], 4)
-    earlier.drive(after_step=lambda run: check_blocks_after_every_step(run.engine))
+    earlier.drive(after_step=lambda run: check_blocks_after_every_step(package, run.engine))
     earlier.check_outputs()
     calls = len(probe.calls)
     later = Run(engine, probe, [follow_up], 4)
@@ -533,43 +516,30 @@ def latest_lookup(tokens_so_far: list[int], k: int, max_ngram: int, min_ngram: i
     return []
 
 
-class CheckedLookup:
-    """The student's `NgramProposer`, each proposal checked against the rule as it is made."""
-
-    def __init__(self, lookup, max_ngram: int, min_ngram: int):
-        self.lookup, self.max_ngram, self.min_ngram = lookup, max_ngram, min_ngram
-        self.proposals = 0
-        self.earliest_differs = 0  # proposals where the earliest match would have proposed something else
-        self.shortest_differs = 0  # proposals where trying the shortest suffix first would have
-
-    def propose(self, seq, k):
-        context = list(seq.token_ids)
-        draft = list(self.lookup.propose(seq, k))
-        want = latest_lookup(context, k, self.max_ngram, self.min_ngram)
-        assert draft == want, \
-            f"prompt lookup on {context} (k={k}, n-grams {self.max_ngram} down to {self.min_ngram}) proposed " \
-            f"{draft}; the rule gives {want}: the longest suffix that occurs earlier, its latest occurrence, the " \
-            "tokens that followed it"
-        self.proposals += 1
-        self.earliest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, latest=False)
-        self.shortest_differs += want != latest_lookup(context, k, self.max_ngram, self.min_ngram, longest_first=False)
-        return draft
-
-    def forget(self, request_id):
-        self.lookup.forget(request_id)
-
-
 def workload_speculative_prompt_lookup(package):
     """The student's prompt lookup in the engine, on prompts where an n-gram recurs with different continuations:
     every proposal is the latest match of the longest suffix, and every token mlx-lm's."""
     # Prompts over 6 tokens: the model's outputs recur in them and in each other (seeds with such proposals).
     requests = [Request(f"p{i}", [rng.randrange(6) for _ in range(20)], max_tokens=20, arrive=i)
                 for i, rng in enumerate(random.Random(51 + i) for i in range(3))]
-    proposer = CheckedLookup(package.speculative.NgramProposer(max_ngram=3, min_ngram=1), 3, 1)
+    proposer = speculative_fakes(package).Watched(package.speculative.NgramProposer(max_ngram=3, min_ngram=1))
     result = drive_speculative(package, requests, proposer)
     result.check_outputs()
     result.check_clean()
-    assert proposer.earliest_differs > 0 and proposer.shortest_differs > 0, \
+    earliest_differs = shortest_differs = 0  # proposals where the earliest match, or the shortest suffix first, differ
+    truth = truths(requests)
+    for request_id, context, k, draft in proposer.calls:
+        # Recorded where the code under test runs: each context must be the request's true tokens so far (so a record
+        # rewritten to hold easier contexts fails), and to show a right guess where the lookup made a wrong one a
+        # rewritten record would have to apply the rule itself.
+        assert truth[request_id][: len(context)] == context, f"{request_id!r} proposed from tokens it never had"
+        want = latest_lookup(context, k, 3, 1)
+        assert draft == want, \
+            f"prompt lookup on {context} (k={k}, n-grams 3 down to 1) proposed {draft}; the rule gives {want}: the " \
+            "longest suffix that occurs earlier, its latest occurrence, the tokens that followed it"
+        earliest_differs += want != latest_lookup(context, k, 3, 1, latest=False)
+        shortest_differs += want != latest_lookup(context, k, 3, 1, longest_first=False)
+    assert earliest_differs > 0 and shortest_differs > 0, \
         "no proposal where the earliest match or the shortest suffix differs: the workload checks nothing"
 
 
