@@ -81,8 +81,9 @@ SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
 def _shared_class(path: str, load: bool = False):
-    """The class `module:qualname` of a shared module, if this process has loaded that module (or, `load`, can
-    import it: the actor, rebuilding data the judge sent)."""
+    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet, where
+    the path comes from the judge, or names a module of the reference's (never, at the actor's word, a module
+    whose import would run something: mlx-lm's command-line entry points)."""
     import sys
 
     module, _, qualname = path.partition(":")
@@ -163,10 +164,11 @@ def receive_message(reader: PipeReader) -> tuple[dict, list[bytes]]:
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
     header = json.loads(reader.read(size))
-    if not isinstance(header, dict) or not isinstance(header.get("nbuf"), int) or not 0 <= header["nbuf"] <= MAX_BUFFERS:
+    count = header.get("nbuf") if isinstance(header, dict) else None
+    if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
     buffers, left = [], MAX_MESSAGE
-    for _ in range(header["nbuf"]):
+    for _ in range(count):
         (length,) = struct.unpack("<Q", reader.read(8))
         if length > left:
             raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
@@ -281,7 +283,7 @@ class Endpoint:
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
         self.read_fd, self.write_fd, self.side, self.judge = read_fd, write_fd, side, root is None
-        self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (or, in the judge, a model sent)
+        self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle
         self.proxies: weakref.WeakValueDictionary[int, Handle] = weakref.WeakValueDictionary()
         self.stand_ins: dict[int, type] = {}  # in the judge: handle of an exception class of the actor -> its stand-in
@@ -338,7 +340,8 @@ class Endpoint:
             buffers.append(value)
             return {"$": "bytes", "b": len(buffers) - 1}
         if kind is slice:
-            return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in (value.start, value.stop, value.step)]}
+            parts = (value.start, value.stop, value.step)
+            return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in parts]}
         if value is Ellipsis:
             return {"$": "ellipsis"}
         if kind is np.ndarray and value.dtype.kind in "biufc":
@@ -358,10 +361,12 @@ class Endpoint:
             return {"$": "data", "cls": path, "h": None if self.judge else self._export(value),
                     "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
         if issubclass(kind, enum.Enum) and _shared_class(path) is kind:
-            return {"$": "enum", "cls": path, "name": str(value.name)[:200]}
+            return {"$": "enum", "cls": path, "name": str(value.name)[:200],
+                    "h": None if self.judge else self._export(value)}
         if self.judge:
             return self._encode_for_the_actor(value, path, buffers, depth)
-        if issubclass(kind, type) and issubclass(value, Exception) and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
+        if issubclass(kind, type) and issubclass(value, Exception) \
+                and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
             return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works in the judge
         return {"$": "h", "h": self._export(value), "cls": path}
 
@@ -385,8 +390,8 @@ class Endpoint:
         from mlx.utils import tree_flatten
 
         weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
-        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1), "w": weights,
-                "q": _quantized_layers(model)}
+        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1),
+                "w": weights, "q": _quantized_layers(model)}
 
     def _decode_model(self, value: dict, buffers: list):
         handle = value.get("h")
@@ -470,7 +475,8 @@ class Endpoint:
                 raise ProtocolError("a group of one rank sent to a process that is a rank of a larger one")
             return group
         if tag == "data":
-            cls, fields = _shared_class(str(value["cls"]), load=not self.judge), value["v"]
+            path, fields = str(value["cls"]), value["v"]
+            cls = _shared_class(path, load=self._may_load(path))
             if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
                     and set(fields) == {f.name for f in dataclasses.fields(cls)}:
                 rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
@@ -482,11 +488,18 @@ class Endpoint:
             raise ProtocolError(f"data of an unknown class {value['cls']!r}")
         if tag == "enum":
             path, name = str(value["cls"]), str(value["name"])
-            cls = _shared_class(path, load=not self.judge)
-            if cls is None or not issubclass(cls, enum.Enum) or name not in cls.__members__:
-                raise ProtocolError(f"an enum of an unknown class {path!r}")
-            return cls[name]
+            cls = _shared_class(path, load=self._may_load(path))
+            if cls is not None and issubclass(cls, enum.Enum) and name in cls.__members__:
+                return cls[name]
+            if self.judge and isinstance(value.get("h"), int):
+                return self._proxy(value["h"], path)  # a class the judge does not load: an object like any other
+            raise ProtocolError(f"an enum of an unknown class {path!r}")
         return self._decode_for(tag, value, buffers)
+
+    def _may_load(self, path: str) -> bool:
+        """Whether a class the other side names may be imported here to rebuild its data: anything the judge names,
+        in the actor; in the judge, a module of the reference's alone (its data classes and enums)."""
+        return not self.judge or re.fullmatch(r"tiny_llm_ref\.[a-z][a-z_0-9]*", path.partition(":")[0]) is not None
 
     def _decode_for(self, tag: str, value: dict, buffers: list):
         """What only one side may receive: handles and exception classes (the judge); its own objects back, models
@@ -572,7 +585,8 @@ class Endpoint:
             while True:
                 header, buffers = receive_message(self.reader)
                 chain, kind = header.get("c"), header.get("k")
-                if not isinstance(chain, str) or len(chain) > 64 or kind not in (("ok", "err") if self.judge else ("req",)):
+                takes = ("ok", "err") if self.judge else ("req",)
+                if not isinstance(chain, str) or len(chain) > 64 or kind not in takes:
                     raise ProtocolError("a message this side does not take (the actor never calls the judge)")
                 inbox = self.chains.get(chain)
                 if inbox is None:
