@@ -1,11 +1,13 @@
-"""Fakes that need no trust, built where the code under test runs (`actor_fakes(sol)` in tests/harness.py).
+"""What the code under test uses besides its own objects, built where it runs (`actor_fakes(sol, "module")`,
+tests/harness.py): this package, one module per group of days.
 
-While grading, the engine under test runs in the sandboxed worker; a fake the engine reads at every step (a model's
-configuration, a tokenizer's EOS ids, a proposer that always guesses the same) would cost a round trip to the
-trusted process per read if the test built it there. Built in the worker instead, from this module (the sandbox's
-root holds a copy of it, and nothing else of tests/), it is read in place. Nothing here decides a verdict: the
-oracles and the fakes that record evidence (a runner checking every slot, a probe counting tokens) stay with the
-tests. Plain Python and MLX only: the worker imports this file alone.
+While grading, the code under test runs in the sandboxed worker, and the judge hands it nothing of its own but
+data, models and the tests' tokenizer (course/remote.py): a fake model, a tokenizer, a clock, a sampler, a
+proposer or a server the engine reads at every step is built in the worker from here (the sandbox's root holds
+a copy of this package, and nothing else of tests/), and read in place. What a fake records comes back as data;
+where a verdict rests on it, the test checks it against what the submission cannot cheaply forge (the judge
+replays it through its own copy of the fake and requires the outputs it predicts), and every oracle stays with
+the tests. Plain Python, MLX and mlx-lm only: the worker imports this package alone.
 """
 
 import time
