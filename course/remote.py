@@ -277,6 +277,32 @@ def _load_tokenizer(path: str, eos_token_ids: tuple):
     return load_tokenizer(Path(path), eos_token_ids=list(eos_token_ids))
 
 
+class SharedTokenizer:
+    """The actor's stand-in for the tests' tokenizer: its EOS ids at once, anything else from the tokenizer itself,
+    loaded from its files on first use. An engine fed token ids reads the EOS ids alone, and loading the tokenizer
+    (transformers' start-up and an 11 MB tokenizer.json) costs one to two seconds of a worker's start."""
+
+    def __init__(self, path: str, eos_token_ids: tuple):
+        self._path, self._eos = path, eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._eos)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_load_tokenizer(self._path, self._eos), name)
+
+    def __len__(self) -> int:
+        return len(_load_tokenizer(self._path, self._eos))
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_tokenizer(path: str, eos_token_ids: tuple) -> SharedTokenizer:
+    return SharedTokenizer(path, eos_token_ids)
+
+
 class Endpoint:
     """One end of the pipes. The judge's (`root` None) sends requests and waits for their replies; the actor's
     (`root`: the object handle 0 names, what the judge starts from) serves them."""
@@ -516,7 +542,7 @@ class Endpoint:
         if not self.judge and tag == "model":
             return self._decode_model(value, buffers)
         if not self.judge and tag == "tokenizer":
-            return _load_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
+            return _shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
     def _decode_array(self, value, buffers):
