@@ -336,7 +336,7 @@ STATS_LINE = re.compile(
 
 
 def scheduler_at(fakes, batch, clock, log, **settings):
-    """A SlotScheduler on the fake model whose log goes to `log` (a LogLines); nothing runs until the test says so."""
+    """A SlotScheduler on the fake model whose log goes to `log` (a Lines); nothing runs until the test says so."""
     settings = {"max_seq_len": 32, "batch_size": 2, "prefill_step": 4, "log_interval": 1.0, **settings}
     return batch.SlotScheduler(fakes.FakeModel(), fakes.FakeTokenizer(), clock=clock, log=log, **settings)
 
@@ -344,7 +344,7 @@ def scheduler_at(fakes, batch, clock, log, **settings):
 def test_task_4_start_up_line_says_whether_chunking_is_on(batch, fakes):
     for prefill_step, max_seq_len, word in [(4, 32, "enabled"), (31, 32, "enabled"), (32, 32, "disabled"),
                                             (100, 32, "disabled")]:
-        log = fakes.LogLines()
+        log = fakes.Lines()
         scheduler = scheduler_at(fakes, batch, fakes.FakeClock(), log, prefill_step=prefill_step,
                                  max_seq_len=max_seq_len)
         scheduler.log_stats()
@@ -358,7 +358,7 @@ def test_task_4_start_up_line_says_whether_chunking_is_on(batch, fakes):
 
 def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets(batch, fakes):
     """Rates cover the time since the last line, not since the start; KV use counts what the slots hold."""
-    clock, log = fakes.FakeClock(), fakes.LogLines()
+    clock, log = fakes.FakeClock(), fakes.Lines()
     scheduler = scheduler_at(fakes, batch, clock, log, max_seq_len=50, batch_size=4, log_interval=2.0)
     scheduler.log_stats()  # the start-up line at t = 0
     scheduler.stats.prefill_tokens, scheduler.stats.decode_tokens = 40, 10
@@ -384,7 +384,7 @@ def test_task_4_stats_line_rates_since_the_previous_line_and_kv_use_from_offsets
 
 
 def test_task_4_no_stats_line_inside_the_interval(batch, fakes):
-    clock, log = fakes.FakeClock(), fakes.LogLines()
+    clock, log = fakes.FakeClock(), fakes.Lines()
     scheduler = scheduler_at(fakes, batch, clock, log)
     for _ in range(5):
         scheduler.log_stats()
@@ -496,7 +496,7 @@ def test_task_5_stats_count_chunks_decode_steps_and_interleaving(batch, fakes):
 
 
 def test_task_5_logs_the_set_up_then_periodic_stats(batch, fakes):
-    clock, log = fakes.FakeClock(), fakes.LogLines()
+    clock, log = fakes.FakeClock(), fakes.Lines()
     model = fakes.FakeModel(eos=False, clock=clock, prefill_cost=(0.0, 0.1), decode_cost=0.25)
     scheduler = batch.SlotScheduler(model, fakes.FakeTokenizer(), max_seq_len=32, batch_size=2, prefill_step=4,
                                     clock=clock, log=log, log_interval=1.0)

@@ -25,6 +25,16 @@ def next_token_of(history: list[int], eos: bool = True) -> int:
     return h % VOCAB if eos else h % (VOCAB - 1)
 
 
+class Lines:
+    """A log sink: every line it is given, in `lines` (read back as data)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+
 class FakeTokenizer:
     """Characters to token ids 0..38 and back; EOS is 39."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import EOS, VOCAB, FakeTokenizer, next_token_of  # noqa: F401  (the fake model's tokenizer)
+from . import EOS, VOCAB, FakeTokenizer, Lines, next_token_of  # noqa: F401  (the fake model's tokenizer, a log sink)
 
 
 class ModelFailure(Exception):
@@ -182,16 +182,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-class LogLines:
-    """A log sink: every line it is given, in `lines`."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def __call__(self, line: str) -> None:
-        self.lines.append(line)
 
 
 class FakeModel:

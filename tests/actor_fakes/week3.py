@@ -14,7 +14,7 @@ its own and ties what that predicts to the outputs the engine returned (tests/we
 Plain Python only: the worker imports this package alone.
 """
 
-from . import next_token_of
+from . import Lines, next_token_of  # noqa: F401  (Lines: the engine's log sink, as `fakes.Lines()`)
 
 CHUNK_FIELDS = ("request_id", "block_table", "token_ids", "start", "length", "samples")
 
@@ -72,16 +72,6 @@ class TraceRunner:
     def num_tokens(self, index: int) -> int:
         """Tokens plan `index` ran."""
         return sum(length for _, _, _, _, length, _ in self.trace[index])
-
-
-class Lines:
-    """A log sink: `lines(text)` keeps the line."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def __call__(self, line: str) -> None:
-        self.lines.append(line)
 
 
 class TickingClock:
