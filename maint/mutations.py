@@ -1,4 +1,4 @@
-"""Plant the bugs a student would make in weeks 3 and 4, one at a time, and check each costs most of a day's points.
+"""Plant the bugs a student would make, one at a time, and check each costs most of what it is planted in.
 
     pdm run python -m maint.mutations                    # the honest solution, then every mutation
     pdm run python -m maint.mutations --list             # the mutations, by name (STALE: a patch that no longer applies)
@@ -8,18 +8,23 @@
     pdm run python -m maint.mutations --day 4.1 4.2 --day-budget 300   # a busy machine: time is not what is checked
 
 A submission shaped like the skeleton is written to a temporary directory: the skeleton's files, with
-every module of weeks 3 and 4 replaced by the reference's (those days written, honestly). It must
-score full marks on every day the chosen mutations hurt. Then each mutation, a
-small textual patch of that submission's code (the bug a student writes), is graded by the grader
-itself (`scripts/grade.py --src`, the course's isolated pytest runner, its time limits included) on
-the days it must hurt, and must lose more than half of each one's points. The table printed names,
-per mutation and day, the points lost and the tests that failed.
+every module replaced by the reference's (every day written, honestly). It must score full marks on
+every day the chosen mutations hurt. Then each mutation, a small textual patch of that submission's
+code (the bug a student writes), is graded by the grader itself (`scripts/grade.py --src`, the course's
+isolated pytest runner, its time limits included) on the days it must hurt, and must lose more than half
+of what is at stake there: the whole day where the day has a "your stack so far" test (weeks 3 and 4,
+whose every bug reaches the engine the student serves with) or the patch lies in provided code; else the
+points of the tasks it is planted in (a day of weeks 1 and 2 scores each task on its own tests, so a bug
+in one 5-point task of a 10-point day can fairly cost only its half). The table printed names, per
+mutation and day, the points lost and the tests that failed.
 
 A mutation must also cost only its own task and the day's "your stack so far": each patch lies in one
 task's region of the reference (its `# BEGIN TASK` markers), and another task of the day that scores
-less than on the honest tree is a LEAK (a correct task paying for another one's bug: that task's
-tests must take the other task from the reference, `solution(week, day, task=N)`). A patch in provided
-code belongs to no task; its per-task losses are printed, never counted as leaks.
+less than on the honest tree is a LEAK where that task's tests take the other tasks from the reference
+(`solution(week, day, task=N)`, weeks 3 and 4): a correct task paying for another one's bug. In weeks 1
+and 2 a day's later task is built on its earlier ones (day 1.1's multi-head attention calls its
+attention), and the tests grade them together: such a loss is printed as BUILDS-ON, not counted. A patch
+in provided code belongs to no task; its per-task losses are printed, never counted as leaks.
 
 A patch whose text is no longer in the reference is reported as stale (exit 1): rewrite it against
 the new code (`--list` marks them without grading anything). Every mutation is a grading run of its
@@ -52,7 +57,7 @@ REFERENCE = REPO_ROOT / "src_ref" / "tiny_llm_ref"
 TASK_REGION = re.compile(r"# BEGIN TASK Week (\d+) Day (\d+) Task (\d+).*?# END TASK", re.S)
 TEST_TASK = re.compile(r"test_task_(\d+)_")
 GRADER_OPTIONS: list[str] = []  # passed to every grading run (main sets --day-budget from the command line)
-WRITTEN_DAYS = [(3, 1), (3, 2), (3, 3), (3, 4), (3, 5), (4, 1), (4, 2), (4, 3), (4, 4), (4, 5)]  # the honest submission's days
+WRITTEN_DAYS = [(d.week, d.day) for d in DAYS]  # the honest submission's days: all of them
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,92 @@ class Mutation:
 
 
 MUTATIONS = [
+    # Week 1: the model from array operations.
+    Mutation("softmax-whole-array", "softmax normalized over the whole array, not along the axis", (1,), (
+        ("basics", "    return e / mx.sum(e, axis=axis, keepdims=True)\n", "    return e / mx.sum(e)\n"),), week=1),
+    Mutation("scale-without-sqrt", "attention scores scaled by 1/D instead of 1/sqrt(D)", (1,), (
+        ("attention", "    factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])\n",
+         "    factor = scale if scale is not None else 1.0 / query.shape[-1]\n"),), week=1),
+    Mutation("linear-without-transpose", "x multiplied by w, not by its transpose", (1,), (
+        ("basics", "    y = x @ w.T\n", "    y = x @ w\n"),), week=1),
+    Mutation("rope-offset-ignored", "RoPE rotates every input as if it started at position 0", (2,), (
+        ("positional_encoding", "            positions = mx.arange(offset, offset + length)\n",
+         "            positions = mx.arange(length)\n"),), week=1),
+    Mutation("rope-traditional-as-halves", "the traditional layout pairs feature i with i + D/2, like the other one",
+             (2,), (
+        ("positional_encoding", "            x1, x2 = x[..., 0::2], x[..., 1::2]  # neighbouring features form a pair\n",
+         "            x1, x2 = x[..., : d // 2], x[..., d // 2 :]\n"),), week=1),
+    Mutation("causal-mask-top-left", "the causal mask ignores cached keys: query i sees keys 0 .. i", (3,), (
+        ("attention", "    query_positions = mx.arange(L)[:, None] + (S - L)\n", "    query_positions = mx.arange(L)[:, None]\n"),),
+             week=1),
+    Mutation("gqa-heads-interleaved", "query head i shares key/value head i mod H, not i // n", (3,), (
+        ("attention", "    query = query.reshape(*batch, h, n_rep, l, d)\n",
+         "    query = query.reshape(*batch, n_rep, h, l, d).swapaxes(-4, -3)\n"),), week=1),
+    Mutation("rms-over-everything", "RMSNorm's mean taken over the whole array, not each row", (4,), (
+        ("layer_norm", "        mean_square = mx.mean(x32 * x32, axis=-1, keepdims=True)\n",
+         "        mean_square = mx.mean(x32 * x32)\n"),), week=1),
+    Mutation("silu-on-up", "SiLU applied to the up projection instead of the gate", (4,), (
+        ("mlp", "        gated = silu(linear(x, self.w_gate)) * linear(x, self.w_up)\n",
+         "        gated = linear(x, self.w_gate) * silu(linear(x, self.w_up))\n"),), week=1),
+    Mutation("block-without-residual", "the attention's output replaces the residual stream instead of adding to it",
+             (5,), (
+        ("qwen2_week1", "        h = x + self.self_attn(self.input_layernorm(x), mask)\n",
+         "        h = self.self_attn(self.input_layernorm(x), mask)\n"),), week=1),
+    Mutation("qwen-without-rope", "queries and keys never rotated: the model cannot tell positions apart", (5,), (
+        ("qwen2_week1", "        q = self.rope(q, offset=0)\n        k = self.rope(k, offset=0)\n", ""),), week=1),
+    Mutation("generate-reads-first-row", "the next token read from the first position's logits, not the last's", (6,), (
+        ("generate", "        logits = model(mx.array([tokens]))[:, -1, :]\n", "        logits = model(mx.array([tokens]))[:, 0, :]\n"),),
+             week=1),
+    Mutation("generate-past-eos", "the loop never stops at EOS: it keeps generating until max_tokens", (6,), (
+        ("generate", "        if token in tokenizer.eos_token_ids:\n            break\n        tokens.append(token)\n",
+         "        tokens.append(token)\n"),), week=1),
+    Mutation("temperature-multiplies", "logits multiplied by the temperature instead of divided", (7,), (
+        ("sampler", "        logits = logprobs / temp\n", "        logits = logprobs * temp\n"),), week=1),
+    Mutation("top-p-counts-itself", "a token kept while the mass up to and including it is below top_p", (7,), (
+        ("sampler", "            mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs\n",
+         "            mass_before = mx.cumsum(sorted_probs, axis=-1)\n"),), week=1),
+    Mutation("top-k-keeps-one-more", "top-k keeps the k + 1 most likely tokens", (7,), (
+        ("sampler", "[..., top_k:]", "[..., top_k + 1 :]"),), week=1),
+    # Week 2: the KV cache, serving metrics, quantization, flash attention and continuous batching.
+    Mutation("cache-prepends", "new keys and values put before the cached ones", (1,), (
+        ("kv_cache", "            keys = mx.concatenate([cached_keys, key], axis=2)\n"
+                     "            values = mx.concatenate([cached_values, value], axis=2)\n",
+         "            keys = mx.concatenate([key, cached_keys], axis=2)\n"
+         "            values = mx.concatenate([value, cached_values], axis=2)\n"),), week=2),
+    Mutation("offset-never-advances", "the generation loop never moves its offset past the tokens fed", (1,), (
+        ("generate", "        offset += len(new_tokens)\n", ""),), week=2),
+    Mutation("percentile-rounds-down", "a percentile is the sample below its rank, not interpolated", (2,), (
+        ("metrics", "    return ordered[below] + (ordered[above] - ordered[below]) * weight\n", "    return ordered[below]\n"),),
+             week=2),
+    Mutation("tpot-counts-first-token", "time per output token divided by every token, the first included", (2,), (
+        ("metrics", "        return (self.e2e_latency - self.ttft) / (self.output_tokens - 1)\n",
+         "        return (self.e2e_latency - self.ttft) / self.output_tokens\n"),), week=2),
+    Mutation("dequantize-without-biases", "dequantize multiplies by the scales and forgets the biases", (3,), (
+        ("quantize", "    w = scales[..., None] * q + biases[..., None]\n", "    w = scales[..., None] * q\n"),), week=2),
+    Mutation("flash-never-rescales", "the running sum and output not rescaled when a tile raises the maximum", (4,), (
+        ("flash_attention", "        rescale = mx.exp(running_max - shift)\n", "        rescale = mx.ones_like(running_max)\n"),),
+             week=2),
+    Mutation("tile-mask-ignores-cache", "a tile's causal mask ignores the cached keys (S - L)", (4,), (
+        ("flash_attention", "    query_positions = mx.arange(q_start, q_start + q_len)[:, None] + (S - L)\n",
+         "    query_positions = mx.arange(q_start, q_start + q_len)[:, None]\n"),), week=2),
+    Mutation("mask-sees-padding", "a request's row of the batch mask lets it attend to the left padding", (5,), (
+        ("kv_cache", "    allowed = (columns >= seq_len - held) & (columns <= seq_len - length + rows)\n",
+         "    allowed = columns <= seq_len - length + rows\n"),), week=2),
+    Mutation("decode-offset-two", "a decode step moves the offset two tokens on", (6,), (
+        ("batch", "        self.offset += 1\n        self.record_token(token)\n",
+         "        self.offset += 2\n        self.record_token(token)\n"),), week=2),
+    Mutation("retire-keeps-cache", "a finished request's slot freed without removing its cache", (6,), (
+        ("batch", "        request = self.slots[slot]\n        for layer_cache in self.batch_cache:\n"
+                  "            layer_cache.remove_request(slot)\n        self.slots[slot] = None\n",
+         "        request = self.slots[slot]\n        self.slots[slot] = None\n"),), week=2),
+    Mutation("chunk-positions-from-zero", "a chunk's positions start at 0, not at its offset", (7,), (
+        ("batch", "    return mx.arange(offset, offset + chunk_len)\n", "    return mx.arange(chunk_len)\n"),), week=2),
+    Mutation("whole-prompt-one-chunk", "the whole rest of the prompt prefilled in one chunk", (7,), (
+        ("batch", "        chunk = self.prompt_tokens[start : start + self.prefill_max_step]\n",
+         "        chunk = self.prompt_tokens[start:]\n"),), week=2),
+    Mutation("chunk-ignores-decode-time", "the chunk size ignores the decode step's own time", (7,), (
+        ("chunk_policy", "        budget = self.target_itl - (self.decode_seconds or 0.0)\n",
+         "        budget = self.target_itl\n"),), week=2),
     Mutation("eos-leaks-blocks", "blocks not freed when a sequence ends by EOS", (1,), (
         ("scheduler", '            self.finish(seq, "stop")\n', "            self.running.remove(seq)\n"),)),
     Mutation("preempt-drops-output", "preemption drops the tokens generated so far", (2,), (
@@ -372,7 +463,7 @@ def written_modules() -> set[str]:
 
 
 def honest_submission(dest: Path) -> None:
-    """The skeleton's files, with the modules of WRITTEN_DAYS the reference's: weeks 3 and 4 written."""
+    """The skeleton's files, with the modules of WRITTEN_DAYS the reference's: every day written."""
     dest.mkdir(parents=True)
     for path in SKELETON.glob("*.py"):
         shutil.copyfile(path, dest / path.name)
@@ -465,14 +556,20 @@ def try_mutation(mutation: Mutation, honest: Path, work: Path, baseline: dict) -
     lines, problems = [], 0
     planted = ", ".join(sorted(str(t) for t in mutation.planted_tasks())) or "provided code"
     for (week, day), result in results.items():
-        caught = result["lost"] > result["max"] / 2
+        stake = at_stake(mutation, (week, day))
+        caught = result["lost"] > stake / 2
         leaked = leaks(mutation, (week, day), result, baseline[(week, day)])
+        built_on = builds_on(mutation, (week, day), leaked)
+        leaked = {number: lost for number, lost in leaked.items() if number not in built_on}
         problems += not caught or bool(leaked)
         lines.append(f"{'ok  ' if caught else 'MISS'} {mutation.name} ({mutation.what}; in {planted}), day {week}.{day}: "
-                     f"lost {result['lost']:g} of {result['max']:g} ({describe_tasks(result['by_task'])}); failed: "
-                     f"{describe_failures(result['failed']) or 'nothing'}")
+                     f"lost {result['lost']:g} ({stake:g} at stake, {result['max']:g} in the day; "
+                     f"{describe_tasks(result['by_task'])}); failed: {describe_failures(result['failed']) or 'nothing'}")
         if leaked:
             lines.append(f"LEAK {mutation.name}, day {week}.{day}: a correct task pays for it: {describe_tasks(leaked)}")
+        if built_on:
+            lines.append(f"BUILDS-ON {mutation.name}, day {week}.{day}: a later task of the day calls the planted one: "
+                         f"{describe_tasks(built_on)}")
     return lines, problems
 
 
@@ -480,6 +577,25 @@ def stack_tasks(week: int, day: int) -> set[int]:
     """The day's "your stack so far" task numbers: no code of their own, they pay for every bug by design."""
     source = (REPO_ROOT / "tests" / f"test_week_{week}_day_{day}.py").read_text()
     return {int(n) for n in re.findall(r"def test_task_(\d+)_your_stack_so_far", source)}
+
+
+def at_stake(mutation: Mutation, key: tuple[int, int]) -> float:
+    """The points `mutation` must cost more than half of on day `key`: the whole day where it has a "your stack
+    so far" test or the patch is in provided code, else the points of the day's tasks it is planted in."""
+    points = find_day(*key).points
+    planted = {task.number for task in mutation.planted_tasks() if task.day_key == key}
+    if stack_tasks(*key) or not planted:
+        return float(sum(points.values()))
+    return float(sum(points[number] for number in planted))
+
+
+def builds_on(mutation: Mutation, key: tuple[int, int], leaked: dict[int, float]) -> dict[int, float]:
+    """The part of `leaked` that is a later task built on the planted one, on a day whose tests grade its tasks
+    together (weeks 1 and 2: no "your stack so far" test, no `solution(week, day, task=N)`)."""
+    planted = [task.number for task in mutation.planted_tasks() if task.day_key == key]
+    if stack_tasks(*key) or not planted:
+        return {}
+    return {number: lost for number, lost in leaked.items() if number > min(planted)}
 
 
 def leaks(mutation: Mutation, key: tuple[int, int], result: dict, honest: dict) -> dict[int, float]:

@@ -93,19 +93,25 @@ def test_task_1_stops_at_eos(model32, our_model, judge_model):
 
 
 def test_task_1_max_tokens(model32, our_model):
-    _, tokenizer = model32
+    model, tokenizer = model32
+    expected, _ = mlx_lm_greedy(model, tokenizer, PROMPTS[1], 5)
     recorder = fakes().Recorder()
     sol.generate.simple_generate(our_model, tokenizer, PROMPTS[1], sampler=recorder, max_tokens=5)
-    assert len(recorder.tokens) == 5
+    assert len(recorder.tokens) == 5, "max_tokens=5: five tokens, then stop"
+    assert recorder.tokens == expected, "the five tokens must be mlx-lm's greedy ones (the last position's logits)"
 
 
 def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
-    _, tokenizer = model32
+    model, tokenizer = model32
+    prompt_len = len(tokenizer.encode(PROMPTS[2], add_special_tokens=False))
+    # The model says EOS from its 6th generated token on (week2_models.EosAfter): the stream ends there.
+    _, expected_text = mlx_lm_greedy(model, tokenizer, PROMPTS[2], 5)
+    eos = next(iter(tokenizer.eos_token_ids))
     # The model and on_text log each call and each piece in one list, where the loop runs (week2_models.Events).
-    log = fakes().Events(our_model)
+    log = fakes().Events(fakes().EosAfter(our_model, prompt_len, 5, eos))
     text = sol.generate.simple_generate(log, tokenizer, PROMPTS[2], max_tokens=MAX_TOKENS, on_text=log.on_text)
     [[events, pieces]] = fetch([log], "events", "pieces")
-    assert "".join(pieces) == text
+    assert "".join(pieces) == text == expected_text, "the pieces streamed must spell mlx-lm's greedy text"
     assert len(pieces) > 1, "on_text should be called once per new piece of text, not once at the end"
     # Streaming: text comes out between model calls, not all after the last one.
     assert events.index("text") < len(events) - 1 - events[::-1].index("model")
@@ -114,10 +120,12 @@ def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
 
 def test_task_1_uses_the_sampler(model32, our_model):
     _, tokenizer = model32
-    # A sampler that always answers token 40 ("I") must be obeyed.
-    always_40 = fakes().FixedSampler(40)
-    text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=always_40, max_tokens=4)
-    assert text.strip() == tokenizer.decode([40] * 4).strip()
-    # The sampler gets log-probabilities for one sequence: 1 x vocab.
-    shapes = always_40.shapes
-    assert len(shapes) == 4 and all(shape == (1, our_model.vocab_size) for shape in shapes)
+    eos = next(iter(tokenizer.eos_token_ids))
+    # A sampler that answers token 40 ("I") three times, then EOS, must be obeyed, its EOS included.
+    scripted = fakes().ScriptedSampler([40, 40, 40, eos])
+    text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=scripted, max_tokens=10)
+    assert text.strip() == tokenizer.decode([40] * 3).strip()
+    # The sampler gets log-probabilities for one sequence (1 x vocab), once per token, the EOS it picked included.
+    shapes = scripted.shapes
+    assert len(shapes) == 4, "the loop must ask the sampler once per token and stop at the EOS it picks"
+    assert all(shape == (1, our_model.vocab_size) for shape in shapes)

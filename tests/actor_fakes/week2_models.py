@@ -189,13 +189,14 @@ class Events:
         self.pieces.append(piece)
 
 
-class FixedSampler:
-    """A sampler that always answers `token`, noting the shape of the log-probabilities it is handed."""
+class ScriptedSampler:
+    """A sampler that answers `tokens` in order (the last one again once they run out), noting the shape of the
+    log-probabilities it is handed."""
 
-    def __init__(self, token: int):
-        self.token = token
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
         self.shapes: list[tuple[int, ...]] = []
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         self.shapes.append(tuple(logprobs.shape))
-        return mx.array([self.token])
+        return mx.array([self.tokens[min(len(self.shapes), len(self.tokens)) - 1]])
