@@ -4,6 +4,7 @@ These tests hold whatever state src/tiny_llm is in (untouched, half done, finish
 selector's choices with the markers it reads and with course/tasks.json.
 """
 
+import ast
 import inspect
 from pathlib import Path
 
@@ -154,6 +155,27 @@ def test_reference_methods_keep_working_inside_the_student_class():
     assert request.record_token.__qualname__ == "Request.record_token"
     assert inspect.signature(request.try_prefill) == inspect.signature(selector.reference().batch.Request.try_prefill)
 
+
+def test_a_swapped_in_method_calls_super_of_the_student_class():
+    """`super()` in a reference method (day 4.3 Task 4's `Qwen2TensorParallel.__init__`) names the student's class."""
+    cls = selector.Choice(4, 3, "task1").select().tensor_parallel.Qwen2TensorParallel
+    init = cls.__init__
+    assert init.__code__ is selector.reference().tensor_parallel.Qwen2TensorParallel.__init__.__code__
+    assert init.__closure__[init.__code__.co_freevars.index("__class__")].cell_contents is cls
+
+
+def test_a_task_missing_from_the_students_file_stays_missing(tmp_path, monkeypatch):
+    """A student who deletes a task's function (`basics.softmax`) gets no reference function in its place."""
+    source = (selector.STUDENT_DIR / "basics.py").read_text()
+    node = selector.definitions(ast.parse(source))["softmax"]
+    lines = source.splitlines(keepends=True)
+    del lines[node.lineno - 1:node.end_lineno]
+    (tmp_path / "basics.py").write_text("".join(lines))
+    monkeypatch.setattr(selector, "STUDENT_DIR", tmp_path)
+    basics = selector.for_student("tiny_llm_selected_without_softmax").basics
+    assert basics.__file__ == str(tmp_path / "basics.py")
+    assert not hasattr(basics, "softmax"), "a task the student's file lacks is never filled in from the reference"
+    assert hasattr(basics, "linear")
 
 def test_the_reference_line_names_tasks_as_ranges():
     tasks = [selector.Task(2, 6, n) for n in (1, 2, 3)] + [selector.Task(2, 2, 3), selector.Task(2, 5, 1),
