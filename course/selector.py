@@ -1,42 +1,20 @@
-"""Whose code runs: the one selector used by the tests, every command, every benchmark and the checks.
+"""Whose code runs: the one selector of the tests, every command, every benchmark and the checks.
 
-The course's unit is the task. Every task body in the skeleton raises
-`NotImplementedError("Week W Day D Task N (book/src/<chapter>.md): <what>")`, and this module reads
-those markers with `ast` (it never calls the code). From them it builds a package whose modules are
-the student's files with some functions and methods swapped for the reference's:
-
-- `for_day(W, D)` (the tests of day W.D): the student's code for that day's tasks, the reference's for
-  every other day's task, even one the student has written. So each day is graded on its own code.
-- `for_task(W, D, N)` (the tests of Task N that run other tasks of its day, an engine with its proposer,
-  acceptance and roll-back): the student's code for that task alone, the reference's for every other.
-  So a bug in one task costs that task's points, never a correct task's of the same day.
-- `for_stack(W, D)` (the day's "your stack so far" tests): the student's code for day W.D's tasks and
-  every earlier day of week W they have written (for week 4, from day 3.1 on: days 4.3 and 4.4 run
-  week 3's engine), the reference's for the rest. So the engine the student will serve with is tested
-  as a whole, not only function by function.
-- `for_command("student")` (main, batch-main, compare, the benchmarks): the student's code for every
-  task written, the reference's for every task whose body still raises the marker. `describe()` says
-  which, in one line.
-- `for_command("student", strict=True)`: the student's package as it is (`tiny_llm`).
-- `reference()`: `tiny_llm_ref`.
-
-`Choice(W, D, kind)` names one of the first three as data ("4 3 task2"), for a process that must build the
-same selection (a rank program of days 4.3 and 4.4, started by `course.ranks.launch`).
-
-A swapped-in reference function runs in the student's module (same globals), so it calls the
-student's other functions, and the student's functions call it. Which function belongs to which task
-is kept in `course/tasks.json`, written with the skeleton by `pdm run python -m maint.make_skeleton`,
-because a student's finished function carries no marker any more.
+Packages of the student's modules with some functions and methods the reference's, run in the student's module:
+`Choice(...).select()` for the tests, `for_command` for the commands. The rules: MAINTAINERS.md, "Whose code runs:
+the selector"; in the grader: book/src/grading.md, "Where your code runs". Which task a function belongs to comes
+from the markers (read with `ast`, never run) and `course/tasks.json` (a finished function has no marker any more).
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import itertools
 import json
 import re
 import sys
@@ -50,6 +28,7 @@ REFERENCE_PACKAGE = "tiny_llm_ref"
 STUDENT_PACKAGE = "tiny_llm"
 TASKS_FILE = Path(__file__).resolve().parent / "tasks.json"
 MARKER = re.compile(r"Week (\d+) Day (\d+) Task (\d+) \((book/src/[^)\s]+)\)")
+STACK_STARTS = {4: (3, 1)}  # week 4's engine days run on week 3's engine: their stack starts at day 3.1
 
 
 @dataclass(frozen=True)
@@ -63,10 +42,6 @@ class Task:
     def day_key(self) -> tuple[int, int]:
         return self.week, self.day
 
-    @property
-    def test_command(self) -> str:
-        return f"pdm run test --week {self.week} --day {self.day}"
-
     def __str__(self) -> str:
         return f"Week {self.week} Day {self.day} Task {self.number}"
 
@@ -76,53 +51,37 @@ class Task:
         return None if found is None else cls(int(found[1]), int(found[2]), int(found[3]), found[4])
 
 
-# ---------------------------------------------------------------- reading markers
-
-
 def _marker_of(function: ast.AST) -> Task | None:
+    """The task a function's body raises the marker of, if it does."""
     for node in ast.walk(function):
-        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
-                getattr(node.exc.func, "id", None) == "NotImplementedError" and node.exc.args and \
-                isinstance(node.exc.args[0], ast.Constant) and isinstance(node.exc.args[0].value, str):
-            task = Task.parse(node.exc.args[0].value)
-            if task is not None:
-                return task
+        match node:
+            case ast.Raise(exc=ast.Call(func=ast.Name(id="NotImplementedError"), args=[ast.Constant(str(text)), *_])):
+                if (task := Task.parse(text)) is not None:
+                    return task
     return None
 
 
-def definitions(tree: ast.Module) -> dict[str, ast.AST]:
+def definitions(tree: ast.AST, scope: str = "") -> dict[str, ast.AST]:
     """Module-level functions and class methods (nested classes too), by qualified name: `Request.try_prefill`."""
     found = {}
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                visit(child, f"{scope}{child.name}.")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found.setdefault(f"{scope}{child.name}", child)  # a property's setter keeps its getter's name
-
-    visit(tree, "")
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.ClassDef):
+            found = {**definitions(child, f"{scope}{child.name}."), **found}  # the first definition of a name wins
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.setdefault(f"{scope}{child.name}", child)  # a property's setter keeps its getter's name
     return found
 
 
 def unwritten_in_source(source: str) -> dict[str, Task]:
     """The functions of one module's source whose body still raises a task marker: qualified name -> task."""
-    tasks = {}
-    for name, node in definitions(ast.parse(source)).items():
-        task = _marker_of(node)
-        if task is not None:
-            tasks[name] = task
-    return tasks
+    tasks = {name: _marker_of(node) for name, node in definitions(ast.parse(source)).items()}
+    return {name: task for name, task in tasks.items() if task is not None}
 
 
-def unwritten(package_dir: Path = STUDENT_DIR) -> dict[str, dict[str, Task]]:
-    """module -> {qualified name -> task} for every function of a package that still raises its marker."""
-    found = {}
-    for path in sorted(package_dir.glob("*.py")):
-        tasks = unwritten_in_source(path.read_text())
-        if tasks:
-            found[path.stem] = tasks
-    return found
+def unwritten() -> dict[str, dict[str, Task]]:
+    """module -> {qualified name -> task} for every function of the student's package still raising its marker."""
+    found = {path.stem: unwritten_in_source(path.read_text()) for path in sorted(STUDENT_DIR.glob("*.py"))}
+    return {module: tasks for module, tasks in found.items() if tasks}
 
 
 def task_table() -> dict[str, dict[str, Task]]:
@@ -131,19 +90,14 @@ def task_table() -> dict[str, dict[str, Task]]:
     return {module: {name: Task.parse(marker) for name, marker in names.items()} for module, names in raw.items()}
 
 
-# ---------------------------------------------------------------- building a package
-
-
 def _rebind(function, module: types.ModuleType, owner: type | None):
     """`function`'s code, running in `module`'s globals (and with `owner` as its class for super())."""
-    code, closure = function.__code__, function.__closure__
-    if closure and owner is not None and "__class__" in code.co_freevars:
-        cells = list(closure)
-        cells[code.co_freevars.index("__class__")] = types.CellType(owner)
-        closure = tuple(cells)
-    new = types.FunctionType(code, module.__dict__, function.__name__, function.__defaults__, closure)
+    code = function.__code__
+    cells = [types.CellType(owner) if name == "__class__" else cell
+             for name, cell in zip(code.co_freevars, function.__closure__ or ())]
+    # Name, qualified name, docstring and __module__ come from the code and the globals.
+    new = types.FunctionType(code, module.__dict__, None, function.__defaults__, tuple(cells) or None)
     new.__kwdefaults__, new.__annotations__ = function.__kwdefaults__, dict(function.__annotations__)
-    new.__qualname__, new.__doc__, new.__module__ = function.__qualname__, function.__doc__, module.__name__
     new.__dict__.update(function.__dict__)
     return new
 
@@ -152,86 +106,19 @@ def _rebind_member(member, module, owner):
     if isinstance(member, (staticmethod, classmethod)):
         return type(member)(_rebind(member.__func__, module, owner))
     if isinstance(member, property):
-        parts = [None if f is None else _rebind(f, module, owner) for f in (member.fget, member.fset, member.fdel)]
+        parts = [f and _rebind(f, module, owner) for f in (member.fget, member.fset, member.fdel)]
         return property(*parts, doc=member.__doc__)
-    if isinstance(member, types.FunctionType):
-        return _rebind(member, module, owner)
-    return member
-
-
-def swap_in_reference(module: types.ModuleType, reference: types.ModuleType, names, tasks=()) -> None:
-    """Replace the functions and methods `names` (qualified) of `module` by the reference's, run in `module`.
-
-    `tasks` are the module's task names (qualified); a task of the student's own that their file lacks
-    stays missing (its tests fail), it is never filled in from the reference.
-    """
-    students_own = {qualname.split(".")[0] for qualname in tasks if qualname not in names}
-    for global_name, value in vars(reference).items():
-        if global_name not in students_own:
-            module.__dict__.setdefault(global_name, value)  # an import the reference body needs
-    for qualname in names:
-        *owners, name = qualname.split(".")
-        target, source = module, reference
-        for owner in owners:
-            target, source = getattr(target, owner, None), getattr(source, owner, None)
-        if target is None or source is None:
-            continue
-        member = vars(source).get(name) if isinstance(source, type) else getattr(source, name, None)
-        if member is None:
-            continue
-        setattr(target, name, _rebind_member(member, module, target if isinstance(target, type) else None))
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Imports `<selection package>.<module>`: the student's file, then the reference's functions swapped in."""
-
-    def __init__(self):
-        self.selections: dict[str, "Selection"] = {}
-
-    def find_spec(self, fullname, path=None, target=None):
-        package, _, module = fullname.rpartition(".")
-        selection = self.selections.get(package)
-        if selection is None or "." in module:
-            return None
-        if module in selection.borrowed_modules:  # the reference's module itself, imported when first needed
-            return importlib.util.spec_from_loader(fullname, _Borrowed())
-        source = STUDENT_DIR / f"{module}.py"
-        if not source.exists():
-            return None
-        return importlib.util.spec_from_file_location(fullname, source, loader=_Loader(fullname, str(source), selection))
-
-
-class _Loader(importlib.machinery.SourceFileLoader):
-    def __init__(self, fullname, path, selection):
-        super().__init__(fullname, path)
-        self.selection = selection
-
-    def exec_module(self, module):
-        super().exec_module(module)
-        self.selection._after_import(module)
-
-
-class _Borrowed(importlib.abc.Loader):
-    """A module of the selection that is the reference's own: the same module object, under both names."""
-
-    def create_module(self, spec):
-        return importlib.import_module(f"{REFERENCE_PACKAGE}.{spec.name.rpartition('.')[2]}")
-
-    def exec_module(self, module):
-        pass  # the reference's import ran it
-
-
-_FINDER = _Finder()
+    return _rebind(member, module, owner) if isinstance(member, types.FunctionType) else member
 
 
 class Selection:
     """One package to run: attribute access to its modules (`sel.batch`), and what it took from the reference."""
 
-    def __init__(self, package: str, swaps: dict[str, set[str]] | None = None, borrowed_modules=()):
+    def __init__(self, package: str, tasks=None, swaps=None, borrowed=()):
         self.package = package
-        self.swaps = swaps or {}  # module -> qualified names to take from the reference
-        self.tasks = task_table()
-        self.borrowed_modules = set(borrowed_modules)  # whole modules served by the reference
+        self.tasks: dict[str, dict[str, Task]] = tasks or {}  # module -> its tasks, for the student's modules
+        self.swaps: dict[str, set[str]] = swaps or {}  # module -> qualified names taken from the reference
+        self.borrowed = set(borrowed)  # modules that are the reference's own, imported when first needed
         self.used: set[Task] = set()  # tasks whose reference code a loaded module took
 
     def __getattr__(self, module: str) -> types.ModuleType:
@@ -239,14 +126,28 @@ class Selection:
             raise AttributeError(module)
         return importlib.import_module(f"{self.package}.{module}")
 
-    def _after_import(self, module: types.ModuleType) -> None:
+    def _swap_in(self, module: types.ModuleType) -> None:
+        """The reference's functions and methods in the student's `module`, just run, where `swaps` says."""
         name = module.__name__.rpartition(".")[2]
-        names = self.swaps.get(name, ())
-        if names:
-            swap_in_reference(module, importlib.import_module(f"{REFERENCE_PACKAGE}.{name}"), sorted(names),
-                              tasks=self.tasks.get(name, {}))
-        known = {**self.tasks.get(name, {}), **unwritten_in_source(Path(module.__file__).read_text())}
-        self.used.update(known[n] for n in names if n in known)
+        swapped = self.swaps.get(name)
+        if not swapped:
+            return
+        reference = importlib.import_module(f"{REFERENCE_PACKAGE}.{name}")
+        # A task of the student's own that their file lacks stays missing (its tests fail), never the reference's.
+        students_own = {qualname.split(".")[0] for qualname in self.tasks[name] if qualname not in swapped}
+        for global_name, value in vars(reference).items():
+            if global_name not in students_own:
+                module.__dict__.setdefault(global_name, value)  # an import the reference's bodies need
+        for qualname in swapped:
+            *owners, member_name = qualname.split(".")
+            target, source = module, reference
+            for owner in owners:
+                target, source = getattr(target, owner, None), getattr(source, owner, None)
+            member = vars(source).get(member_name) if isinstance(source, type) else getattr(source, member_name, None)
+            if target is not None and member is not None:
+                cls = target if isinstance(target, type) else None
+                setattr(target, member_name, _rebind_member(member, module, cls))
+        self.used.update(self.tasks[name][qualname] for qualname in swapped)
 
     def unwritten(self, module: str) -> dict[str, str]:
         """The student's functions of `module` still raising their task marker: qualified name -> the task, as
@@ -255,90 +156,84 @@ class Selection:
 
     def describe(self) -> str:
         """One line: the tasks the loaded modules took from the reference ('' when none)."""
-        if not self.used:
-            return ""
-        return "using the reference for: " + describe_tasks(self.used)
+        return "using the reference for: " + describe_tasks(self.used) if self.used else ""
 
 
 def describe_tasks(tasks) -> str:
     """'Week 2 Day 6 Tasks 1-3, Week 2 Day 2 Task 3': later days first, task numbers as ranges."""
-    by_day: dict[tuple[int, int], list[int]] = {}
-    for task in tasks:
-        by_day.setdefault(task.day_key, []).append(task.number)
+    by_day = {key: {task.number for task in tasks if task.day_key == key} for key in {task.day_key for task in tasks}}
     parts = []
     for (week, day), numbers in sorted(by_day.items(), reverse=True):
-        numbers = sorted(set(numbers))
-        runs, start = [], numbers[0]
-        for previous, current in zip(numbers, numbers[1:] + [None]):
-            if current != previous + 1:
-                runs.append(f"{start}" if start == previous else f"{start}-{previous}")
-                start = current
-        label = "Tasks" if len(numbers) > 1 else "Task"
-        parts.append(f"Week {week} Day {day} {label} {' & '.join(runs)}")
+        # Consecutive numbers keep the same difference to their index in the sorted list: one group per run.
+        runs = [[n for _, n in run] for _, run in itertools.groupby(enumerate(sorted(numbers)), lambda p: p[1] - p[0])]
+        text = " & ".join(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+        parts.append(f"Week {week} Day {day} {'Tasks' if len(numbers) > 1 else 'Task'} {text}")
     return ", ".join(parts)
 
 
-def _make_package(name: str, selection: Selection, alias_modules) -> None:
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-    package = types.ModuleType(name, f"The student's code, with reference code where {selection!r} says so.")
-    package.__path__ = []  # submodules come only from _FINDER or from the aliases below
-    package.__package__ = name
-    sys.modules[name] = package
-    _FINDER.selections[name] = selection
-    selection.borrowed_modules |= set(alias_modules)  # imported when first needed: a day's worker starts sooner
+_SELECTIONS: dict[str, Selection] = {}  # the packages built in this process, by name
 
 
-def _modules() -> list[str]:
-    return sorted(p.stem for p in (REPO_ROOT / "src_ref" / REFERENCE_PACKAGE).glob("*.py") if p.stem != "__init__")
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `<selection>.<module>` for the selections built here: the reference's module itself where the
+    selection borrows it (imported when first needed), else the student's file, run, then swapped into."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, module = fullname.rpartition(".")
+        source = STUDENT_DIR / f"{module}.py"
+        if package not in _SELECTIONS:
+            return None
+        if module in _SELECTIONS[package].borrowed:
+            return importlib.util.spec_from_loader(fullname, self)  # a spec without a file
+        return importlib.util.spec_from_file_location(fullname, source, loader=self) if source.exists() else None
+
+    def create_module(self, spec):
+        if spec.origin is None:  # borrowed: the reference's module, under the selection's name too
+            return importlib.import_module(f"{REFERENCE_PACKAGE}.{spec.name.rpartition('.')[2]}")
+        return None  # the default module
+
+    def exec_module(self, module):
+        if module.__spec__.origin is None:
+            return  # borrowed: the reference's import ran it
+        importlib.machinery.SourceFileLoader(module.__spec__.name, module.__file__).exec_module(module)
+        _SELECTIONS[module.__spec__.parent]._swap_in(module)
 
 
-_CACHE: dict[str, Selection] = {}
+def _build(name: str, own: set[str], students) -> Selection:
+    """The package `name`: the modules `own` are the student's files, with the reference's function for each task
+    where `students(task, written)` is False; every other module is the reference's own."""
+    if name in _SELECTIONS:
+        return _SELECTIONS[name]
+    table, current = task_table(), unwritten()
+    tasks = {module: {**table.get(module, {}), **current.get(module, {})} for module in own}
+    swaps = {module: {qualname for qualname, task in tasks[module].items()
+                      if not students(task, qualname not in current.get(module, {}))} for module in own}
+    references = {p.stem for p in (REPO_ROOT / "src_ref" / REFERENCE_PACKAGE).glob("*.py")}
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    # A package without a folder (`__path__` empty): its modules come only from _Finder.
+    sys.modules[name] = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None, is_package=True))
+    _SELECTIONS[name] = Selection(name, tasks, swaps, borrowed=references - own)
+    return _SELECTIONS[name]
 
 
-def for_day(week: int, day: int) -> Selection:
-    """The code under test for day W.D: the student's for that day's tasks, the reference's for every other task.
-
-    Modules with none of the day's tasks are the reference's modules themselves.
-    """
-    return _selection_for_days(f"tiny_llm_week{week}_day{day}", [(week, day)],
-                               lambda task, written: task.day_key == (week, day))
+def for_student(name: str = "tiny_llm_selected") -> Selection:
+    """The student's code for every task written, the reference's for every task still raising its marker."""
+    return _build(name, {path.stem for path in STUDENT_DIR.glob("*.py")}, lambda task, written: written)
 
 
-def for_task(week: int, day: int, number: int) -> Selection:
-    """The code under test for one task's tests: the student's for Task N of day W.D alone, the reference's for
-    every other task, the day's own included (the day's modules are the student's files all the same)."""
-    return _selection_for_days(f"tiny_llm_week{week}_day{day}_task{number}", [(week, day)],
-                               lambda task, written: task.day_key == (week, day) and task.number == number)
-
-
-STACK_STARTS = {4: (3, 1)}  # week 4's engine days run on week 3's engine: their stack starts at day 3.1
-
-
-def for_stack(week: int, day: int) -> Selection:
-    """The code a day's "your stack so far" tests run: the student's for day W.D's tasks and for every task
-    of an earlier day of the stack they have written (from day W.1; for week 4, from day 3.1: the engine
-    days 4.3 and 4.4 shard and distribute is week 3's); the reference's for everything before the stack,
-    for later days, and for an earlier day's task still raising its marker (a student who starts at day
-    W.D has none).
-
-    So a planner bug of day 3.1 shows in day 3.2's end-to-end tests too: they run the engine the student
-    will actually serve with.
-    """
-    from course.course_map import DAYS
-
-    start = STACK_STARTS.get(week, (week, 1))
-    days = [(d.week, d.day) for d in DAYS if start <= (d.week, d.day) <= (week, day)]
-    return _selection_for_days(f"tiny_llm_stack_week{week}_day{day}", days,
-                               lambda task, written: task.day_key == (week, day) or
-                               (start <= task.day_key < (week, day) and written))
+def reference() -> Selection:
+    return Selection(REFERENCE_PACKAGE)
 
 
 @dataclass(frozen=True)
 class Choice:
-    """Which of the selections above runs, as data another process can be handed (a rank program gets it from
-    `course.ranks.launch`): `kind` "day" (`for_day`), "taskN" (`for_task`, Task N alone) or "stack" (`for_stack`)
-    of day W.D. Written as text, "4 3 task2"; `course/sandbox.py`'s workers are named by the same three parts."""
+    """The code a test runs, as data another process can be handed ("4 3 task2": `course.ranks.launch` hands it to
+    a rank program; `course/sandbox.py`'s workers are named by the same three parts). `kind` of day W.D: "day" (the
+    student's code for the day's tasks, the reference's for every other), "taskN" (the student's Task N alone) or
+    "stack" (your stack so far: the day's tasks, and those the student has written of the stack's earlier days,
+    from day W.1 or where `STACK_STARTS` says). The modules holding the days' tasks, and their `Day.modules`, are
+    the student's files with the reference's functions swapped in; every other module is the reference's own."""
 
     week: int
     day: int
@@ -361,67 +256,29 @@ class Choice:
         week, day, kind = text.split()
         return cls(int(week), int(day), kind)
 
-    def select(self) -> "Selection":
-        """The selection itself, built in this process."""
-        if self.kind == "stack":
-            return for_stack(self.week, self.day)
-        if self.task is not None:
-            return for_task(self.week, self.day, self.task)
-        return for_day(self.week, self.day)
+    def select(self) -> Selection:
+        """The selection itself, built in this process (once)."""
+        from course.course_map import DAYS, find_day
 
+        today = self.week, self.day
+        start = STACK_STARTS.get(self.week, (self.week, 1)) if self.kind == "stack" else today
+        days = [(d.week, d.day) for d in DAYS if start <= (d.week, d.day) <= today]
+        own = {module for module, names in task_table().items() if any(t.day_key in days for t in names.values())}
+        own.update(*(find_day(week, day).modules for week, day in days))
 
-def _selection_for_days(name: str, days: list[tuple[int, int]], students) -> Selection:
-    """A package of the days' modules in which `students(task, written)` says whose code each task runs.
+        def students(task: Task, written: bool) -> bool:
+            if self.kind == "stack" and start <= task.day_key < today:
+                return written
+            return task.day_key == today and self.task in (None, task.number)
 
-    The days' modules (those holding one of their tasks, and `Day.modules`) are the student's files
-    with the reference's functions swapped in where `students` is False; every other module is the
-    reference's module itself.
-    """
-    if name in _CACHE:
-        return _CACHE[name]
-    from course.course_map import find_day
-
-    table, current = task_table(), unwritten()
-    own = {m for m, names in table.items() if any(t.day_key in days for t in names.values())}
-    for week, day in days:
-        own |= set(find_day(week, day).modules)
-    swaps = {}
-    for module in own:
-        still_unwritten = current.get(module, {})
-        tasks = {**table.get(module, {}), **still_unwritten}
-        swaps[module] = {n for n, t in tasks.items() if not students(t, n not in still_unwritten)}
-    aliases = [m for m in _modules() if m not in own]
-    selection = Selection(name, swaps, aliases)
-    _make_package(name, selection, aliases)
-    _CACHE[name] = selection
-    return selection
-
-
-def for_student(name: str = "tiny_llm_selected", still_unwritten: dict | None = None) -> Selection:
-    """The student's code for every task written, the reference's for every task still raising its marker.
-
-    `still_unwritten` (module -> names, default: read from src/tiny_llm) is for tests of the selector.
-    """
-    if name not in _CACHE:
-        found = unwritten() if still_unwritten is None else still_unwritten
-        swaps = {module: set(names) for module, names in found.items()}
-        selection = Selection(name, swaps)
-        _make_package(name, selection, [m for m in _modules() if not (STUDENT_DIR / f"{m}.py").exists()])
-        _CACHE[name] = selection
-    return _CACHE[name]
-
-
-def reference() -> Selection:
-    return Selection(REFERENCE_PACKAGE)
+        return _build(f"tiny_llm_{self.kind}_week{self.week}_day{self.day}", own, students)
 
 
 def for_command(solution: str = "student", strict: bool = False) -> Selection:
     """What a command runs: "ref" -> the reference; "student" -> `for_student()`, or `tiny_llm` as it is when strict."""
     if solution == "ref":
         return reference()
-    if strict:
-        return Selection(STUDENT_PACKAGE)
-    return for_student()
+    return Selection(STUDENT_PACKAGE) if strict else for_student()
 
 
 def add_arguments(parser, default: str = "ref") -> None:
@@ -445,35 +302,23 @@ def announce(selection: Selection, file=None) -> None:
         print(f"[tiny-llm] {line} (--strict: your code only)", file=file or sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------- commands meeting unfinished work
-
-
-def not_implemented_message(error: BaseException) -> str:
-    """The one line a command prints for an unfinished task: the task, its chapter, the test command."""
-    task = Task.parse(str(error))
-    if task is None:
-        return f"not implemented yet: {error}"
-    return (f"not implemented yet: {error}. Read {task.chapter}, then run `{task.test_command}`. "
-            f"(Without --strict, a command takes unwritten tasks from the reference.)")
-
-
-@contextlib.contextmanager
-def unfinished_work_exits():
-    """Turn a NotImplementedError anywhere inside into the one-line message and exit status 1 (no traceback)."""
-    try:
-        yield
-    except NotImplementedError as error:
-        while isinstance(error.__context__, NotImplementedError):
-            error = error.__context__  # clean-up code that is unwritten too: report what failed first
-        print(not_implemented_message(error), file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-
-
 def command(main):
-    """Decorator for an entry point's `main`: unfinished work ends in one line and exit status 1."""
-    def wrapped(*args, **kwargs):
-        with unfinished_work_exits():
-            return main(*args, **kwargs)
+    """Decorator for an entry point's `main`: a NotImplementedError that escapes (an unfinished task, only possible
+    with --strict) ends in one line naming the task, its chapter and its test command, and exit status 1."""
 
-    wrapped.__name__, wrapped.__doc__, wrapped.__wrapped__ = main.__name__, main.__doc__, main
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except NotImplementedError as error:
+            while isinstance(error.__context__, NotImplementedError):
+                error = error.__context__  # clean-up code that is unwritten too: report what failed first
+            task = Task.parse(str(error))
+            line = f"not implemented yet: {error}"
+            if task is not None:
+                line += (f". Read {task.chapter}, then run `pdm run test --week {task.week} --day {task.day}`. "
+                         f"(Without --strict, a command takes unwritten tasks from the reference.)")
+            print(line, file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
     return wrapped

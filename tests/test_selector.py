@@ -4,6 +4,7 @@ These tests hold whatever state src/tiny_llm is in (untouched, half done, finish
 selector's choices with the markers it reads and with course/tasks.json.
 """
 
+import ast
 import inspect
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def test_task_table_agrees_with_the_skeleton_and_the_reference():
 
 def test_a_days_selection_runs_that_days_tasks_only():
     table = selector.task_table()
-    selection = selector.for_day(2, 7)
+    selection = selector.Choice(2, 7).select()
     ref = selector.reference()
     batch = selection.batch
     for name, task in table["batch"].items():
@@ -62,7 +63,7 @@ def test_a_tasks_selection_runs_that_task_only():
     """Day 4.1 Task 2's engine test: the student's greedy acceptance, the reference's planning and roll-back
     (Tasks 4 and 5, in the same file): a bug there never costs Task 2's points."""
     table, ref = selector.task_table(), selector.reference()
-    selection = selector.for_task(4, 1, 2)
+    selection = selector.Choice(4, 1, "task2").select()
     speculative = selection.speculative
     for name, task in table["speculative"].items():
         chosen = resolve(speculative, name)
@@ -79,7 +80,7 @@ def test_a_tasks_selection_runs_that_task_only():
 def test_a_stack_runs_the_days_tasks_and_the_earlier_days_written_ones():
     """Day 3.2's "your stack so far": the student's 3.2 tasks always, their 3.1 tasks once written, the rest the reference's."""
     table, unwritten = selector.task_table(), selector.unwritten()
-    selection, ref = selector.for_stack(3, 2), selector.reference()
+    selection, ref = selector.Choice(3, 2, "stack").select(), selector.reference()
     for name, task in table["scheduler"].items():
         chosen = resolve(selection.scheduler, name)
         written = name not in unwritten.get("scheduler", {})
@@ -96,7 +97,7 @@ def test_a_stack_runs_the_days_tasks_and_the_earlier_days_written_ones():
 def test_a_week_4_stack_starts_at_day_3_1():
     """Day 4.2's "your stack so far": its tasks always, the written ones of days 3.1 .. 4.1, day 4.3's never."""
     table, unwritten = selector.task_table(), selector.unwritten()
-    selection, ref = selector.for_stack(4, 2), selector.reference()
+    selection, ref = selector.Choice(4, 2, "stack").select(), selector.reference()
     for module in ("quantized_kv", "scheduler", "speculative", "tensor_parallel"):
         for name, task in table[module].items():
             chosen = resolve(getattr(selection, module), name)
@@ -109,7 +110,7 @@ def test_a_week_4_stack_starts_at_day_3_1():
 
 def test_a_week_4_stack_starts_at_week_3():
     """Days 4.3 and 4.4 shard and distribute week 3's engine: their stack is the student's from day 3.1 on."""
-    selection, ref = selector.for_stack(4, 3), selector.reference()
+    selection, ref = selector.Choice(4, 3, "stack").select(), selector.reference()
     assert code_file(resolve(selection.engine, "LLMEngine.__init__")).endswith("src/tiny_llm/engine.py"), \
         "a day-3.1 module is the student's file in a week-4 stack"
     assert code_file(resolve(selection.tensor_parallel, "ShardedMLP.__call__")).endswith("src/tiny_llm/tensor_parallel.py")
@@ -131,11 +132,12 @@ def test_commands_take_only_unwritten_tasks_from_the_reference():
                 assert code_file(chosen).endswith(f"src/tiny_llm/{module}.py"), f"{module}.{name} is the student's"
 
 
-def test_a_written_task_is_the_students_even_when_others_are_not():
+def test_a_written_task_is_the_students_even_when_others_are_not(monkeypatch):
     """As if the student had written everything in batch.py but day 2.6's Task 2: only that task is swapped."""
     table = selector.task_table()
-    pending = {name for name, task in table["batch"].items() if task.day_key == (2, 6) and task.number == 2}
-    selection = selector.for_student("tiny_llm_selected_for_test", {"batch": pending})
+    pending = {name: task for name, task in table["batch"].items() if task.day_key == (2, 6) and task.number == 2}
+    monkeypatch.setattr(selector, "unwritten", lambda: {"batch": pending})
+    selection = selector.for_student("tiny_llm_selected_for_test")
     ref = selector.reference()
     for name in table["batch"]:
         chosen = resolve(selection.batch, name)
@@ -148,11 +150,32 @@ def test_a_written_task_is_the_students_even_when_others_are_not():
 
 def test_reference_methods_keep_working_inside_the_student_class():
     """A swapped-in method that calls super() or a sibling still finds them: it runs as part of the student class."""
-    selection = selector.for_day(2, 6)
+    selection = selector.Choice(2, 6).select()
     request = selection.batch.Request
     assert request.record_token.__qualname__ == "Request.record_token"
     assert inspect.signature(request.try_prefill) == inspect.signature(selector.reference().batch.Request.try_prefill)
 
+
+def test_a_swapped_in_method_calls_super_of_the_student_class():
+    """`super()` in a reference method (day 4.3 Task 4's `Qwen2TensorParallel.__init__`) names the student's class."""
+    cls = selector.Choice(4, 3, "task1").select().tensor_parallel.Qwen2TensorParallel
+    init = cls.__init__
+    assert init.__code__ is selector.reference().tensor_parallel.Qwen2TensorParallel.__init__.__code__
+    assert init.__closure__[init.__code__.co_freevars.index("__class__")].cell_contents is cls
+
+
+def test_a_task_missing_from_the_students_file_stays_missing(tmp_path, monkeypatch):
+    """A student who deletes a task's function (`basics.softmax`) gets no reference function in its place."""
+    source = (selector.STUDENT_DIR / "basics.py").read_text()
+    node = selector.definitions(ast.parse(source))["softmax"]
+    lines = source.splitlines(keepends=True)
+    del lines[node.lineno - 1:node.end_lineno]
+    (tmp_path / "basics.py").write_text("".join(lines))
+    monkeypatch.setattr(selector, "STUDENT_DIR", tmp_path)
+    basics = selector.for_student("tiny_llm_selected_without_softmax").basics
+    assert basics.__file__ == str(tmp_path / "basics.py")
+    assert not hasattr(basics, "softmax"), "a task the student's file lacks is never filled in from the reference"
+    assert hasattr(basics, "linear")
 
 def test_the_reference_line_names_tasks_as_ranges():
     tasks = [selector.Task(2, 6, n) for n in (1, 2, 3)] + [selector.Task(2, 2, 3), selector.Task(2, 5, 1),

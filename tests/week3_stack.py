@@ -2,7 +2,7 @@
 
 Each week-3 day ends with a "Your stack so far" task whose test calls `check_stack(stack(week=3, day=D), D)`:
 the student's own code for day D and every earlier week-3 day, together (course/selector.py's
-`for_stack`), driven only through the public engine API: `LLMEngine`, `add_request`, `step`, `abort`,
+`Choice(3, D, "stack")`), driven only through the public engine API: `LLMEngine`, `add_request`, `step`, `abort`,
 the `StepOutput`s, `summary()` and the block manager's free-block count.
 
 The model is a tiny random Qwen2 (mlx-lm's own class, 64 tokens of vocabulary), so a step takes

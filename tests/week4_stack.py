@@ -3,7 +3,7 @@
 Days 4.1 and 4.2 end like the week-3 days, with a "Your stack so far" task whose test calls
 `check_speculative_stack(stack(week=4, day=1))` or `check_quantized_stack(stack(week=4, day=2))`: the
 student's code for every week-3 engine day they have written and for the day (course/selector.py's
-`for_stack`, `course_map.stack_days`), driven through the public engine API only
+`Choice(4, D, "stack")`, `STACK_STARTS`), driven through the public engine API only
 (`SpeculativeEngine` or `LLMEngine` with `EngineConfig(kv_bits=..., kv_cache_bytes=...)`, `add_request`,
 `step`, `abort`, `summary()`, the block manager's free blocks). The machinery is week 3's
 (tests/week3_stack.py): the same tiny random Qwen2 behind a probe that counts tokens, keeps a fake
