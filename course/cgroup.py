@@ -1,10 +1,6 @@
-"""A sandbox's processes as one group the kernel counts and can kill whole: a cgroup, where one can be made here.
-
-cgroup v2 under the root of a cgroup2 mount that enables the pids and memory controllers for its children, else
-v1's pids, memory and freezer hierarchies under this process's own cgroups (either needs root); else none. Where
-each holds: book/src/grading.md, "The bounds, and where each holds". Groups are named `<prefix><random>`:
-`remove_all(prefix)` ends every group of a grading run, even those of a test process killed before it could.
-"""
+"""A sandbox's processes as one group the kernel counts and can kill whole: a cgroup, where one can be made here
+(v2, else v1; either needs root: book/src/grading.md, "The bounds, and where each holds"). Groups are named
+`<prefix><random>`: `remove_all(prefix)` ends every group of a grading run, even a killed test process's."""
 
 from __future__ import annotations
 
@@ -31,7 +27,8 @@ def _v2_root() -> Path | None:
 
 
 def _bases() -> list[Path]:
-    """Where groups are made: [the v2 root], one directory per v1 controller (`V1_CONTROLLERS`), or none."""
+    """Where groups are made: [the root of a v2 mount that gives its children the pids and memory controllers],
+    this process's own cgroup in each v1 hierarchy (`V1_CONTROLLERS`), or none."""
     root = _v2_root()
     with suppress(OSError):
         if root is not None and {"pids", "memory"} <= set((root / "cgroup.subtree_control").read_text().split()):
@@ -47,8 +44,7 @@ def _bases() -> list[Path]:
 
 
 class Group:
-    """One cgroup (a directory in each hierarchy: one for v2, one per controller for v1) limiting processes and
-    memory."""
+    """One cgroup limiting processes and memory: a directory of the v2 hierarchy, or one per v1 controller."""
 
     def __init__(self, dirs: list[Path]):
         self.dirs, self.v2 = dirs, len(dirs) == 1

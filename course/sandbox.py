@@ -1,9 +1,6 @@
-"""The submission's code runs here: a worker process in an OS sandbox, reached through course/remote.py.
+"""The submission's code runs here: a worker process in an OS sandbox (bubblewrap), reached through course/remote.py.
 
-The grader prepares a day's read-only sandbox root (`prepare_root`); in the trusted test process `solution(week, day)`
-is a `RemoteSelection` that starts a `Worker` under bubblewrap, and days 4.3 and 4.4 start one sandbox of N workers
-in an `mx.distributed` ring (`start_ranks`). What the sandbox allows and each bound: book/src/grading.md, "Where your
-code runs" and "The bounds, and where each holds".
+What it sees, and each bound: book/src/grading.md, "Where your code runs" and "The bounds, and where each holds".
 """
 
 from __future__ import annotations
@@ -86,11 +83,9 @@ def unsandboxed_warning() -> str | None:
 
 def strip_task_bodies(source: str, functions: set[str]) -> str:
     """`source` with the bodies of the named functions (qualified names) replaced by a raise."""
-    from course.selector import definitions
-
     lines = source.splitlines(keepends=True)
     spans = []
-    for name, node in definitions(ast.parse(source)).items():
+    for name, node in selector.definitions(ast.parse(source)).items():
         if name in functions:
             first = node.body[0]
             spans.append((first.lineno, node.end_lineno, first.col_offset))
@@ -103,10 +98,8 @@ def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week:
                  task: int | None = None) -> Path:
     """The sandbox's read-only view: the graded package, the reference without day W.D's tasks (or without
     Task `task` of it alone), the worker."""
-    from course.selector import task_table
-
     graded = {}
-    for module, names in task_table().items():
+    for module, names in selector.task_table().items():
         graded[module] = {name for name, t in names.items() if t is not None and t.day_key == (week, day)
                           and task in (None, t.number)}
     (dest / "course").mkdir(parents=True)
@@ -210,9 +203,8 @@ class Worker:
                  ranks: int = 0, threads_per_rank: int | None = None):
         pipes = [(_pipe(), _pipe()) for _ in range(max(ranks, 1))]  # (to the worker, from the worker) each
         inside = [str(fd) for (to_r, _), (_, from_w) in pipes for fd in (to_r, from_w)]
-        inner_python = os.path.join(os.path.realpath(sys.prefix), "bin", "python")
-        inner = [inner_python, "-s", "-m", "course.sandbox", str(week), str(day), kind, "ring" if ranks else "one",
-                 *inside]
+        inner = [os.path.join(os.path.realpath(sys.prefix), "bin", "python"), "-s", "-m", "course.sandbox", str(week),
+                 str(day), kind, "ring" if ranks else "one", *inside]
         self.group = cgroup.Group.make(os.environ.get(CGROUP_PREFIX_VARIABLE, "tiny-llm-"), MAX_TASKS,
                                        memory_mb << 20 if memory_mb else None)
         # A server the tests start in the worker (day 3.5's, 4.5's) listens on one of these: made here, on this
@@ -302,13 +294,9 @@ def _start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int
 
 
 class RemoteSelection:
-    """`solution(week, day)` while grading: the day's package, in the sandboxed worker.
-
-    `sol.basics` asks the current worker for its module; a worker that died or was stopped at a time limit is
-    replaced on the next use, so a module-level `sol = solution(...)` survives it. `kind` is a `selector.Choice`'s
-    ("day", "taskN", "stack"), each with a worker of its own. In a rank program started by `course.ranks.launch`
-    while grading, the worker is this rank's, in the ring of the launch's sandbox (`RankLink`).
-    """
+    """`solution(week, day)` while grading: the day's package (`kind` "day", "taskN" or "stack", each with a worker
+    of its own), in a sandboxed worker; in a rank program, in its rank's (`RankLink`). A worker that died or was
+    stopped at a time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
 
     _workers: dict[tuple, Worker] = {}
     restart_needed = False  # a worker broke and was replaced during the test running now
