@@ -11,6 +11,7 @@ import fcntl
 import functools
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -45,22 +46,18 @@ INSIDE = "/grade"
 BLAS_THREADS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
+@functools.cache  # probed once per process; a failure is remembered for its children too
 def bwrap_path() -> str | None:
     """bubblewrap, where it is installed and can start a sandbox (a container may forbid namespaces)."""
     found = shutil.which("bwrap") or (BWRAP if os.path.exists(BWRAP) else None)
     if os.environ.get(UNSANDBOXED_VARIABLE) or not sys.platform.startswith("linux") or not found:
         return None
-    if found not in _working:
-        probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
-                                str(NOBODY), "true"], capture_output=True)
-        if probe.returncode != 0:  # remembered for this process and its children
-            os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
-            return None
-        _working.add(found)
+    probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
+                            str(NOBODY), "true"], capture_output=True)
+    if probe.returncode != 0:
+        os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
+        return None
     return found
-
-
-_working: set[str] = set()
 
 
 def why_unsandboxed() -> str:
@@ -166,8 +163,6 @@ def _bwrap_command(root: Path, inner: list[str], environment: dict[str, str]) ->
 
 def _limits(cpu_seconds: float | None, memory_mb: int | None, group: cgroup.Group | None):
     def apply() -> None:  # in the child, between fork and exec: inherited by bwrap and the worker
-        import resource
-
         limits = [(resource.RLIMIT_FSIZE, MAX_OUTPUT_BYTES), (resource.RLIMIT_CORE, 0),
                   (resource.RLIMIT_NOFILE, MAX_OPEN_FILES)]
         if cpu_seconds:
@@ -438,12 +433,12 @@ def _defer_mlx_lm_start_up() -> None:
 
 def _worker_main(argv: list[str]) -> None:
     week, day, kind, role, *fds = argv  # role: "one" worker, a "ring" of workers to start, or a "rank" of one
+    if os.getuid() == NOBODY:  # in bubblewrap's user namespace, where the kernel (5.14 on) counts this sandbox's
+        # tasks alone (never root's): the grader's user's other processes need not be counted first
+        with suppress(ValueError, OSError):  # a hard limit already lower stays
+            resource.setrlimit(resource.RLIMIT_NPROC, (MAX_TASKS, MAX_TASKS))
     if role == "ring":
         return _start_ring([week, day, kind], fds)
-    if os.getuid() == NOBODY:  # in bubblewrap's user namespace, where the kernel (5.14 on) counts this sandbox's
-        import resource  # tasks alone, and never root's: the grader's user's processes need not be counted first
-
-        resource.setrlimit(resource.RLIMIT_NPROC, (MAX_TASKS, MAX_TASKS))
     from course import fast_mlx
 
     fast_mlx.setup(quiet=True)
