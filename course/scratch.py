@@ -1,9 +1,5 @@
-"""A copy of the repository's code in a scratch folder, for a check or the grader to run apart from the working tree.
-
-The grader's trusted directory, `check-days`' per-day workspaces, `check_compare`'s honest copies and the
-tooling tests all start from `copy_repository`: the folders they name, `pyproject.toml` (pdm's scripts and
-pytest's settings), and the model directory linked rather than copied (the embedded model is 30 MB).
-"""
+"""A copy of the repository's code in a scratch folder (the grader's trusted directory, `check-days`' workspaces,
+`check_compare`'s honest copies, the tooling tests): the folders named, pyproject.toml, and models/ linked."""
 
 from __future__ import annotations
 
@@ -16,7 +12,8 @@ IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "result
 
 
 def copy_repository(dest: Path, folders) -> Path:
-    """`folders` of the repository (e.g. "tests", "course") and pyproject.toml copied under `dest`, models/ linked."""
+    """`folders` of the repository (e.g. "tests", "course") and pyproject.toml copied under `dest`, models/ linked
+    (the embedded model is 30 MB)."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in folders:
         shutil.copytree(REPO_ROOT / name, dest / name, ignore=IGNORE)
