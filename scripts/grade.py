@@ -13,7 +13,6 @@ grader, a day whose tests could not be run at all); the report is still written.
 """
 
 import argparse
-import ast
 import errno
 import json
 import os
@@ -86,10 +85,8 @@ class DayReport:
 
 @dataclass
 class Submission:
-    staged: Path  # the course's module files of the submission, copied once: the files that are graded
-    modules: dict[str, Path] = field(default_factory=dict)  # module name -> staged file
-    ignored: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
+    modules: set[str] = field(default_factory=set)  # the course modules taken from the submission
+    ignored: list[str] = field(default_factory=list)  # files not graded
     refused: list[str] = field(default_factory=list)  # one line per file not read (a link, a device, too large)
 
 
@@ -151,13 +148,10 @@ def submission_dir(src: Path) -> Path:
 
 
 def read_regular(path: Path) -> bytes:
-    """A submitted file's bytes, if it is a plain file of its own; else ValueError saying what it is.
-
-    Opened without following a link and checked on the open descriptor: a symbolic link (to the reference, to a
-    hidden test), a hard link, a device, a FIFO (opened without blocking), a directory, or a file over
-    MAX_FILE_BYTES is never read. The grader has more rights than the sandbox: nothing it opens on the
-    submission's behalf may lead outside the submission.
-    """
+    """A submitted file's bytes if it is a plain file of its own, else ValueError saying what it is. The grader has
+    more rights than the sandbox, so a symbolic link (to the reference, to a hidden test), a hard link, a device, a
+    FIFO, a directory or a file over MAX_FILE_BYTES is never read: opened without following a link or blocking,
+    checked on the open descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
@@ -174,12 +168,17 @@ def read_regular(path: Path) -> bytes:
     return data
 
 
-def stage_submission(root: Path, modules_dir: Path, staged: Path) -> Submission:
-    """Copy the course's module files out of the submission (once) and list the rest, never run. Every file is
-    read as `read_regular` reads; a course module that is refused counts as missing."""
-    staged.mkdir(parents=True)
-    submission = Submission(staged)
+def stage_submission(root: Path, package: Path) -> Submission:
+    """The package being graded: the submission's course modules, the untouched skeleton's for a module it lacks,
+    the reference's provided code and an `__init__.py` of the grader's. Every file of the submission is read as
+    `read_regular` reads (a refused module counts as missing); those that are not course modules are listed, never
+    run."""
+    package.mkdir(parents=True)
     wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
+    for name in provided:
+        shutil.copyfile(REPO_ROOT / SKELETON_DIR / name if name[:-3] in wanted else trusted_file(name), package / name)
+    (package / "__init__.py").write_text(INIT_TEXT)
+    submission, modules_dir = Submission(), submission_dir(root)
     for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", ".git"))
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))
@@ -187,18 +186,16 @@ def stage_submission(root: Path, modules_dir: Path, staged: Path) -> Submission:
             path = Path(folder) / name
             shown = printable(path.relative_to(root).as_posix())
             module = path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted
-            is_provided = path.parent == modules_dir and name in provided
             try:
                 data = read_regular(path)  # every file, so that a link anywhere is named in the report
             except ValueError as why:
                 submission.refused.append(f"{shown}: not read ({why})" + (": graded as missing" if module else ""))
                 continue
             if module:
-                (staged / name).write_bytes(data)
-                submission.modules[path.stem] = staged / name
-            elif not is_provided or data != trusted_file(name).read_bytes():
-                submission.ignored.append(shown)
-    submission.missing = sorted(wanted - set(submission.modules))
+                (package / name).write_bytes(data)
+                submission.modules.add(path.stem)
+            elif not (path.parent == modules_dir and name in provided and data == trusted_file(name).read_bytes()):
+                submission.ignored.append(shown)  # not provided code left unchanged
     return submission
 
 
@@ -208,50 +205,25 @@ def trusted_file(name: str) -> Path:
     return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
-def make_package(dest: Path, submission: Submission) -> Path:
-    """The package being graded: the submission's course modules, the untouched skeleton's for a module it
-    lacks, the reference's provided code, and an `__init__.py` the grader writes."""
-    dest.mkdir(parents=True)
-    for path in sorted((REPO_ROOT / SKELETON_DIR).glob("*.py")):
-        if path.stem in submission.modules:
-            shutil.copyfile(submission.modules[path.stem], dest / path.name)
-        elif path.name == "__init__.py":
-            (dest / path.name).write_text(INIT_TEXT)
-        else:  # not submitted: the untouched skeleton's module, or the reference's provided code
-            shutil.copyfile(path if path.stem in course_modules() else trusted_file(path.name), dest / path.name)
-    return dest
-
-
 # ---------------------------------------------------------------- scoring
-
-def task_functions(test_file: Path) -> list[str]:
-    """The `test_task_N_...` functions of a test file, read with `ast` (never imported here): known even when
-    the file cannot be collected, so their points still appear, at zero."""
-    try:
-        tree = ast.parse(test_file.read_text(), filename=str(test_file))
-    except (SyntaxError, OSError):
-        return []  # pytest reports the error when it collects the file
-    return [node.name for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and TASK_TEST.match(node.name)]
-
 
 def split(total: int, count: int) -> list[int]:
     """`total` in `count` whole shares as even as can be, the remainder to the first ones: they add up exactly."""
     return [total // count + (i < total % count) for i in range(count)]
 
 
-def score_day(day: Day, run: RunResult, functions: list[str] = ()) -> DayReport:
-    """A task's points split evenly across its test functions, a function's share across its cases. `run.expected`
-    holds the cases collected; a function known only from `functions` counts as one case, at zero."""
+def score_day(day: Day, run: RunResult) -> DayReport:
+    """A task's points split evenly across its test functions, a function's share across its cases (`run.expected`,
+    the cases collected). A task none of whose tests was collected counts as one case, at zero."""
     report = DayReport(day, seconds=run.seconds)
-    cases: dict[str, list[str]] = {function: [] for function in functions}
+    cases: dict[str, list[str]] = {}
     for nodeid in run.expected:
         cases.setdefault(nodeid.split("::")[-1].split("[")[0], []).append(nodeid)
     why = "\n".join(run.collect_errors + run.problems)
     for task, points in sorted(day.points.items()):
         names = [f for f in cases if f.startswith(f"test_task_{task}_")] or [f"test_task_{task}_*"]
         for function, share in zip(names, split(points * UNITS, len(names))):
-            nodeids = cases.get(function) or [f"{day.test_file}::{function}"]
+            nodeids = cases.get(function, [f"{day.test_file}::{function}"])
             for nodeid, units in zip(nodeids, split(share, len(nodeids))):
                 result = run.results.get(nodeid) or CaseResult(nodeid, "not_collected" if why else "not_run",
                                                                why or "the test process did not report this test")
@@ -264,7 +236,7 @@ def score_day(day: Day, run: RunResult, functions: list[str] = ()) -> DayReport:
 
 def placeholder(day: Day) -> DayReport:
     """A day not graded yet, in a report written before it is: every test at 0."""
-    report = score_day(day, RunResult(day.test_file), task_functions(REPO_ROOT / day.test_file))
+    report = score_day(day, RunResult(day.test_file))
     report.pending = True
     return report
 
@@ -387,15 +359,13 @@ def record_times(reports: list[DayReport]) -> None:
 # ---------------------------------------------------------------- main
 
 def submission_notes(submission: Submission, args: argparse.Namespace) -> list[str]:
-    """What the report says about the submission's files: not graded, not read, missing."""
-    notes = []
+    """What the report says about the submission's files: not graded, missing, not read."""
+    notes, missing = [], sorted(course_modules() - submission.modules)
     if submission.ignored:
-        more = len(submission.ignored) - 20
-        notes.append("not graded (only the course's module files are): "
-                     + ", ".join(submission.ignored[:20] + ([f"and {more} more"] if more > 0 else [])))
-    if args.src and submission.missing:
-        notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
-                     "the untouched skeleton's are graded")
+        more = [f"and {len(submission.ignored) - 20} more"] if len(submission.ignored) > 20 else []
+        notes.append(f"not graded (only the course's module files are): {', '.join(submission.ignored[:20] + more)}")
+    if args.src and missing:
+        notes.append(f"the submission has no {', '.join(m + '.py' for m in missing)}: the skeleton's are graded")
     return notes + submission.refused
 
 
@@ -411,7 +381,7 @@ def grade_day(day: Day, args: argparse.Namespace, work: Path, trusted: Path, env
         env = {**env, sandbox.SANDBOX_ROOT_VARIABLE: str(root), sandbox.LOGS_VARIABLE: str(work / "logs"),
                sandbox.LIMITS_VARIABLE: f"{cap:.0f},{memory_mb or 0}"}
     run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, cap=cap, memory_mb=memory_mb)
-    report = score_day(day, run, task_functions(REPO_ROOT / day.test_file))
+    report = score_day(day, run)
     if run.out_of_time:
         how = "--day-budget" if args.day_budget else f"{CAP_FACTOR:g}x an honest run plus one test's limit"
         report.notes.append(f"week {day.week} day {day.day}: stopped when its time budget ran out ({cap:.0f} s: {how})")
@@ -441,18 +411,17 @@ def grade(args: argparse.Namespace) -> int:
             write_atomically(Path(args.json).resolve(), json.dumps(results, indent=2) + "\n")
 
     try:
-        root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        root, package = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR, None
         if not root.is_dir():
             raise SystemExit(f"--src {args.src}: not a directory")
-        submission = stage_submission(root, submission_dir(root), tmp / "submission")
-        if student:
+        if student:  # the reference is trusted: it runs in the test process, unsandboxed
+            submission, package = stage_submission(root, tmp / "package"), tmp / "package"
             warning = sandbox.unsandboxed_warning()
             if warning:
                 print(warning, file=sys.stderr, flush=True)
             notes += ([warning.removeprefix("grade: ")] if warning else []) + submission_notes(submission, args)
             extra = {"ignored_files": submission.ignored, "sandboxed": warning is None}
         trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
-        package = make_package(tmp / "package", submission) if student else None
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
         times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()

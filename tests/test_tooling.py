@@ -643,7 +643,7 @@ def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
 # ---------------------------------------------------------------- the grader against a dishonest student (issues 11, 24)
 
 ATTACKS = REPO_ROOT / "tests" / "attacks"
-# Every attack fixture laid over the skeleton (tests/attacks/README.md): the sandbox, not a scan of the files, stops each.
+# Every attack fixture laid over the skeleton (tests/attacks/README.md): the sandbox, not a scan, stops each.
 ATTACKS_LAID_OVER = sorted(p.name for p in ATTACKS.iterdir() if p.is_dir())
 # attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
 ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
@@ -1309,11 +1309,11 @@ def test_staging_reads_regular_files_only(tmp_path):
     for attack, build in BUILT_ATTACKS.items():
         submission = attack_submission(tmp_path / attack, attack)
         root = submission
-        staged = grade.stage_submission(root, grade.submission_dir(root), tmp_path / attack / "staged")
+        staged = grade.stage_submission(root, tmp_path / attack / "package")
         assert staged.refused and all("not read (" in note for note in staged.refused), (attack, staged.refused)
         assert "basics" not in staged.modules or attack in ("hidden_test_link", "fifo"), (attack, staged.modules)
         assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link", "fifo")
-        assert all(b"hidden-31" not in path.read_bytes() for path in staged.modules.values())
+        assert all(b"hidden-31" not in path.read_bytes() for path in (tmp_path / attack / "package").iterdir())
 
 
 def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
