@@ -37,7 +37,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
 REFERENCE_DIR = Path("src_ref") / "tiny_llm_ref"
 TRUSTED_FOLDERS = ("tests", "course", "src_ref", "scripts")  # what the test process needs besides the package
-TASK_TEST = re.compile(r"^test_task_(\d+)_")  # maint/book_check.py checks that every test of a day is named so
 UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
 STATUS_WORDS = {"error": "error in set-up", "timeout": "timed out", "crashed": "crashed the test process",
@@ -213,8 +212,9 @@ def split(total: int, count: int) -> list[int]:
 
 
 def score_day(day: Day, run: RunResult) -> DayReport:
-    """A task's points split evenly across its test functions, a function's share across its cases (`run.expected`,
-    the cases collected). A task none of whose tests was collected counts as one case, at zero."""
+    """A task's points split evenly across its test functions (`test_task_N_...`: maint/book_check.py checks that
+    every test of a day is one), a function's share across its cases (`run.expected`, the cases collected). A task
+    none of whose tests was collected counts as one case, at zero."""
     report = DayReport(day, seconds=run.seconds)
     cases: dict[str, list[str]] = {}
     for nodeid in run.expected:
@@ -326,8 +326,8 @@ def write_atomically(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- time caps
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
-    """A day's time cap, counted from its first test's start: CAP_FACTOR x its recorded honest time plus one
-    test's limit (the default limit if --timeout is shorter), the same at any load (no yardstick, nothing the
+    """A day's time cap, counted from the end of its tests' collection: CAP_FACTOR x its recorded honest time plus
+    one test's limit (the default limit if --timeout is shorter), the same at any load (no yardstick, nothing the
     submission can stretch). --day-budget replaces it; a day not recorded, or a run recording times, gets
     DEFAULT_DAY_CAP."""
     if args.day_budget is not None or args.record_times or day.key not in times:
