@@ -97,27 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--week", type=int, help="grade only this week")
     parser.add_argument("--day", type=int, nargs="+", help="grade only these days of --week")
     parser.add_argument("--json", metavar="FILE", help="write Gradescope's results.json format to FILE")
-    parser.add_argument("--src", metavar="DIR",
-                        help="a submission to grade instead of src/tiny_llm: a directory holding the modules "
-                             "(or holding tiny_llm/ or src/tiny_llm/)")
+    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR (its modules, or tiny_llm/ or "
+                        "src/tiny_llm/ holding them) instead of src/tiny_llm")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help=f"time cap of one day's tests (default: {CAP_FACTOR:g}x the honest run's time recorded "
-                             f"in course/grading_times.json plus --timeout; {DEFAULT_DAY_CAP:g} for a day not "
-                             "recorded); tests left when it runs out score 0")
+                        help=f"time cap of one day (default: {CAP_FACTOR:g}x its time in course/grading_times.json "
+                             f"plus --timeout; {DEFAULT_DAY_CAP:g} for a day not recorded)")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
-                             "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
+                             "16384, on Linux without an NVIDIA GPU; 0: none)")
     parser.add_argument("--record-times", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
-                        help="grade the selection ROUNDS times (3 if not given) and save each day's slowest time as "
-                             "the honest run's, for the caps (maintainers: run with --src src_ref/tiny_llm_ref on "
-                             "an idle machine)")
+                        help="grade ROUNDS times (default 3) and save each day's slowest time for the caps "
+                             "(maintainers: --src src_ref/tiny_llm_ref on an idle machine)")
     parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
-                        help="refuse to grade a student's code where bubblewrap cannot start a sandbox (default: "
-                             "on with --json; --no-require-sandbox for a dev loop on a Mac)")
+                        help="refuse to grade a student's code where bubblewrap cannot start (default: with --json)")
     parser.add_argument("--make-autograder", metavar="DIR",
                         help="write a Gradescope autograder (setup.sh, run_autograder and the course) to DIR")
     return parser
@@ -127,10 +123,10 @@ def select_days(week: int | None, days: list[int] | None) -> list[Day]:
     if days and week is None:
         raise SystemExit("--day needs --week, e.g. `pdm run grade --week 2 --day 7`")
     chosen = [d for d in DAYS if (week is None or d.week == week) and (not days or d.day in days)]
-    unknown = set(days or []) - {d.day for d in chosen}
-    if unknown or not chosen:
+    if not chosen or set(days or []) - {d.day for d in chosen}:
         known = ", ".join(f"{d.week}.{d.day}" for d in DAYS)
-        raise SystemExit(f"--week {week} --day {' '.join(map(str, days or []))}: not in the course (days: {known})")
+        asked = f"week {week}" + (f" day {' '.join(map(str, days))}" if days else "")
+        raise SystemExit(f"{asked} is not in the course (days: {known})")
     return chosen
 
 
