@@ -832,7 +832,7 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     assert repository_state() == before, "the attack changed the repository"
     assert leftover_processes(attack) == [], "the attack left processes behind"
     extra = {p.relative_to(ATTACKS / attack).as_posix() for p in (ATTACKS / attack).rglob("*.py")
-             if p.stem not in grade.course_modules()}  # none empty: each file is listed, never run (scan_crash's too)
+             if p.stem not in grade.course_modules()}  # listed as not graded, never run (scan_crash's too)
     assert extra <= set(results["extra_data"]["ignored_files"]), results["extra_data"]["ignored_files"]
     if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
@@ -1391,3 +1391,21 @@ def test_a_time_limit_never_fires_while_pytest_writes_a_report(tmp_path):
     run = run_test_file("test_slow.py", tmp_path, child_env("ref", (str(REPO_ROOT),)), timeout=1)
     assert {nodeid: result.outcome for nodeid, result in run.results.items()} == {
         "test_slow.py::test_fails": "failed", "test_slow.py::test_after": "passed"}, run.results
+
+
+def test_the_test_running_when_the_judge_dies_or_its_cap_ends_is_named(tmp_path):
+    """Tests run in the order collected, so the first without a result line is the one that was running: when the
+    process died (crashed), or when the day's cap stopped it (timeout); those after it were not run."""
+    from course.isolated_pytest import child_env, run_test_file
+
+    (tmp_path / "test_order.py").write_text("import os, time\n\ndef test_first():\n    pass\n\n"
+                                            "def test_dies():\n    os._exit(3)\n\n"
+                                            "def test_sleeps():\n    time.sleep(30)\n\ndef test_last():\n    pass\n")
+    env = child_env("ref", (str(REPO_ROOT),))
+    died = run_test_file("test_order.py", tmp_path, env, timeout=60)
+    assert {n.split("::")[1]: r.outcome for n, r in died.results.items()} == {
+        "test_first": "passed", "test_dies": "crashed", "test_sleeps": "not_run", "test_last": "not_run"}
+    capped = run_test_file("test_order.py::test_first test_order.py::test_sleeps test_order.py::test_last".split(),
+                           tmp_path, env, timeout=60, cap=1)
+    assert capped.out_of_time and {n.split("::")[1]: r.outcome for n, r in capped.results.items()} == {
+        "test_first": "passed", "test_sleeps": "timeout", "test_last": "not_run"}
