@@ -1,17 +1,15 @@
-"""The one way the course's tooling runs pytest: a separate process, read through its results plugin.
+"""The one way the course's tooling runs pytest: a process of its own, read through its results plugin.
 
-`pdm run test` (scripts/run_tests.py), the grader (scripts/grade.py), `check-days` (maint/check_days.py) and
-`check_skeleton` start pytest with `pytest_command()`. `run_test_file()` runs one such process and reads the lines
-course/pytest_events.py writes, one per test. Each test has pytest-timeout's limit (`timeout`, signal method); a
-`deadline` (the whole run's) or a `cap` (the day's: seconds from its first test's start, so that start-up on a
-loaded machine is not counted) kills the process and its group, the tests left `not_run`; `memory_mb` caps its
-address space (RLIMIT_AS). The process runs trusted code only (the tests, the reference; while grading, the
-submission runs in sandboxed workers, course/sandbox.py), so it runs once: a test during which it died anyway is
-`crashed`, the tests after it `not_run`. The tests expected are those it collects.
+`pytest_command()` starts every pytest run of the tooling (`pdm run test`, the grader, `check-days`, `check_skeleton`).
+`run_test_file()` runs one and reads the lines course/pytest_events.py writes: the tests collected, then one per
+test as it ends. Tests run in the order collected, so when the process dies, or a `cap` (seconds from the end of
+collection) stops it, the first test without a line is the one that was running (`crashed`, `timeout`) and the rest
+are `not_run`. Each test has pytest-timeout's limit (`timeout`); `memory_mb` caps the address space (RLIMIT_AS).
 """
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 TEST_TIME_LIMIT = 60.0  # seconds one test may run: the grader's default and `pdm run test`'s (pytest-timeout)
 POLL_SECONDS = 0.05
@@ -30,27 +29,27 @@ LOG_TAIL = 3000
 @dataclass
 class CaseResult:
     nodeid: str
-    outcome: str  # passed, failed, error, skipped, xfailed, timeout, crashed, not_run
+    outcome: str  # passed, failed, error (in set-up or tear-down), skipped, timeout, crashed, not_run
     output: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.outcome in ("passed", "xfailed")
+        return self.outcome == "passed"
 
 
 @dataclass
 class RunResult:
     test_file: str
-    results: dict[str, CaseResult] = field(default_factory=dict)  # nodeid -> result, in collection order
+    results: dict[str, CaseResult] = field(default_factory=dict)  # nodeid -> result, in the order run
     collect_errors: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (not one test)
-    out_of_time: bool = False  # the deadline or the cap stopped the run
+    out_of_time: bool = False  # the cap stopped the run
     expected: list[str] = field(default_factory=list)  # the tests collected, in order
     seconds: float = 0.0
 
 
 def pytest_command(args: list[str]) -> list[str]:
-    """The command line of every pytest run of the course's tooling (the plugin does nothing unless read)."""
+    """The command line of every pytest run of the course's tooling (the plugin writes nothing unless asked)."""
     return [sys.executable, "-m", "pytest", "-p", "course.pytest_events", "-p", "no:cacheprovider", *args]
 
 
@@ -61,88 +60,57 @@ def child_env(solution: str = "student", paths: tuple[str, ...] = ("src", "src_r
 
 
 def default_memory_mb() -> int | None:
-    """The address-space limit of a test process when none is given: the machine's memory, at most 16 GiB.
-
-    Measured on Linux (mlx 0.32, CPU): a day's test process peaks at 1.1-1.5 GB of address space. None
-    (no limit) on macOS, where Metal maps far more address space than it uses and RLIMIT_AS is not
-    enforced, and where an NVIDIA driver is present (CUDA reserves address space by the terabyte).
-    """
+    """The address-space limit of a test process when none is given: the machine's memory, at most 16 GiB (a
+    day's test process peaks at 1.1-1.5 GB on Linux, mlx 0.32, CPU). None on macOS, where Metal maps far more than
+    it uses and RLIMIT_AS is not enforced, and where an NVIDIA driver is (CUDA reserves terabytes of it)."""
     if not sys.platform.startswith("linux") or Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists():
         return None
     return min(16_384, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20)
 
 
-def _limit_memory(memory_mb: int | None):
-    if not memory_mb:
-        return None
-    import resource
-
-    limit = memory_mb << 20
-    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # in the child, before pytest starts
-
-
-def _new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
-    """The whole lines appended to the plugin's file since `offset`, and the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    complete = data[: data.rfind(b"\n") + 1]
-    return [json.loads(line) for line in complete.splitlines() if line.strip()], offset + len(complete)
-
-
-def _watch(proc: subprocess.Popen, run: RunResult, lines: Path, deadline: float | None, cap: float | None):
-    """Read the plugin's lines until pytest exits or a limit stops it; the test running at its end, if any."""
-    offset, current, collected, launched, first_start, done = 0, None, False, time.monotonic(), None, None
+def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float | None) -> None:
+    """Read the plugin's lines until pytest exits, or a limit says to stop it."""
+    unread, launched, collected, done = b"", time.monotonic(), None, None
     while True:
         exited = proc.poll() is not None
-        events, offset = _new_lines(lines, offset)
-        for event in events:
+        *complete, unread = (unread + lines.read()).split(b"\n")  # a line not yet whole waits for the next round
+        for event in map(json.loads, complete):
             if "collected" in event:
-                run.expected, collected = event["collected"], True
-            elif "collect_error" in event:
-                run.collect_errors.append(f"{event['collect_error']}:\n{event['output']}")
-            elif "start" in event:
-                current, first_start = event["start"], first_start or time.monotonic()
+                run.expected, run.collect_errors, collected = event["collected"], event["errors"], time.monotonic()
             elif "finish" in event:
-                current, run.results[event["finish"]] = None, CaseResult(event["finish"], event["outcome"],
-                                                                        event["output"])
-            elif "done" in event:
+                run.results[event["finish"]] = CaseResult(event["finish"], event["outcome"], event["output"])
+            else:
                 done = time.monotonic()
         now = time.monotonic()
         if exited or (done is not None and now - done > EXIT_GRACE_SECONDS):  # every result is in
-            return current
-        if (deadline is not None and now > deadline) or (cap is not None and first_start and now > first_start + cap):
+            return
+        if cap is not None and collected is not None and now > collected + cap:
             run.out_of_time = True
-            if current is not None:
-                run.results[current] = CaseResult(current, "timeout", "stopped: the time budget ran out during this test")
-            return None
-        if not collected and now - launched > STARTUP_SECONDS:
+            return
+        if collected is None and now - launched > STARTUP_SECONDS:
             run.problems.append(f"pytest did not finish collecting {run.test_file} within {STARTUP_SECONDS:g} s")
-            return None
+            return
         time.sleep(POLL_SECONDS)
 
 
 def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = TEST_TIME_LIMIT,
-                  deadline: float | None = None, cap: float | None = None, memory_mb: int | None = None) -> RunResult:
-    """Run `test_file` (relative to `cwd`; or a list of files) in one pytest process; see the module docstring.
-
-    `deadline`: a `time.monotonic()` value at which the run stops; `cap`: seconds after the first test's start
-    at which it stops likewise. Either way the tests left are `not_run`.
-    """
+                  cap: float | None = None, memory_mb: int | None = None) -> RunResult:
+    """Run `test_file` (relative to `cwd`; or a list of files) in one pytest process; see the module docstring."""
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
     run, began = RunResult(" ".join(targets)), time.monotonic()
     command = pytest_command(["-q", "--color=no", f"--timeout={timeout:g}", "--timeout-method=signal", *targets])
+    limit = (memory_mb or 0) << 20  # set in the child, before pytest starts
     with tempfile.TemporaryDirectory(prefix="tiny-llm-pytest-") as tmp:
-        lines, log_path = Path(tmp) / "events.jsonl", Path(tmp) / "log.txt"
+        events, log_path = Path(tmp) / "events.jsonl", Path(tmp) / "log.txt"
+        events.touch()
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(command, cwd=cwd, env={**env, "TINY_LLM_EVENTS": str(lines)}, stdout=log,
+            proc = subprocess.Popen(command, cwd=cwd, env={**env, "TINY_LLM_EVENTS": str(events)}, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_limit_memory(memory_mb))
+                                    preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+                                    if limit else None)
         try:
-            crashed_in = _watch(proc, run, lines, deadline, cap)
+            with open(events, "rb") as lines:
+                _watch(proc, run, lines, cap)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # and whatever it left in its group
@@ -152,13 +120,15 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
         tail = log_path.read_bytes()[-LOG_TAIL:].decode(errors="replace").replace(f"{cwd}/", "")
     if not run.expected and not run.collect_errors and not run.problems:
         run.problems.append(f"pytest exited (status {proc.returncode}) before collecting {run.test_file}:\n{tail}")
-    why = "not run: the time budget ran out before this test"
-    if crashed_in is not None:
-        run.results[crashed_in] = CaseResult(crashed_in, "crashed", "the test process died during this test (a "
-                                             f"crash, an abort or an exit of the interpreter).\nEnd of its output:\n{tail}")
-        why = f"not run: the test process died during {crashed_in}"
-    if run.out_of_time or crashed_in is not None:
-        run.results.update({n: CaseResult(n, "not_run", why) for n in run.expected if n not in run.results})
-    run.results = {nodeid: run.results[nodeid] for nodeid in run.expected if nodeid in run.results}
+    left = [nodeid for nodeid in run.expected if nodeid not in run.results]
+    if left and not run.collect_errors and not run.problems:  # stopped, or died, during left[0]
+        if run.out_of_time:
+            run.results[left[0]] = CaseResult(left[0], "timeout", "stopped: the time budget ran out during this test")
+            why = "the time budget ran out before this test"
+        else:
+            run.results[left[0]] = CaseResult(left[0], "crashed", "the test process died during this test (a crash, "
+                                              f"an abort or an exit of the interpreter).\nEnd of its output:\n{tail}")
+            why = f"the test process died during {left[0]}"
+        run.results.update({nodeid: CaseResult(nodeid, "not_run", f"not run: {why}") for nodeid in left[1:]})
     run.seconds = round(time.monotonic() - began, 2)
     return run

@@ -1,14 +1,10 @@
-"""The judge's results plugin: one JSON line per test, written as it happens, for course/isolated_pytest.py.
+"""The judge's results plugin: one JSON line per test as it ends, for course/isolated_pytest.py to read.
 
-Every pytest run of the tooling loads it (`-p course.pytest_events`); it writes only where TINY_LLM_EVENTS names
-a file (read once, then removed from the environment). Lines: {"collected": [ids]}, {"collect_error": id,
-"output": text}, {"start": id}, {"finish": id, "outcome": ..., "output": text}, {"done": exit status}, each
-with one `os.write`, so when the process is killed every earlier line is on disk and the reader knows which test
-was running. Outcomes: passed, failed, error (in set-up or tear-down), skipped, xfailed, timeout.
-
-The per-test limit is pytest-timeout's (`--timeout`, signal method): a test past it fails in place, reported as
-`timeout`. No line is signed: only trusted code runs in this process (while grading, the submission runs in a
-sandboxed worker that cannot reach it, course/sandbox.py).
+Loaded by every pytest run of the tooling (`-p course.pytest_events`), it writes only where TINY_LLM_EVENTS names a
+file: {"collected": [ids], "errors": [texts]}, then {"finish": id, "outcome": ..., "output": text} per test, then
+{"done": exit status}, each with one `os.write`, so whatever kills the process, every earlier line is on disk. It
+also pauses pytest-timeout's clock between a test's phases and, while grading, starts every test after a broken
+sandboxed worker afresh. Nothing is signed: only trusted code runs here (book/src/grading.md).
 """
 
 import json
@@ -21,7 +17,7 @@ import pytest
 MAX_OUTPUT = 6000
 TIMEOUT_MESSAGE = "Timeout (>"  # how pytest-timeout's failure starts: "Timeout (>60.0s) from pytest-timeout."
 
-_state = {"fd": None, "reports": {}, "timeout": 0.0}
+_state = {"fd": None, "reports": {}, "errors": [], "timeout": 0.0, "left": 0.0}
 
 
 def _emit(**event) -> None:
@@ -43,16 +39,11 @@ def pytest_configure(config):
 
 def pytest_collectreport(report):
     if report.failed:
-        _emit(collect_error=report.nodeid or "collection", output=_clip(report.longreprtext))
+        _state["errors"].append(f"{report.nodeid or 'collection'}:\n{_clip(report.longreprtext)}")
 
 
-def pytest_collection_finish(session):
-    _emit(collected=[item.nodeid for item in session.items])
-
-
-def pytest_runtest_logstart(nodeid, location):
-    _state["reports"][nodeid], _state["left"] = [], 0.0
-    _emit(start=nodeid)
+def pytest_collection_finish(session):  # called even when collection failed
+    _emit(collected=[item.nodeid for item in session.items], errors=_state["errors"])
 
 
 def pytest_runtest_logreport(report):
@@ -63,7 +54,7 @@ def _clock(runs: bool) -> None:
     """pytest-timeout's clock (a SIGALRM timer) runs while a test's set-up, call or tear-down runs, never between
     them: a limit that fired while pytest writes a failure's report would stop the whole process (INTERNALERROR),
     not one test."""
-    if runs and _state.get("left"):
+    if runs and _state["left"]:
         signal.setitimer(signal.ITIMER_REAL, _state["left"])
     elif not runs:
         _state["left"] = signal.setitimer(signal.ITIMER_REAL, 0)[0]
@@ -100,13 +91,12 @@ def pytest_runtest_teardown(item, nextitem):
     _clock(runs=False)
 
 
-def _outcome(reports) -> tuple[str, str]:
-    """One outcome for a test from its setup/call/teardown reports, and the text worth showing."""
+def pytest_runtest_logfinish(nodeid, location):
+    """One outcome from the test's set-up, call and tear-down reports, and the text worth showing."""
+    reports = _state["reports"].pop(nodeid, [])
     outcome, texts = ("passed" if reports else "error"), []
     for report in reports:
-        if hasattr(report, "wasxfail") and report.skipped:
-            outcome = "xfailed"
-        elif report.failed:
+        if report.failed:
             outcome = "failed" if report.when == "call" else "error"
             texts += [report.longreprtext, *(f"--- {name} ---\n{content}" for name, content in report.sections)]
         elif report.skipped and outcome == "passed":
@@ -115,12 +105,7 @@ def _outcome(reports) -> tuple[str, str]:
     if outcome == "failed" and any(TIMEOUT_MESSAGE in r.longreprtext for r in reports if r.failed):
         outcome = "timeout"
         texts.insert(0, f"timed out: still running after {_state['timeout']:g} s, so it was stopped.")
-    return outcome, "\n".join(t for t in texts if t)
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    outcome, output = _outcome(_state["reports"].pop(nodeid, []))
-    _emit(finish=nodeid, outcome=outcome, output=_clip(output))
+    _emit(finish=nodeid, outcome=outcome, output=_clip("\n".join(t for t in texts if t)))
 
 
 def pytest_sessionfinish(session, exitstatus):

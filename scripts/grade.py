@@ -1,33 +1,19 @@
-"""Grade the student package: per week, day and task, a readable table and Gradescope's results.json.
+"""Grade the student package per week, day and task: a readable table and Gradescope's results.json.
 
     pdm run grade                          # every day that has tests, against src/tiny_llm
-    pdm run grade --week 2 --day 7         # one day: the score the day's chapter points to
     pdm run grade --week 2 --day 6 7       # some days of a week
     pdm run grade --json results.json      # also write Gradescope's results.json
     pdm run grade --src path/to/submission # grade a submission (a directory of module files)
     pdm run grade --solution ref           # grade the reference (every task at full points)
     pdm run grade --make-autograder DIR    # write a Gradescope autograder
 
-Only the course's module files are graded, staged as regular files (no links, devices or FIFOs, at most
-MAX_FILE_BYTES) into a package of their own; every other file is listed, never run. Each day's tests run in a
-trusted pytest process (the judge, course/isolated_pytest.py) that reaches the package in a sandboxed worker
-(course/sandbox.py) through a pipe that carries data only (course/remote.py): every verdict is made where the
-submission cannot reach. Per-test limits, a flat cap per day (CAP_FACTOR x the honest run's recorded time plus
-one test's limit) and a cgroup where the machine has one bound the run. With --json (or --require-sandbox) it
-refuses to grade where bubblewrap cannot start. Text the submission produced is escaped before it is shown, and
-results.json is rewritten atomically after each day. The integrity scan (course/integrity.py) lists, for the
-instructor, what is unusual in the files: it decides nothing.
-
-Points are declared once, in course/course_map.py (`Day.points`): a task's points are split evenly across its test
-functions (`test_task_N_...`), a function's share across its cases, in whole 1/10000 points, so a day adds up
-exactly. Exit status: 0 when grading finished (whatever the score); 2 when the grader itself failed (bad
-arguments, an error in the grader, a day whose tests could not be run at all); the report is still written.
+What is graded, where it runs, how points are counted and what bounds a run: book/src/grading.md. Exit status:
+0 when grading finished (whatever the score); 2 when the grader itself failed (bad arguments, an error in the
+grader, a day whose tests could not be run at all); the report is still written.
 """
 
 import argparse
-import ast
 import errno
-import itertools
 import json
 import os
 import re
@@ -40,13 +26,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from decimal import Decimal
-from fractions import Fraction
-from math import floor
 from pathlib import Path
 
 from course import cgroup, sandbox, scratch
 from course.course_map import DAYS, Day
-from course.integrity import scan_source
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
 from course.remote import printable
 
@@ -54,14 +37,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SKELETON_DIR = Path("src") / "tiny_llm"
 REFERENCE_DIR = Path("src_ref") / "tiny_llm_ref"
 TRUSTED_FOLDERS = ("tests", "course", "src_ref", "scripts")  # what the test process needs besides the package
-TASK_TEST = re.compile(r"^test_task_(\d+)_")
 UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
-STATUS_WORDS = {
-    "passed": "passed", "xfailed": "passed", "failed": "failed", "error": "error in set-up",
-    "skipped": "skipped", "timeout": "timed out", "crashed": "crashed the interpreter",
-    "not_run": "not run", "not_collected": "could not be collected",
-}
+STATUS_WORDS = {"error": "error in set-up", "timeout": "timed out", "crashed": "crashed the test process",
+                "not_run": "not run", "not_collected": "could not be collected"}
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
 CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
 DEFAULT_DAY_CAP = 600.0  # a day without a recorded time
@@ -73,12 +52,10 @@ def course_modules() -> set[str]:
     return {module for day in DAYS for module in day.modules}
 
 
-# ---------------------------------------------------------------- data
-
 @dataclass
 class CaseScore:
     day: Day
-    task: int | None  # None: not a task test (no points)
+    task: int
     function: str
     nodeid: str
     outcome: str
@@ -88,12 +65,11 @@ class CaseScore:
 
     @property
     def passed(self) -> bool:
-        return self.outcome in ("passed", "xfailed")
+        return self.outcome == "passed"
 
     @property
     def name(self) -> str:
-        case = self.nodeid.split("::")[-1]
-        return f"Week {self.day.week} Day {self.day.day} Task {self.task}: {case}"
+        return f"Week {self.day.week} Day {self.day.day} Task {self.task}: {self.nodeid.split('::')[-1]}"
 
 
 @dataclass
@@ -101,19 +77,16 @@ class DayReport:
     day: Day
     tests: list[CaseScore] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # grader-side problems (exit 2)
-    notes: list[str] = field(default_factory=list)  # course configuration notes (printed)
+    notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    pending: bool = False  # not graded (yet): a placeholder in a progressive report
+    pending: bool = False  # not graded yet: a placeholder in a report written before the day is
 
 
 @dataclass
 class Submission:
-    staged: Path  # the course's module files of the submission, copied once: the files that are graded
-    modules: dict[str, Path] = field(default_factory=dict)  # module name -> staged file
-    ignored: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
+    modules: set[str] = field(default_factory=set)  # the course modules taken from the submission
+    ignored: list[str] = field(default_factory=list)  # files not graded
     refused: list[str] = field(default_factory=list)  # one line per file not read (a link, a device, too large)
-    findings: list[str] = field(default_factory=list)  # the integrity scan's, for the instructor
 
 
 # ---------------------------------------------------------------- arguments and selection
@@ -124,30 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--week", type=int, help="grade only this week")
     parser.add_argument("--day", type=int, nargs="+", help="grade only these days of --week")
     parser.add_argument("--json", metavar="FILE", help="write Gradescope's results.json format to FILE")
-    parser.add_argument("--src", metavar="DIR",
-                        help="a submission to grade instead of src/tiny_llm: a directory holding the modules "
-                             "(or holding tiny_llm/ or src/tiny_llm/)")
+    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR (its modules, or tiny_llm/ or "
+                        "src/tiny_llm/ holding them) instead of src/tiny_llm")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help=f"time cap of one day's tests (default: {CAP_FACTOR:g}x the honest run's time recorded "
-                             f"in course/grading_times.json plus --timeout; {DEFAULT_DAY_CAP:g} for a day not "
-                             "recorded); tests left when it runs out score 0")
-    parser.add_argument("--budget", type=float, default=3600.0, metavar="SECONDS",
-                        help="time budget of the whole run (default 3600); days left when it runs out score 0")
+                        help=f"time cap of one day (default: {CAP_FACTOR:g}x its time in course/grading_times.json "
+                             f"plus --timeout; {DEFAULT_DAY_CAP:g} for a day not recorded)")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
-                             "16384, on Linux without an NVIDIA GPU; 0: none). A day's tests need about 1500")
+                             "16384, on Linux without an NVIDIA GPU; 0: none)")
     parser.add_argument("--record-times", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
-                        help="grade the selection ROUNDS times (3 if not given) and save each day's slowest time as "
-                             "the honest run's, for the budgets (maintainers: run with --src src_ref/tiny_llm_ref on "
-                             "an idle machine)"),
-    parser.add_argument("--verbose", "-v", action="store_true", help="print the full output of every failed test")
+                        help="grade ROUNDS times (default 3) and save each day's slowest time for the caps "
+                             "(maintainers: --src src_ref/tiny_llm_ref on an idle machine)")
     parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
-                        help="refuse to grade a student's code where bubblewrap cannot start a sandbox (default: "
-                             "on with --json; --no-require-sandbox for a dev loop on a Mac)")
+                        help="refuse to grade a student's code where bubblewrap cannot start (default: with --json)")
     parser.add_argument("--make-autograder", metavar="DIR",
                         help="write a Gradescope autograder (setup.sh, run_autograder and the course) to DIR")
     return parser
@@ -157,16 +123,14 @@ def select_days(week: int | None, days: list[int] | None) -> list[Day]:
     if days and week is None:
         raise SystemExit("--day needs --week, e.g. `pdm run grade --week 2 --day 7`")
     chosen = [d for d in DAYS if (week is None or d.week == week) and (not days or d.day in days)]
-    unknown = set(days or []) - {d.day for d in chosen}
-    if unknown:
+    if not chosen or set(days or []) - {d.day for d in chosen}:
         known = ", ".join(f"{d.week}.{d.day}" for d in DAYS)
-        raise SystemExit(f"week {week} day(s) {sorted(unknown)} are not in the course (days: {known})")
-    if not chosen:
-        raise SystemExit(f"week {week} has no days in the course")
+        asked = f"week {week}" + (f" day {' '.join(map(str, days))}" if days else "")
+        raise SystemExit(f"{asked} is not in the course (days: {known})")
     return chosen
 
 
-# ---------------------------------------------------------------- the submission and the grading directories
+# ---------------------------------------------------------------- staging the submission
 
 def submission_dir(src: Path) -> Path:
     """Where the modules are in a submission: DIR/src/tiny_llm, DIR/tiny_llm, or DIR itself (never through a
@@ -178,17 +142,11 @@ def submission_dir(src: Path) -> Path:
     return src
 
 
-RUNS_ON_ITS_OWN = {"sitecustomize.py", "usercustomize.py", "conftest.py"}  # Python or pytest would run these
-
-
 def read_regular(path: Path) -> bytes:
-    """A submitted file's bytes, if it is a plain file of its own; else ValueError saying what it is.
-
-    Opened without following a link (O_NOFOLLOW) and checked on the open descriptor: a symbolic link (to the
-    reference, to a hidden test), a hard link, a device, a FIFO (opened without blocking), a directory, or a
-    file over MAX_FILE_BYTES is never read. The grader runs with more rights than the sandbox: nothing it
-    opens on the submission's behalf may lead outside the submission.
-    """
+    """A submitted file's bytes if it is a plain file of its own, else ValueError saying what it is. The grader has
+    more rights than the sandbox, so a symbolic link (to the reference, to a hidden test), a hard link, a device, a
+    FIFO, a directory or a file over MAX_FILE_BYTES is never read: opened without following a link or blocking,
+    checked on the open descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
@@ -205,41 +163,34 @@ def read_regular(path: Path) -> bytes:
     return data
 
 
-def stage_submission(root: Path, modules_dir: Path, staged: Path, scan: bool) -> Submission:
-    """Copy the course's module files out of the submission (once), list the rest, scan what was read.
-
-    Only regular files are read (`read_regular`); a course module that is refused counts as missing. Files that
-    are not graded are scanned too: they never run, but a flagged one is worth a look.
-    """
-    staged.mkdir(parents=True)
-    submission = Submission(staged)
+def stage_submission(root: Path, package: Path) -> Submission:
+    """The package being graded: the submission's course modules, the untouched skeleton's for a module it lacks,
+    the reference's provided code and an `__init__.py` of the grader's. Every file of the submission is read as
+    `read_regular` reads (a refused module counts as missing); those that are not course modules are listed, never
+    run."""
+    package.mkdir(parents=True)
     wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
+    for name in provided:
+        shutil.copyfile(REPO_ROOT / SKELETON_DIR / name if name[:-3] in wanted else trusted_file(name), package / name)
+    (package / "__init__.py").write_text(INIT_TEXT)
+    submission, modules_dir = Submission(), submission_dir(root)
     for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", ".git"))
         for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(folder, d))
                                     or (Path(folder) == modules_dir and d.endswith(".py"))]):
             path = Path(folder) / name
             shown = printable(path.relative_to(root).as_posix())
-            in_package = path.parent == modules_dir
-            module = in_package and path.suffix == ".py" and path.stem in wanted
+            module = path.parent == modules_dir and path.suffix == ".py" and path.stem in wanted
             try:
-                data = read_regular(path) if module or scan or name in provided else b""
+                data = read_regular(path)  # every file, so that a link anywhere is named in the report
             except ValueError as why:
                 submission.refused.append(f"{shown}: not read ({why})" + (": graded as missing" if module else ""))
                 continue
             if module:
-                (staged / name).write_bytes(data)
-                submission.modules[path.stem] = staged / name
-            elif in_package and name in provided and data == trusted_file(name).read_bytes():
-                continue  # provided code, unchanged
-            else:
-                submission.ignored.append(shown)
-            unused = "" if module else " (not graded, not run)"
-            if scan and not module and (name in RUNS_ON_ITS_OWN or path.suffix == ".pth"):
-                submission.findings.append(f"{shown}: a file Python or pytest runs on its own{unused}")
-            elif scan and path.suffix == ".py":
-                submission.findings += [f"{finding}{unused}" for finding in scan_source(data, shown)]
-    submission.missing = sorted(wanted - set(submission.modules))
+                (package / name).write_bytes(data)
+                submission.modules.add(path.stem)
+            elif not (path.parent == modules_dir and name in provided and data == trusted_file(name).read_bytes()):
+                submission.ignored.append(shown)  # not provided code left unchanged
     return submission
 
 
@@ -249,122 +200,53 @@ def trusted_file(name: str) -> Path:
     return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
-def make_package(dest: Path, submission: Submission) -> Path:
-    """The package being graded: the submission's course modules, the untouched skeleton's for a module it
-    lacks, the reference's provided code, and an `__init__.py` the grader writes."""
-    dest.mkdir(parents=True)
-    for path in sorted((REPO_ROOT / SKELETON_DIR).glob("*.py")):
-        if path.stem in submission.modules:
-            shutil.copyfile(submission.modules[path.stem], dest / path.name)
-        elif path.name == "__init__.py":
-            (dest / path.name).write_text(INIT_TEXT)
-        elif path.stem in course_modules():
-            shutil.copyfile(path, dest / path.name)  # not submitted: the untouched skeleton
-        else:
-            shutil.copyfile(trusted_file(path.name), dest / path.name)
-    return dest
-
-
 # ---------------------------------------------------------------- scoring
 
-def task_functions(test_file: Path) -> list[str]:
-    """The `test_task_N_...` functions of a test file, in order, read with `ast` (never imported here).
-
-    They are known even when the file cannot be collected, so their points still appear, at zero.
-    """
-    try:
-        tree = ast.parse(test_file.read_text(), filename=str(test_file))
-    except (SyntaxError, OSError):
-        return []  # pytest reports the error when it collects the file
-    scopes = [tree] + [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name.startswith("Test")]
-    return [node.name for scope in scopes for node in scope.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and TASK_TEST.match(node.name)]
+def split(total: int, count: int) -> list[int]:
+    """`total` in `count` whole shares as even as can be, the remainder to the first ones: they add up exactly."""
+    return [total // count + (i < total % count) for i in range(count)]
 
 
-def function_of(nodeid: str) -> str:
-    return nodeid.split("::")[-1].split("[")[0]
-
-
-def task_of(function: str) -> int | None:
-    match = TASK_TEST.match(function)
-    return int(match.group(1)) if match else None
-
-
-def apportion(total: int, weights: list[Fraction]) -> list[int]:
-    """Whole units for each weight (weights sum to 1), adding up to exactly `total` (largest remainders)."""
-    ideal = [total * w for w in weights]
-    units = [floor(x) for x in ideal]
-    by_remainder = sorted(range(len(ideal)), key=lambda i: (-(ideal[i] - units[i]), i))
-    for i in by_remainder[: total - sum(units)]:
-        units[i] += 1
-    return units
-
-
-def score_day(day: Day, expected: list[str], run: RunResult, functions: list[str] | None = None) -> DayReport:
-    """Spread each task's points over its test functions, and each function's share over its cases.
-
-    `expected`: the test ids collected beforehand (their results come from `run`, missing ones score 0).
-    """
+def score_day(day: Day, run: RunResult) -> DayReport:
+    """A task's points split evenly across its test functions (`test_task_N_...`: maint/book_check.py checks that
+    every test of a day is one), a function's share across its cases (`run.expected`, the cases collected). A task
+    none of whose tests was collected counts as one case, at zero."""
     report = DayReport(day, seconds=run.seconds)
     cases: dict[str, list[str]] = {}
-    for nodeid in expected:
-        cases.setdefault(function_of(nodeid), []).append(nodeid)
-    for function in functions or []:
-        cases.setdefault(function, [])
-    collect_output = "\n".join(run.collect_errors + run.problems)
-    by_task: dict[int | None, list[str]] = {}
-    for function in cases:
-        by_task.setdefault(task_of(function), []).append(function)
-
-    for task, task_functions_ in sorted(by_task.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
-        points = day.points.get(task, 0) if task is not None else 0
-        if task is not None and task not in day.points:
-            report.notes.append(f"{day.test_file} has tests for Task {task}, which has no points in "
-                                f"course/course_map.py: scored 0")
-        ids = [(function, cases[function] or [f"{day.test_file}::{function}"]) for function in task_functions_]
-        weights = [Fraction(1, len(ids) * len(nodeids)) for _, nodeids in ids for _ in nodeids]
-        shares = iter(apportion(points * UNITS, weights))
-        for function, nodeids in ids:
-            for nodeid in nodeids:
-                share = next(shares)
-                result = run.results.get(nodeid) or CaseResult(
-                    nodeid, "not_collected" if not cases[function] or collect_output else "not_run",
-                    collect_output or "the test process did not report this test")
+    for nodeid in run.expected:
+        cases.setdefault(nodeid.split("::")[-1].split("[")[0], []).append(nodeid)
+    why = "\n".join(run.collect_errors + run.problems)
+    for task, points in sorted(day.points.items()):
+        names = [f for f in cases if f.startswith(f"test_task_{task}_")] or [f"test_task_{task}_*"]
+        for function, share in zip(names, split(points * UNITS, len(names))):
+            nodeids = cases.get(function, [f"{day.test_file}::{function}"])
+            for nodeid, units in zip(nodeids, split(share, len(nodeids))):
+                result = run.results.get(nodeid) or CaseResult(nodeid, "not_collected" if why else "not_run",
+                                                               why or "the test process did not report this test")
                 report.tests.append(CaseScore(day, task, function, nodeid, result.outcome, printable(result.output),
-                                              share if result.ok else 0, share))
-    broken = bool(run.problems or run.collect_errors)
-    for task in sorted(set(day.points) - set(by_task)):
-        if broken:
-            # The file could not be read at all: its tasks count, at zero, with the reason.
-            report.tests.append(CaseScore(day, task, f"test_task_{task}", f"{day.test_file}::test_task_{task}_*",
-                                          "not_collected", collect_output, 0, day.points[task] * UNITS))
-            continue
-        report.notes.append(f"Task {task} of week {day.week} day {day.day} has points but no tests "
-                            f"named test_task_{task}_... in {day.test_file}: left out of the total")
-    if broken:
-        report.problems.append(f"{day.test_file} could not be run as a whole:\n{collect_output}")
+                                              units if result.ok else 0, units))
+    if why:
+        report.problems.append(f"{day.test_file} could not be run as a whole:\n{why}")
     return report
 
 
-def placeholder(day: Day, why: str | None = None, pending: bool = False) -> DayReport:
-    """A day that was not run: every test function at 0, and why (a note)."""
-    report = score_day(day, [], RunResult(day.test_file), task_functions(REPO_ROOT / day.test_file))
-    report.notes += [f"week {day.week} day {day.day}: {why}"] if why else []
-    report.pending = pending
+def placeholder(day: Day) -> DayReport:
+    """A day not graded yet, in a report written before it is: every test at 0."""
+    report = score_day(day, RunResult(day.test_file))
+    report.pending = True
     return report
 
 
 # ---------------------------------------------------------------- output
 
 def first_lines(text: str, count: int = 3) -> str:
+    """The most telling lines of a failure (the last ones of pytest's, "E   assert ..."), and where it happened:
+    the innermost frame in the student's package."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    # The most telling lines of a pytest failure are usually its last ones ("E   assert ...").
-    telling = [line for line in lines if line.startswith("E ") or "not implemented yet" in line
-               or line.startswith(("timed out", "the test process died", "Fatal Python error"))]
+    telling = [line for line in lines if line.startswith(("E ", "timed out", "the test process died", "not run"))
+               or "not implemented yet" in line]
     chosen = (telling or lines)[:count]
-    # Where it happened: the innermost frame in the student's package (a faulthandler "File" line first).
-    where = [line for line in lines if line.strip().startswith("File ") and "tiny_llm" in line][:1]
-    where = where or [line for line in lines if re.search(r"src/tiny_llm\S*:\d+", line)][-1:]
+    where = [line for line in lines if re.search(r"src/tiny_llm\S*:\d+", line)][-1:]
     if where and where[0] not in chosen:
         chosen = chosen[: count - 1] + where
     return "\n".join("      " + line.strip()[:160] for line in chosen)
@@ -380,8 +262,7 @@ def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
-    kinds = sorted({status_word(t) for t in bad})
-    return f"{len(bad)} of {len(tests)} not passed: {', '.join(kinds)}"
+    return f"{len(bad)} of {len(tests)} not passed: {', '.join(sorted({status_word(t) for t in bad}))}"
 
 
 def points(units: int) -> str:
@@ -389,77 +270,45 @@ def points(units: int) -> str:
     return str(Decimal(units) / UNITS)
 
 
-def render(reports: list[DayReport], verbose: bool, workspace_notes: list[str], solution: str,
-           integrity: list[str] = ()) -> str:
+def render(reports: list[DayReport], notes: list[str], solution: str) -> str:
     lines = [f"Grading the {'reference' if solution == 'ref' else 'student'} solution", "",
              f"{'week':>4} {'day':>4} {'task':>4}  {'points':>13}  status",
              f"{'-' * 4:>4} {'-' * 4:>4} {'-' * 4:>4}  {'-' * 13:>13}  {'-' * 40}"]
-    total = maximum = 0
     for report in reports:
-        tasks: dict[int, list[CaseScore]] = {}
-        for test in report.tests:
-            if test.task is not None:
-                tasks.setdefault(test.task, []).append(test)
-        for task, tests in sorted(tasks.items()):
+        for task in sorted(report.day.points):
+            tests = [t for t in report.tests if t.task == task]
             got, of = sum(t.units for t in tests), sum(t.max_units for t in tests)
-            total, maximum = total + got, maximum + of
             status = "not graded: the run stopped before this day" if report.pending else task_status(tests)
-            lines.append(f"{report.day.week:>4} {report.day.day:>4} {task:>4}  {got / UNITS:>6.1f} / "
-                         f"{points(of):<4}  {status}")
-    lines += ["", f"total: {points(total)} / {points(maximum)}"]
-    details = [t for r in reports if not r.pending for t in r.tests if not t.passed]
-    if details:
-        lines += ["", "Tests not passed:"]
-        # Cases of one test function that fail the same way are shown once.
-        groups: dict[tuple, list[CaseScore]] = {}
-        for test in details:
-            summary = test.output.rstrip() if verbose else first_lines(test.output)
-            key = (test.day.test_file, test.function, status_word(test), summary if not verbose else test.nodeid)
-            groups.setdefault(key, []).append(test)
-        for (test_file, function, word, _), tests in groups.items():
-            name = tests[0].nodeid if len(tests) == 1 else f"{test_file}::{function} ({len(tests)} cases)"
-            lines.append(f"  {name}  [{word}]")
-            lines.append(tests[0].output.rstrip() if verbose else first_lines(tests[0].output))
-    notes = workspace_notes + [n for r in reports for n in r.notes]
-    if notes:
-        lines += ["", "Notes:"] + [f"  - {n}" for n in notes]
-    if integrity:
-        lines += ["", "Integrity report (for the instructor; it decides nothing, the sandbox does):"]
-        lines += [f"  - {finding}" for finding in integrity]
-    problems = [p for r in reports for p in r.problems]
-    if problems:
-        lines += ["", "GRADER PROBLEMS (not the student's code; these tests are at zero):"]
-        lines += [f"  - {p.splitlines()[0]}" for p in problems]
+            lines.append(f"{report.day.week:>4} {report.day.day:>4} {task:>4}  {got / UNITS:>6.1f} / {points(of):<4}  "
+                         f"{status}")
+    every = [t for r in reports for t in r.tests]
+    lines += ["", f"total: {points(sum(t.units for t in every))} / {points(sum(t.max_units for t in every))}"]
+    groups: dict[tuple, list[CaseScore]] = {}  # cases of one test function that fail the same way are shown once
+    for test in (t for r in reports if not r.pending for t in r.tests if not t.passed):
+        groups.setdefault((test.function, status_word(test), first_lines(test.output)), []).append(test)
+    lines += ["", "Tests not passed:"] if groups else []
+    for (function, word, text), tests in groups.items():
+        name = tests[0].nodeid if len(tests) == 1 else f"{tests[0].day.test_file}::{function} ({len(tests)} cases)"
+        lines += [f"  {name}  [{word}]", text]
+    notes = notes + [n for r in reports for n in r.notes]
+    lines += ["", "Notes:", *(f"  - {n}" for n in notes)] if notes else []
+    problems = [f"  - {p.splitlines()[0]}" for r in reports for p in r.problems]
+    lines += ["", "GRADER PROBLEMS (not the student's code; these tests are at zero):", *problems] if problems else []
     return printable("\n".join(lines))
 
 
 def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
-    tests = []
-    graded = [t for r in reports for t in r.tests if t.task is not None]
-    for test in graded:
-        tests.append({
-            "name": test.name,
-            "score": test.units / UNITS,
-            "max_score": test.max_units / UNITS,
-            "status": "passed" if test.passed else "failed",
-            "output": f"{status_word(test)}\n{test.output}".strip() if not test.passed else "passed",
-            "tags": [f"week {test.day.week}", f"day {test.day.week}.{test.day.day}", f"task {test.task}"],
-            "visibility": "visible",
-        })
-    return {
-        "score": sum(t.units for t in graded) / UNITS,
-        "execution_time": round(seconds),
-        "output": summary,
-        "visibility": "visible",
-        "stdout_visibility": "visible",
-        "tests": tests,
-        "extra_data": {
-            "max_score": sum(t.max_units for t in graded) / UNITS,
-            "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
-            **extra,
-        },
-    }
+    graded = [t for r in reports for t in r.tests]
+    tests = [{"name": t.name, "score": t.units / UNITS, "max_score": t.max_units / UNITS,
+              "status": "passed" if t.passed else "failed",
+              "output": "passed" if t.passed else f"{status_word(t)}\n{t.output}".strip(),
+              "tags": [f"week {t.day.week}", f"day {t.day.week}.{t.day.day}", f"task {t.task}"],
+              "visibility": "visible"} for t in graded]
+    return {"score": sum(t.units for t in graded) / UNITS, "execution_time": round(seconds), "output": summary,
+            "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
+            "extra_data": {"max_score": sum(t.max_units for t in graded) / UNITS,
+                           "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending], **extra}}
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -470,16 +319,13 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-# ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- time caps
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
-    """A day's time cap, counted from its first test's start: CAP_FACTOR x its recorded honest time plus one
-    test's limit (the default limit if --timeout is shorter), the same at any load.
-
-    A hang costs only its test (the per-test limit); the cap ends a submission that makes every test slow,
-    which then costs at most CAP_FACTOR x an honest day plus one test's limit. No scaling to the machine's load:
-    an honest day stays under its cap up to about CAP_FACTOR + 60 s / its recorded time times slower.
-    """
+    """A day's time cap, counted from the end of its tests' collection: CAP_FACTOR x its recorded honest time plus
+    one test's limit (the default limit if --timeout is shorter), the same at any load (no yardstick, nothing the
+    submission can stretch). --day-budget replaces it; a day not recorded, or a run recording times, gets
+    DEFAULT_DAY_CAP."""
     if args.day_budget is not None or args.record_times or day.key not in times:
         return args.day_budget or DEFAULT_DAY_CAP
     return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
@@ -492,57 +338,49 @@ def recorded_times() -> dict[str, float]:
         return {}
 
 
-def record_times(reports: list["DayReport"]) -> None:
-    """Keep each day's time for the caps of later runs: the slowest of the day's runs (`reports` may hold several
-    rounds), and only of a day that passed every test in every round (a cut-short run is no honest run)."""
-    times = recorded_times()
-    by_day: dict[str, list[DayReport]] = {}
+def record_times(reports: list[DayReport]) -> None:
+    """Save each day's slowest time of its rounds (`reports` holds each day once per round), only for a day that
+    passed every test in every round: a cut-short run is no honest run, and would shrink the next caps."""
+    times, slowest, failed = recorded_times(), {}, set()
     for report in reports:
-        if not report.pending:
-            by_day.setdefault(report.day.key, []).append(report)
-    for key, runs in by_day.items():
-        if all(passed_everything(run) for run in runs):
-            times[key] = round(max(run.seconds for run in runs), 2)
+        if report.tests and all(t.passed for t in report.tests) and not report.problems:
+            slowest[report.day.key] = max(slowest.get(report.day.key, 0.0), report.seconds)
         else:
-            print(f"[grade] week {runs[0].day.week} day {runs[0].day.day}: not every test passed; time not recorded")
+            failed.add(report.day.key)
+            print(f"[grade] {report.day.key}: not every test passed; time not recorded")
+    times.update({key: round(seconds, 2) for key, seconds in slowest.items() if key not in failed})
     TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
-def passed_everything(report: "DayReport") -> bool:
-    return bool(report.tests) and all(case.passed for case in report.tests) and not report.problems
+# ---------------------------------------------------------------- main
 
-
-def submission_notes(submission: Submission, args: argparse.Namespace, warning: str | None) -> list[str]:
-    """What the report says about the submission's files: ignored, refused, missing; and a missing sandbox."""
-    notes = [warning.removeprefix("grade: ")] if warning else []
+def submission_notes(submission: Submission, args: argparse.Namespace) -> list[str]:
+    """What the report says about the submission's files: not graded, missing, not read."""
+    notes, missing = [], sorted(course_modules() - submission.modules)
     if submission.ignored:
-        more = len(submission.ignored) - 20
-        notes.append("not graded (only the course's module files are): "
-                     + ", ".join(submission.ignored[:20] + ([f"and {more} more"] if more > 0 else [])))
-    notes += submission.refused
-    if args.src and submission.missing:
-        notes.append(f"the submission has no {', '.join(m + '.py' for m in submission.missing)}: "
-                     "the untouched skeleton's are graded")
-    return notes
+        more = [f"and {len(submission.ignored) - 20} more"] if len(submission.ignored) > 20 else []
+        notes.append(f"not graded (only the course's module files are): {', '.join(submission.ignored[:20] + more)}")
+    if args.src and missing:
+        notes.append(f"the submission has no {', '.join(m + '.py' for m in missing)}: the skeleton's are graded")
+    return notes + submission.refused
 
 
 def grade_day(day: Day, args: argparse.Namespace, work: Path, trusted: Path, env: dict, package: Path | None,
-              cap: float, deadline: float, memory_mb: int | None) -> DayReport:
+              cap: float, memory_mb: int | None) -> DayReport:
     """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it. The tests
     expected are those that process collects: no test decides which tests exist from what the submission returns."""
+    work.mkdir()
     if package is not None:
         root = sandbox.prepare_root(work / "sandbox", package, REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course",
                                     day.week, day.day)
         (work / "logs").mkdir()  # the workers' output: a test process killed at a limit cannot clean up
         env = {**env, sandbox.SANDBOX_ROOT_VARIABLE: str(root), sandbox.LOGS_VARIABLE: str(work / "logs"),
                sandbox.LIMITS_VARIABLE: f"{cap:.0f},{memory_mb or 0}"}
-    run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, deadline=deadline, cap=cap,
-                        memory_mb=memory_mb)
-    report = score_day(day, run.expected, run, task_functions(REPO_ROOT / day.test_file))
+    run = run_test_file(day.test_file, trusted, env, timeout=args.timeout, cap=cap, memory_mb=memory_mb)
+    report = score_day(day, run)
     if run.out_of_time:
         how = "--day-budget" if args.day_budget else f"{CAP_FACTOR:g}x an honest run plus one test's limit"
-        report.notes.append(f"week {day.week} day {day.day}: stopped when its time budget ran out ({cap:.0f} s: "
-                            f"{how}; --budget {args.budget:g} s for the whole run)")
+        report.notes.append(f"week {day.week} day {day.day}: stopped when its time budget ran out ({cap:.0f} s: {how})")
     return report
 
 
@@ -553,63 +391,53 @@ def grade(args: argparse.Namespace) -> int:
         print(f"grade: refused: the sandbox cannot start here ({sandbox.why_unsandboxed()}); "
               "--no-require-sandbox grades without it", file=sys.stderr)
         return GRADER_FAILED
-    groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
     selected = select_days(args.week, args.day)
     days = [d for d in selected if (REPO_ROOT / d.test_file).exists()]
     notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded" for d in selected if d not in days]
     if not days:
-        print("grade: no day in the selection has tests yet", file=sys.stderr)
-        return GRADER_FAILED
-    json_path = Path(args.json).resolve() if args.json else None
-    integrity, extra, rounds = [], {}, args.record_times or 1
-    reports = [placeholder(d, pending=True) for d in days]
-    graded: list[DayReport] = []  # every day graded, in every round (--record-times N grades N rounds)
+        raise SystemExit("no day in the selection has tests yet")
+    groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
+    reports, graded, extra = [placeholder(d) for d in days], [], {}
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
 
     def save() -> None:
-        if json_path is not None:
-            summary = render(reports, False, notes, args.solution, integrity)
-            write_atomically(json_path, json.dumps(gradescope_results(
-                reports, summary, time.monotonic() - started, extra), indent=2) + "\n")
+        if args.json:
+            results = gradescope_results(reports, render(reports, notes, args.solution),
+                                         time.monotonic() - started, extra)
+            write_atomically(Path(args.json).resolve(), json.dumps(results, indent=2) + "\n")
 
     try:
-        root = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR
+        root, package = Path(args.src).resolve() if args.src else REPO_ROOT / SKELETON_DIR, None
         if not root.is_dir():
             raise SystemExit(f"--src {args.src}: not a directory")
-        submission = stage_submission(root, submission_dir(root), tmp / "submission", scan=student)
-        if student:
+        if student:  # the reference is trusted: it runs in the test process, unsandboxed
+            submission, package = stage_submission(root, tmp / "package"), tmp / "package"
             warning = sandbox.unsandboxed_warning()
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-            notes += submission_notes(submission, args, warning)
-            integrity = submission.findings
-            extra = {"ignored_files": submission.ignored, "integrity_flags": integrity, "sandboxed": warning is None}
+            notes += ([warning.removeprefix("grade: ")] if warning else []) + submission_notes(submission, args)
+            extra = {"ignored_files": submission.ignored, "sandboxed": warning is None}
         trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
-        package = make_package(tmp / "package", submission) if student else None
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
         times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()
-        for repeat, (index, day) in itertools.product(range(rounds), enumerate(days)):
-            label = f"week {day.week} day {day.day}" + (f" (round {repeat + 1} of {rounds})" if rounds > 1 else "")
-            print(f"[grade] {label}: {day.test_file}", file=sys.stderr, flush=True)
-            if time.monotonic() >= started + args.budget:
-                reports[index] = placeholder(day, "not run: the run's time budget ran out before this day")
-            else:
-                (tmp / f"{day.key}-{repeat}").mkdir()
+        for repeat in range(args.record_times or 1):  # --record-times N grades the selection N times
+            for index, day in enumerate(days):
+                print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
                 reports[index] = grade_day(day, args, tmp / f"{day.key}-{repeat}", trusted, env, package,
-                                           day_cap(day, args, times), started + args.budget, memory_mb)
+                                           day_cap(day, args, times), memory_mb)
                 graded.append(reports[index])
                 cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
-            save()
+                save()
     finally:
         cgroup.remove_all(groups)
         shutil.rmtree(tmp, ignore_errors=True)
     if args.record_times:
         record_times(graded)
-    print(render(reports, args.verbose, notes, args.solution, integrity))
+    print(render(reports, notes, args.solution))
     print(f"\ngraded {len(reports)} day(s) in {time.monotonic() - started:.0f} s")
-    if json_path is not None:
-        print(f"wrote {json_path}")
+    if args.json:
+        print(f"wrote {Path(args.json).resolve()}")
     return GRADER_FAILED if any(r.problems for r in reports) else 0
 
 

@@ -643,27 +643,8 @@ def test_compare_says_what_is_missing_then_matches_the_reference(tmp_path):
 # ---------------------------------------------------------------- the grader against a dishonest student (issues 11, 24)
 
 ATTACKS = REPO_ROOT / "tests" / "attacks"
-# attack -> the file the integrity report names (None: the scan finds nothing there; the sandbox stops it anyway)
-ATTACK_FILES = {
-    "reexport": "src/tiny_llm/attention.py", "patch_outcome": "src/tiny_llm/speedups.py",
-    "patch_outcome_module": "src/tiny_llm/basics.py", "forge_events": "src/tiny_llm/attention.py",
-    "detached_rewrite": "src/tiny_llm/basics.py", "rewrite_tests": "src/tiny_llm/attention.py",
-    "sitecustomize": "src/sitecustomize.py", "block_start": "src/tiny_llm/basics.py",
-    "hang": None, "memory": None,
-    "reexport_dynamic": None, "patch_outcome_vars": "src/tiny_llm/basics.py",
-    "pickle_patch": "src/tiny_llm/basics.py", "proc_environ_key": "src/tiny_llm/attention.py",
-    "extra_helper": "src/tiny_llm/helpers.py", "models_symlink_write": "src/tiny_llm/basics.py", "sleep": None,
-    # Attacks on what crosses the pipe (issue 31), each graded on the day it targets (ATTACK_DAYS).
-    "lying_eq": None, "fake_float64": None, "lying_class": "src/tiny_llm/metrics.py", "approx_liar": None,
-    "fake_mx_array": "src/tiny_llm/basics.py", "oracle_writes": None,
-    "fake_private_state": "src/tiny_llm/metrics.py", "deep_result": "src/tiny_llm/metrics.py",
-    "raising_dunders": "src/tiny_llm/metrics.py", "lying_exception": "src/tiny_llm/metrics.py",
-    # issue 31: the bounds around the sandbox
-    "scan_crash": None,  # the scan walks the tree without recursion: the file is read whole, nothing to flag
-    "ansi_table": None, "carriage_return": None,
-    "zombie_parent": "src/tiny_llm/basics.py", "fork_bomb": "src/tiny_llm/basics.py",
-    "outlives_day": "src/tiny_llm/basics.py",
-}
+# Every attack fixture laid over the skeleton (tests/attacks/README.md): the sandbox, not a scan, stops each.
+ATTACKS_LAID_OVER = sorted(p.name for p in ATTACKS.iterdir() if p.is_dir())
 # attack -> the day it is graded on, where that is not day 1.1 (it scores what the untouched skeleton scores: 0)
 ATTACK_DAYS = {"lying_eq": (2, 2), "fake_float64": (2, 2), "lying_class": (2, 2), "approx_liar": (2, 2),
                "oracle_writes": (1, 5),
@@ -832,31 +813,16 @@ def repository_state() -> list[str]:
     return [line for line in listed if "__pycache__/" not in line and not line[3:].startswith(".hypothesis/")]
 
 
-def test_every_attack_fixture_is_in_the_table_and_never_collected():
-    assert sorted(p.name for p in ATTACKS.iterdir() if p.is_dir()) == sorted(ATTACK_FILES)
+def test_every_attack_fixture_is_described_and_never_collected():
+    described = (ATTACKS / "README.md").read_text()
+    assert [name for name in ATTACKS_LAID_OVER + list(BUILT_ATTACKS) if f"`{name}`" not in described] == []
+    assert set(ATTACK_DAYS) <= set(ATTACKS_LAID_OVER)
     assert not list(ATTACKS.rglob("test_*.py")) and not list(ATTACKS.rglob("*_test.py"))
     assert not list(ATTACKS.rglob("conftest.py"))
 
 
-def test_integrity_scan_passes_the_reference_and_the_skeleton_and_reports_each_attack():
-    from course.course_map import DAYS
-    from course.integrity import scan_file
-
-    graded = {module for day in DAYS for module in day.modules}  # provided modules are never taken from a submission
-    for folder in ("src_ref/tiny_llm_ref", "src/tiny_llm"):
-        for module in sorted(graded):
-            path = REPO_ROOT / folder / f"{module}.py"
-            assert scan_file(path, str(path)) == [], path
-    for attack, named in ATTACK_FILES.items():
-        findings = [f for p in (ATTACKS / attack).rglob("*.py") for f in scan_file(p, str(p.relative_to(ATTACKS / attack)))]
-        if named is None:
-            assert findings == [], (attack, findings)
-        else:
-            assert any(f.path == named for f in findings), (attack, findings)
-
-
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
-@pytest.mark.parametrize("attack", sorted(set(ATTACK_FILES) - set(ATTACK_DAYS)) + BUILT_GRADES)
+@pytest.mark.parametrize("attack", sorted(set(ATTACKS_LAID_OVER) - set(ATTACK_DAYS)) + BUILT_GRADES)
 def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path, attack):
     before = repository_state()
     done, results, seconds = grade_submission(tmp_path, attack_submission(tmp_path, attack),
@@ -865,9 +831,9 @@ def test_an_attack_scores_no_more_than_the_skeleton_and_changes_nothing(tmp_path
     assert results["extra_data"]["sandboxed"] is True
     assert repository_state() == before, "the attack changed the repository"
     assert leftover_processes(attack) == [], "the attack left processes behind"
-    named = ATTACK_FILES.get(attack)
-    if named is not None:  # the integrity report names it, for the instructor
-        assert named in done.stdout and "Integrity report" in done.stdout
+    extra = {p.relative_to(ATTACKS / attack).as_posix() for p in (ATTACKS / attack).rglob("*.py")
+             if p.stem not in grade.course_modules()}  # listed as not graded, never run (scan_crash's too)
+    assert extra <= set(results["extra_data"]["ignored_files"]), results["extra_data"]["ignored_files"]
     if attack in ("sleep", "hang"):
         assert "time budget" in done.stdout
     # What the submission wrote reaches the terminal and the report escaped: no table drawn over, no line rewritten.
@@ -1230,8 +1196,9 @@ def test_points_add_up_exactly_for_every_day():
                 for d in days}
     reports = []
     for day in days:
-        run = RunResult(day.test_file, {n: CaseResult(n, "passed") for n in expected[day.test_file]})
-        reports.append(score_day(day, expected[day.test_file], run))
+        run = RunResult(day.test_file, {n: CaseResult(n, "passed") for n in expected[day.test_file]},
+                        expected=expected[day.test_file])
+        reports.append(score_day(day, run))
     results = gradescope_results(reports, "", 0.0, {})
     for day in days:
         tag = f"day {day.week}.{day.day}"
@@ -1283,7 +1250,6 @@ def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
             process.kill()
             process.wait()
     assert results["score"] == results["extra_data"]["max_score"] == 10, done.stdout
-    assert results["extra_data"]["integrity_flags"] == []
 
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
@@ -1343,11 +1309,11 @@ def test_staging_reads_regular_files_only(tmp_path):
     for attack, build in BUILT_ATTACKS.items():
         submission = attack_submission(tmp_path / attack, attack)
         root = submission
-        staged = grade.stage_submission(root, grade.submission_dir(root), tmp_path / attack / "staged", scan=True)
+        staged = grade.stage_submission(root, tmp_path / attack / "package")
         assert staged.refused and all("not read (" in note for note in staged.refused), (attack, staged.refused)
         assert "basics" not in staged.modules or attack in ("hidden_test_link", "fifo"), (attack, staged.modules)
         assert "attention" not in staged.modules or attack not in ("reference_links", "hidden_test_link", "fifo")
-        assert all(b"hidden-31" not in path.read_bytes() for path in staged.modules.values())
+        assert all(b"hidden-31" not in path.read_bytes() for path in (tmp_path / attack / "package").iterdir())
 
 
 def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
@@ -1425,3 +1391,21 @@ def test_a_time_limit_never_fires_while_pytest_writes_a_report(tmp_path):
     run = run_test_file("test_slow.py", tmp_path, child_env("ref", (str(REPO_ROOT),)), timeout=1)
     assert {nodeid: result.outcome for nodeid, result in run.results.items()} == {
         "test_slow.py::test_fails": "failed", "test_slow.py::test_after": "passed"}, run.results
+
+
+def test_the_test_running_when_the_judge_dies_or_its_cap_ends_is_named(tmp_path):
+    """Tests run in the order collected, so the first without a result line is the one that was running: when the
+    process died (crashed), or when the day's cap stopped it (timeout); those after it were not run."""
+    from course.isolated_pytest import child_env, run_test_file
+
+    (tmp_path / "test_order.py").write_text("import os, time\n\ndef test_first():\n    pass\n\n"
+                                            "def test_dies():\n    os._exit(3)\n\n"
+                                            "def test_sleeps():\n    time.sleep(30)\n\ndef test_last():\n    pass\n")
+    env = child_env("ref", (str(REPO_ROOT),))
+    died = run_test_file("test_order.py", tmp_path, env, timeout=60)
+    assert {n.split("::")[1]: r.outcome for n, r in died.results.items()} == {
+        "test_first": "passed", "test_dies": "crashed", "test_sleeps": "not_run", "test_last": "not_run"}
+    capped = run_test_file("test_order.py::test_first test_order.py::test_sleeps test_order.py::test_last".split(),
+                           tmp_path, env, timeout=60, cap=1)
+    assert capped.out_of_time and {n.split("::")[1]: r.outcome for n, r in capped.results.items()} == {
+        "test_first": "passed", "test_sleeps": "timeout", "test_last": "not_run"}
