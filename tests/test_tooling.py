@@ -1032,7 +1032,7 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
 
         def write(header, *sizes):
             ends = endpoint()
-            header = json.dumps({**header, "c": next(iter(ends.chains)), "nbuf": len(sizes)}).encode()
+            header = json.dumps({**header, "nbuf": len(sizes)}).encode()
             os.write(ends.write_fd, struct.pack("<Q", len(header)) + header + b"".join(struct.pack("<Q", n) for n in sizes))
 
         def seed():
@@ -1074,8 +1074,8 @@ def test_the_actor_cannot_call_the_judge(probe_worker):
 
         def call_back():
             ends = next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
-            header = json.dumps({"k": "req", "c": next(iter(ends.chains)), "op": "getattr", "h": 0,
-                                 "a": {"$": "list", "v": ["__class__"]}, "nbuf": 0}).encode()
+            header = json.dumps({"k": "req", "op": "getattr", "h": 0, "a": {"$": "list", "v": ["__class__"]},
+                                 "nbuf": 0}).encode()
             os.write(ends.write_fd, struct.pack("<Q", len(header)) + header)
             return 1
     ''')
