@@ -23,6 +23,7 @@ import os
 import re
 import select
 import struct
+import sys
 import threading
 import traceback
 import unicodedata
@@ -33,6 +34,7 @@ MAX_HEADER = 64 << 20
 MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
+
 
 class RemoteGone(RuntimeError):
     """The other process ended (it crashed, was killed at a time limit, or closed the pipe)."""
@@ -50,11 +52,8 @@ SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
 def _shared_class(path: str, load: bool = False):
-    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet, where
-    the path comes from the judge, or names a module of the reference's (never, at the actor's word, a module
-    whose import would run something: mlx-lm's command-line entry points)."""
-    import sys
-
+    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet (where
+    the judge names it, or the actor names a module of the reference's: never mlx-lm's command-line entry points)."""
     module, _, qualname = path.partition(":")
     if not (module.startswith(SHARED_MODULES) or module in SHARED_MODULES):
         return None
@@ -70,39 +69,6 @@ def _shared_class(path: str, load: bool = False):
 
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
-
-class PipeReader:
-    """The read end of a pipe, buffered (a message in one system call or few), read by one thread at a time."""
-
-    def __init__(self, fd: int):
-        self.fd, self.pending = fd, bytearray()
-
-    def read(self, count: int) -> bytes | bytearray:
-        if count > 1 << 16:
-            return self._read_large(count)
-        while len(self.pending) < count:
-            chunk = os.read(self.fd, max(count - len(self.pending), 1 << 16))
-            if not chunk:
-                raise RemoteGone("the other process closed the pipe")
-            self.pending += chunk
-        data = bytes(self.pending[:count])
-        del self.pending[:count]
-        return data
-
-    def _read_large(self, count: int) -> bytearray:
-        """An array's bytes, read from the pipe straight into their own buffer (no copy through `pending`)."""
-        data = bytearray(count)
-        view = memoryview(data)
-        filled = min(count, len(self.pending))
-        view[:filled] = self.pending[:filled]
-        del self.pending[:filled]
-        while filled < count:
-            got = os.readv(self.fd, [view[filled:]])
-            if not got:
-                raise RemoteGone("the other process closed the pipe")
-            filled += got
-        return data
-
 
 def _write_all(fd: int, parts: list) -> None:
     """Write every part (bytes, or an array's memoryview, sent without a copy) in as few system calls as fit."""
@@ -128,21 +94,28 @@ def send_message(fd: int, header: dict, buffers: list) -> None:
     _write_all(fd, parts)
 
 
-def receive_message(reader: PipeReader) -> tuple[dict, list[bytes]]:
-    (size,) = struct.unpack("<Q", reader.read(8))
+def _read(stream, count: int) -> bytes:
+    data = stream.read(count)  # a buffered reader's: `count` bytes, unless the pipe ends first
+    if len(data) < count:
+        raise RemoteGone("the other process closed the pipe")
+    return data
+
+
+def receive_message(stream) -> tuple[dict, list[bytes]]:
+    (size,) = struct.unpack("<Q", _read(stream, 8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(reader.read(size))
+    header = json.loads(_read(stream, size))
     count = header.get("nbuf") if isinstance(header, dict) else None
     if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
         raise ProtocolError("a malformed message header")
     buffers, left = [], MAX_MESSAGE
     for _ in range(count):
-        (length,) = struct.unpack("<Q", reader.read(8))
+        (length,) = struct.unpack("<Q", _read(stream, 8))
         if length > left:
             raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
         left -= length
-        buffers.append(reader.read(length))
+        buffers.append(_read(stream, length))
     return header, buffers
 
 
@@ -154,18 +127,9 @@ def _mlx():
     return mx
 
 
-@functools.cache
-def _dtype_names() -> dict:
-    mx = _mlx()
-    return {str(value).removeprefix("mlx.core."): value for value in vars(mx).values() if isinstance(value, mx.Dtype)}
-
-
 def plain(value):
-    """`value` as the exact built-in type it stands for, read with that type's own methods, or None.
-
-    So a deque, a list subclass, a numpy scalar or an int subclass the student returns crosses as data, and
-    an overridden `__eq__`, `__iter__` or `__class__` of the submission's stays behind.
-    """
+    """`value` as the exact built-in type it stands for, read with that type's own methods, or None: a deque, a list
+    subclass, a numpy scalar crosses as data, and an overridden `__eq__`, `__iter__` or `__class__` stays behind."""
     kind = type(value)
     if kind in (bool, int, float, str, list, tuple, set, frozenset, dict) or value is None:
         return value
@@ -185,9 +149,8 @@ def plain(value):
 
 
 def _data_fields(value, depth: int = 0) -> dict | None:
-    """The fields of a dataclass of a shared module (a `SamplingParams` of the reference's, mlx-lm's `ModelArgs`)
-    that holds only data, so it travels by value and is rebuilt as the receiver's class of the same name; else
-    None. (A class of the submission's own never does: its methods are what the tests grade.)"""
+    """The fields of a dataclass of a shared module (the reference's `SamplingParams`, mlx-lm's `ModelArgs`) that
+    holds only data, so it travels by value; else None (never a class of the submission's: its methods are graded)."""
     kind = type(value)
     if not dataclasses.is_dataclass(kind) or _shared_class(f"{kind.__module__}:{kind.__qualname__}") is not kind:
         return None
@@ -216,12 +179,6 @@ def _mlx_lm_model(value) -> bool:
     kind = type(value)
     return kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
         and _data_fields(getattr(value, "args", None)) is not None
-
-
-def _quantized_layers(model) -> dict:
-    """Each quantized layer of `model` by path, with what `to_quantized` needs to make it again."""
-    return {path: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
-            for path, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
 
 
 def _shared_tokenizer_dir(value) -> str | None:
@@ -279,7 +236,7 @@ class Endpoint:
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
         self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
-        self.reader = PipeReader(read_fd)
+        self.reader = open(read_fd, "rb", buffering=1 << 16, closefd=False)  # a message in a read or few
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle (an exported object lives on: its id stays its own)
         self.proxies: dict[int, Handle] = {}  # in the judge: handle -> the one `Handle` of that object
@@ -293,8 +250,7 @@ class Endpoint:
             self._export(root)  # handle 0
 
     def start(self) -> "Endpoint":
-        """The judge's end, ready: it reads each reply in the thread that asked, so there is no thread to start."""
-        return self
+        return self  # the judge reads each reply in the thread that asks: no thread to start
 
     @property
     def broken(self) -> str | None:
@@ -302,13 +258,10 @@ class Endpoint:
         whatever it wrote meanwhile (its end, or a request of its own: it never calls the judge) breaks the pipe."""
         if self._broken is None and self.judge and self.lock.acquire(blocking=False):
             try:
-                said = bool(self.reader.pending) or bool(select.select([self.read_fd], [], [], 0)[0])
-            except (OSError, ValueError):  # closed here already
-                said = True
+                if select.select([self.read_fd], [], [], 0)[0]:
+                    self._broken = f"the submission's process ended or wrote unasked{self.explain_loss()}"
             finally:
                 self.lock.release()
-            if said:
-                self._broken = f"the submission's process ended or wrote unasked{self.explain_loss()}"
         return self._broken
 
     # ---- the judge's side: requests
@@ -392,12 +345,8 @@ class Endpoint:
             return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in parts]}
         if value is Ellipsis:
             return {"$": "ellipsis"}
-        if kind is np.ndarray and value.dtype.kind in "biufc":
-            flat = np.ascontiguousarray(value).reshape(-1)
-            buffers.append(flat.view(np.uint8).data if flat.size else b"")
-            return {"$": "np", "b": len(buffers) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
         mx = _mlx() if "mlx" in kind.__module__ else None
-        if mx is not None and kind is mx.array:
+        if (kind is np.ndarray and value.dtype.kind in "biufc") or (mx is not None and kind is mx.array):
             return self._encode_array(value, buffers)
         if mx is not None and kind is mx.distributed.Group and value.size() == 1:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
@@ -443,16 +392,21 @@ class Endpoint:
         from mlx.utils import tree_flatten
 
         weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
+        quantized = {name: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
+                     for name, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
         return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1),
-                "w": weights, "q": _quantized_layers(model)}
+                "w": weights, "q": quantized}
 
-    def _encode_array(self, value, buffers):
+    @staticmethod
+    def _encode_array(value, buffers: list) -> dict:
+        """A numpy or MLX array as raw bytes, dtype and shape, sent from the array's own memory where it can (no copy);
+        an MLX bfloat16 array's bits go as uint16 (numpy has no bfloat16)."""
         mx = _mlx()
-        dtype = str(value.dtype).removeprefix("mlx.core.")
-        raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value
-        flat = np.ascontiguousarray(np.asarray(raw)).reshape(-1)  # MLX's own memory where it can (no copy)
-        buffers.append(flat.view(np.uint8).data if flat.size else b"")  # sent from there, not copied to bytes
-        return {"$": "mx", "b": len(buffers) - 1, "dtype": dtype, "shape": list(value.shape)}
+        bf16 = type(value) is mx.array and value.dtype == mx.bfloat16
+        raw = np.ascontiguousarray(np.asarray(value.view(mx.uint16) if bf16 else value)).reshape(-1)
+        buffers.append(raw.view(np.uint8).data if raw.size else b"")
+        tag = "np" if type(value) is np.ndarray else "bf16" if bf16 else "mx"
+        return {"$": tag, "b": len(buffers) - 1, "dtype": raw.dtype.str, "shape": list(value.shape)}
 
     # ---- decoding
 
@@ -480,15 +434,10 @@ class Endpoint:
             return slice(*(self.decode(v, buffers, depth + 1) for v in value["v"]))
         if tag == "ellipsis":
             return Ellipsis
-        if tag == "np":
-            dtype = np.dtype(str(value["dtype"]))
-            if dtype.kind not in "biufc":
-                raise ProtocolError(f"an array of dtype {dtype} is not accepted")
-            return np.frombuffer(buffers[value["b"]], dtype=dtype).reshape([int(n) for n in value["shape"]]).copy()
-        if tag == "mx":
+        if tag in ("np", "mx", "bf16"):
             return self._decode_array(value, buffers)
-        if tag == "dtype":
-            return _dtype_names()[str(value["v"])]
+        if tag == "dtype" and isinstance(found := getattr(_mlx(), str(value["v"]), None), _mlx().Dtype):
+            return found
         if tag == "group1":
             group = _mlx().distributed.init()
             if group.size() != 1:
@@ -533,14 +482,16 @@ class Endpoint:
             return _shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
-    def _decode_array(self, value, buffers):
+    @staticmethod
+    def _decode_array(value: dict, buffers: list):
+        dtype = np.dtype(str(value["dtype"]))
+        if dtype.kind not in "biufc":
+            raise ProtocolError(f"an array of dtype {dtype} is not accepted")
+        raw = np.frombuffer(buffers[value["b"]], dtype=dtype).reshape([int(n) for n in value["shape"]])
+        if value["$"] == "np":
+            return raw.copy()  # writable, as the sender's was
         mx = _mlx()
-        dtype = _dtype_names()[str(value["dtype"])]
-        shape = [int(n) for n in value["shape"]]
-        if dtype == mx.bfloat16:
-            return mx.array(np.frombuffer(buffers[value["b"]], dtype=np.uint16).reshape(shape)).view(mx.bfloat16)
-        numpy_dtype = np.dtype(str(dtype).removeprefix("mlx.core."))
-        return mx.array(np.frombuffer(buffers[value["b"]], dtype=numpy_dtype).reshape(shape))
+        return mx.array(raw).view(mx.bfloat16) if value["$"] == "bf16" else mx.array(raw)
 
     def _decode_model(self, value: dict, buffers: list):
         handle = value.get("h")
@@ -563,12 +514,13 @@ class Endpoint:
     def _stand_in(self, value: dict) -> type:
         """The judge's class for an exception class of the actor: a built-in one itself; any other, a subclass of its
         nearest built-in exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch it."""
-        base, handle = BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError), value.get("h")
-        if handle is None:
+        base = BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
+        if "h" not in value:
             return base
+        handle = int(value["h"])
         if handle not in self.stand_ins:
             name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
-            self.stand_ins[int(handle)] = type(name, (base,), {"__module__": "submission"})
+            self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
         return self.stand_ins[handle]
 
     def _proxy(self, handle: int, cls: str) -> "Handle":
@@ -600,19 +552,13 @@ def _perform(op: str, target, args: list):
 
 
 def fetch(objects, *paths: str) -> list[list]:
-    """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
-
-    Objects of the actor are read in one round trip for all of them, not one per attribute (a test reads a whole
-    plan at once); objects of this process are read here, so a test works either way.
-    """
+    """For each object, the value of each attribute path ("seq.block_table"): objects of the actor in one round trip
+    for all of them (a test reads a whole plan at once), objects of this process here."""
     objects = list(objects)
-    handles = [o for o in objects if type(o) is Handle]
-    if not handles:
+    handle = next((o for o in objects if type(o) is Handle), None)
+    if handle is None:
         return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    endpoint = handles[0]._endpoint
-    if len(handles) < len(objects) or any(o._endpoint is not endpoint for o in handles):
-        raise ValueError("fetch reads objects of one process at a time")
-    return endpoint.request("fetch", handles[0]._handle, objects, list(paths))
+    return handle._endpoint.request("fetch", 0, objects, list(paths))  # anything but that actor's handles: refused
 
 
 # ---------------------------------------------------------------- exceptions
@@ -669,13 +615,9 @@ def printable(text: str) -> str:
 # ---------------------------------------------------------------- the judge's handles
 
 class Handle:
-    """An object of the actor, as the judge holds it: opaque.
-
-    The judge may read an attribute or item (getting data or another handle), call it or a method of it, set an
-    attribute of it (the judge writing the actor's state), and send it back. Nothing the submission's code would
-    answer is asked: comparing, hashing, `bool`, `len`, iterating, converting and arithmetic raise `TypeError`,
-    and `type()`/`isinstance` see a `Handle`. Its text is the judge's own: the class's name.
-    """
+    """An object of the actor, as the judge holds it: opaque. The judge may read an attribute or item, call it, set
+    an attribute and send it back; nothing the submission's code would answer is asked (comparing, hashing, `bool`,
+    `len`, iterating, converting, arithmetic raise `TypeError`), and its text is the judge's own."""
 
     __slots__ = ("_endpoint", "_handle", "_cls")
 
