@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import dataclasses
 import enum
 import functools
 import importlib
 import json
+import operator
 import os
 import re
 import select
@@ -70,28 +72,12 @@ def _shared_class(path: str, load: bool = False):
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
 
-def _write_all(fd: int, parts: list) -> None:
-    """Write every part (bytes, or an array's memoryview, sent without a copy) in as few system calls as fit."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    first = 0  # the first part not yet written whole
-    while first < len(views):
-        try:
-            written = os.writev(fd, views[first:first + 1024])  # at most IOV_MAX parts a call
-        except (BrokenPipeError, OSError) as error:
-            raise RemoteGone(f"the other process closed the pipe ({error})") from None
-        while first < len(views) and written >= views[first].nbytes:
-            written -= views[first].nbytes
-            first += 1
-        if written:
-            views[first] = views[first][written:]
-
-
 def send_message(fd: int, header: dict, buffers: list) -> None:
-    text = json.dumps({**header, "nbuf": len(buffers)}, allow_nan=True).encode()
-    parts = [struct.pack("<Q", len(text)), text]
-    for buffer in buffers:
-        parts += [struct.pack("<Q", memoryview(buffer).nbytes), buffer]
-    _write_all(fd, parts)
+    text = json.dumps({**header, "sizes": [memoryview(b).nbytes for b in buffers]}, allow_nan=True).encode()
+    for part in (struct.pack("<Q", len(text)) + text, *buffers):  # an array's bytes from its own memory: no copy
+        view = memoryview(part).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
 
 
 def _read(stream, count: int) -> bytes:
@@ -106,17 +92,12 @@ def receive_message(stream) -> tuple[dict, list[bytes]]:
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
     header = json.loads(_read(stream, size))
-    count = header.get("nbuf") if isinstance(header, dict) else None
-    if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
+    sizes = header.get("sizes") if isinstance(header, dict) else None
+    if not isinstance(sizes, list) or len(sizes) > MAX_BUFFERS or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError("a malformed message header")
-    buffers, left = [], MAX_MESSAGE
-    for _ in range(count):
-        (length,) = struct.unpack("<Q", _read(stream, 8))
-        if length > left:
-            raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
-        left -= length
-        buffers.append(_read(stream, length))
-    return header, buffers
+    if sum(sizes) > MAX_MESSAGE:
+        raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
+    return header, [_read(stream, n) for n in sizes]
 
 
 # ---------------------------------------------------------------- values
@@ -296,24 +277,20 @@ class Endpoint:
     # ---- the actor's side: serving
 
     def read_forever(self) -> None:
-        """Serve the judge's requests in turn, in this thread, until it closes the pipe (then the worker ends)."""
-        try:
+        """Serve the judge's requests in turn, in this thread, until the judge closes the pipe (the worker ends)."""
+        with contextlib.suppress(RemoteGone, ProtocolError, OSError, ValueError, struct.error):
             while True:
-                self._serve(*receive_message(self.reader))
-        except (RemoteGone, ProtocolError, ValueError, struct.error):
-            return
-
-    def _serve(self, header: dict, buffers: list) -> None:
-        out: list = []
-        try:
-            if "seed" in header:  # the judge's `mx.random.seed(n)`
-                _mlx().random.seed(int(header["seed"]))
-            result = _perform(header["op"], self.exported[header["h"]], self.decode(header["a"], buffers))
-            reply = {"k": "ok", "v": self.encode(result, out)}
-        except BaseException as error:  # whatever the student's code raised (SystemExit too)
-            out = []
-            reply = {"k": "err", "v": self.encode(type(error), out), **describe_exception(error)}
-        send_message(self.write_fd, reply, out)
+                header, buffers = receive_message(self.reader)
+                out: list = []
+                try:
+                    if "seed" in header:  # the judge's `mx.random.seed(n)`
+                        _mlx().random.seed(int(header["seed"]))
+                    result = OPERATIONS[header["op"]](self.exported[header["h"]], *self.decode(header["a"], buffers))
+                    reply = {"k": "ok", "v": self.encode(result, out)}
+                except BaseException as error:  # whatever the student's code raised (SystemExit too)
+                    out = []
+                    reply = {"k": "err", "v": self.encode(type(error), out), **describe_exception(error)}
+                send_message(self.write_fd, reply, out)
 
     # ---- encoding
 
@@ -525,30 +502,28 @@ class Endpoint:
 
     def _proxy(self, handle: int, cls: str) -> "Handle":
         """The judge's `Handle` of an actor's object: one per object."""
-        proxy = self.proxies.get(handle)
-        if proxy is None:
-            proxy = self.proxies[handle] = Handle.__new__(Handle)
+        if handle not in self.proxies:
+            self.proxies[handle] = proxy = Handle.__new__(Handle)
             for slot, slot_value in (("_endpoint", self), ("_handle", handle), ("_cls", cls)):
                 object.__setattr__(proxy, slot, slot_value)
-        return proxy
+        return self.proxies[handle]
 
 
-def _perform(op: str, target, args: list):
-    """What the actor does for the judge: anything it asks of the actor's own objects."""
-    if op == "getattr":
-        return getattr(target, args[0])
-    if op == "setattr":
-        return setattr(target, args[0], args[1])
-    if op == "call":
-        return target(*args[0], **args[1])
-    if op == "getitem":
-        return target[args[0]]
-    if op == "import" and re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", str(args[0])):
-        return importlib.import_module(args[0])  # the fakes that need no trust (tests/harness.py)
-    if op == "fetch":
-        objects, paths = args
-        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    raise ProtocolError(f"an unknown operation {op!r}")
+def _read_paths(objects, paths) -> list[list]:
+    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+
+
+def _import_fakes(_, name: str):
+    """The package tests/actor_fakes or a module of it (the fakes that need no trust: tests/harness.py), no other."""
+    if not re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", name):
+        raise ProtocolError(f"the judge may not import {name!r} in the actor")
+    return importlib.import_module(name)
+
+
+# What the actor does for the judge: anything it asks of the actor's own objects.
+OPERATIONS = {"getattr": getattr, "setattr": setattr, "getitem": operator.getitem, "import": _import_fakes,
+              "call": lambda target, args, kwargs: target(*args, **kwargs),
+              "fetch": lambda _, objects, paths: _read_paths(objects, paths)}
 
 
 def fetch(objects, *paths: str) -> list[list]:
@@ -557,7 +532,7 @@ def fetch(objects, *paths: str) -> list[list]:
     objects = list(objects)
     handle = next((o for o in objects if type(o) is Handle), None)
     if handle is None:
-        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+        return _read_paths(objects, paths)
     return handle._endpoint.request("fetch", 0, objects, list(paths))  # anything but that actor's handles: refused
 
 
@@ -581,8 +556,7 @@ def _student_frames(error: BaseException) -> str:
 def describe_exception(error: BaseException) -> dict:
     """An exception of the actor's, besides its class (sent as a value): its message and where it was raised."""
     try:
-        keyed = _nearest_builtin(type(error)) is KeyError and error.args  # a KeyError's text is its key's repr
-        message = repr(error.args[0]) if keyed else str(error)
+        message = str(error)
     except BaseException:  # noqa: BLE001 - a text of the submission's that raises in turn
         message = "(the exception's text could not be read)"
     return {"msg": message[:20_000], "tb": _student_frames(error)}

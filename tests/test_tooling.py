@@ -1031,9 +1031,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
             return next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
 
         def write(header, *sizes):
-            ends = endpoint()
-            header = json.dumps({**header, "nbuf": len(sizes)}).encode()
-            os.write(ends.write_fd, struct.pack("<Q", len(header)) + header + b"".join(struct.pack("<Q", n) for n in sizes))
+            header = json.dumps({**header, "sizes": sizes}).encode()
+            os.write(endpoint().write_fd, struct.pack("<Q", len(header)) + header)
 
         def seed():
             endpoint().pending_seed = 1234  # would ask the test's process to seed with it
@@ -1075,7 +1074,7 @@ def test_the_actor_cannot_call_the_judge(probe_worker):
         def call_back():
             ends = next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
             header = json.dumps({"k": "req", "op": "getattr", "h": 0, "a": {"$": "list", "v": ["__class__"]},
-                                 "nbuf": 0}).encode()
+                                 "sizes": []}).encode()
             os.write(ends.write_fd, struct.pack("<Q", len(header)) + header)
             return 1
     ''')
