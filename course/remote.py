@@ -80,24 +80,30 @@ def send_message(fd: int, header: dict, buffers: list) -> None:
             view = view[os.write(fd, view):]
 
 
-def _read(stream, count: int) -> bytes:
-    data = stream.read(count)  # a buffered reader's: `count` bytes, unless the pipe ends first
-    if len(data) < count:
-        raise RemoteGone("the other process closed the pipe")
+def _read(fd: int, count: int) -> bytearray:
+    """Exactly `count` bytes, never more: what the other side wrote past a message stays in the pipe, where
+    `Endpoint.broken` sees it."""
+    data = bytearray(count)
+    view, filled = memoryview(data), 0
+    while filled < count:
+        got = os.readv(fd, [view[filled:]])
+        if not got:
+            raise RemoteGone("the other process closed the pipe")
+        filled += got
     return data
 
 
-def receive_message(stream) -> tuple[dict, list[bytes]]:
-    (size,) = struct.unpack("<Q", _read(stream, 8))
+def receive_message(fd: int) -> tuple[dict, list[bytearray]]:
+    (size,) = struct.unpack("<Q", _read(fd, 8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(_read(stream, size))
+    header = json.loads(_read(fd, size))
     sizes = header.get("sizes") if isinstance(header, dict) else None
     if not isinstance(sizes, list) or len(sizes) > MAX_BUFFERS or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError("a malformed message header")
     if sum(sizes) > MAX_MESSAGE:
         raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
-    return header, [_read(stream, n) for n in sizes]
+    return header, [_read(fd, n) for n in sizes]
 
 
 # ---------------------------------------------------------------- values
@@ -217,7 +223,6 @@ class Endpoint:
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
         self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
-        self.reader = open(read_fd, "rb", buffering=1 << 16, closefd=False)  # a message in a read or few
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle (an exported object lives on: its id stays its own)
         self.proxies: dict[int, Handle] = {}  # in the judge: handle -> the one `Handle` of that object
@@ -258,7 +263,7 @@ class Endpoint:
                 header["seed"], self.pending_seed = self.pending_seed, None
             try:
                 send_message(self.write_fd, header, buffers)
-                reply, buffers = receive_message(self.reader)
+                reply, buffers = receive_message(self.read_fd)
                 if reply.get("k") not in ("ok", "err"):
                     raise ProtocolError("a message the judge does not take (the actor never calls the judge)")
                 value = self.decode(reply.get("v"), buffers)
@@ -280,7 +285,7 @@ class Endpoint:
         """Serve the judge's requests in turn, in this thread, until the judge closes the pipe (the worker ends)."""
         with contextlib.suppress(RemoteGone, ProtocolError, OSError, ValueError, struct.error):
             while True:
-                header, buffers = receive_message(self.reader)
+                header, buffers = receive_message(self.read_fd)
                 out: list = []
                 try:
                     if "seed" in header:  # the judge's `mx.random.seed(n)`
