@@ -1,13 +1,11 @@
 """The pipe between the grader's trusted test process (the judge) and the sandboxed worker (the actor).
 
-The judge's `solution(week, day)` is a `RemoteSelection` (course/sandbox.py): `sol.basics.softmax(x)` sends the
-call to the actor, the worker that runs the student's package, and gets the result back. Both run this module,
-each an `Endpoint` on one end of a pair of pipes. The one rule, as book/src/grading.md ("Where your code runs")
-states it: only data crosses (a JSON header and raw buffers, never pickle), rebuilt by the receiver as its own
-exact types; any other object of the actor is an opaque `Handle` in the judge; calls go one way (the judge asks,
-the actor answers; anything else the actor writes breaks the pipe); the judge hands the actor data, its handles
-back and what the actor rebuilds from files both read (an mlx-lm model, the tests' tokenizer), and refuses
-anything else before sending; an exception of the actor arrives as the judge's own type, its text escaped.
+The judge's `sol.basics.softmax(x)` (course/sandbox.py's `RemoteSelection`) asks the actor, which runs the student's
+package, and gets the answer back; each process is an `Endpoint` on one end of a pair of pipes. The rule, as
+book/src/grading.md ("Where your code runs") states it: only data crosses (a JSON header and raw buffers, never
+pickle), rebuilt by the receiver as its own exact types; any other object of the actor is an opaque `Handle`; calls
+go one way (anything the actor writes unasked breaks the pipe); the judge hands over nothing but data, the actor's
+handles and what the actor rebuilds from files both read (an mlx-lm model, the tests' tokenizer).
 """
 
 from __future__ import annotations
@@ -345,7 +343,7 @@ class Endpoint:
         if self.judge:
             return self._encode_for_the_actor(value, path, buffers, depth)
         if issubclass(kind, type) and issubclass(value, BaseException):  # `except sol.module.SomeError:` in the judge
-            base = _nearest_builtin(value)
+            base = next((c for c in value.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
             if base is value:
                 return {"$": "exc", "base": base.__name__}
             return {"$": "exc", "base": base.__name__, "h": self._export(value), "name": value.__qualname__[:200]}
@@ -542,10 +540,6 @@ def fetch(objects, *paths: str) -> list[list]:
 
 
 # ---------------------------------------------------------------- exceptions
-
-def _nearest_builtin(cls: type) -> type:
-    return next((c for c in cls.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
-
 
 def _student_frames(error: BaseException) -> str:
     """The traceback's frames outside this module and the worker's (the student's own, and the reference's
