@@ -1097,8 +1097,7 @@ def test_the_actor_cannot_call_the_judge(probe_worker):
         probe_worker(source).call_back()
     probe = probe_worker(source)
     assert probe.call_back_later() == 1
-    endpoint = object.__getattribute__(probe, "_endpoint")
-    assert wait_until(lambda: endpoint.broken), "a request written between calls went unseen"
+    assert wait_until(lambda: probe._endpoint.broken), "a request written between calls went unseen"
     with pytest.raises(RemoteGone, match="wrote unasked"):
         probe.call_back()
 
