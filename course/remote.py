@@ -242,7 +242,9 @@ class Endpoint:
         whatever it wrote meanwhile (its end, or a request of its own: it never calls the judge) breaks the pipe."""
         if self._broken is None and self.judge and self.lock.acquire(blocking=False):
             try:
-                if select.select([self.read_fd], [], [], 0)[0]:
+                poller = select.poll()  # (select.select refuses a descriptor past 1023)
+                poller.register(self.read_fd, select.POLLIN)
+                if poller.poll(0):  # bytes, the end of the pipe (POLLHUP), or a descriptor closed here (POLLNVAL)
                     self._broken = f"the submission's process ended or wrote unasked{self.explain_loss()}"
             finally:
                 self.lock.release()
