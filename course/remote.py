@@ -1,60 +1,32 @@
 """The pipe between the grader's trusted test process (the judge) and the sandboxed worker (the actor).
 
-The grader runs each day's tests in a judge process that never imports the student's code.
-`solution(week, day)` there returns a `RemoteSelection`: `sol.basics.softmax(x)` sends the call to the
-actor, a worker process in an OS sandbox (course/sandbox.py) that runs the student's package, and gets
-the result back. Both processes run this module; each is an `Endpoint` on one end of a pair of pipes.
-
-The one rule: only data crosses, and the judge never runs, compares or trusts anything the submission made.
-- A message is a JSON header plus raw byte buffers, each with its length first (never pickle: nothing
-  that arrives is unpickled or executed).
-- Calls go one way: the judge asks, the actor answers. The actor never calls the judge back, so nothing of
-  the judge's runs at the submission's bidding.
-- Data travels by value and is rebuilt by the receiver as its own exact types: None, bool, int, float,
-  str, bytes, lists, tuples, sets, dicts, slices, MLX and numpy arrays (raw bytes, dtype and shape), MLX
-  dtypes, enum members of a shared module (the reference's, MLX's), and dataclasses
-  of the reference's or mlx-lm's that hold only data (a `SamplingParams`, a `ModelArgs`). What the
-  student legitimately returns as a container (a deque, a list subclass, a numpy scalar, an int
-  subclass) is read as plain data on the actor's side with the base type's own methods; whatever its
-  class claims never reaches the judge.
-- Every other object of the actor is, for the judge, an opaque `Handle`: it can be sent back, have an
-  attribute or item read, a method called or an attribute set; comparing, hashing, `bool`, `len`,
-  iterating, converting or doing arithmetic with it raises `TypeError` ("a test expected a value and got an
-  object of the submission"), and `isinstance` sees a `Handle`, so a test that expects a value and gets an
-  object fails. The same object is always the same handle (`is` works). A list or dict that is an attribute
-  of the actor's object arrives as a copy, like any data.
-- The judge hands the actor data, its handles back, and two things rebuilt from files both sides read: an
-  mlx-lm model (class, arguments and weights: the actor builds its own copy, once per model) and the tests'
-  tokenizer (the actor loads its own from the embedded model's folder). Any other object of the judge's (a
-  fake, a lambda, a reference object it built) is refused with `TypeError`: a test builds such things in
-  the actor (`tests/actor_fakes`, the one package of tests/ the actor may import) and reads back what they
-  recorded as data.
-- An exception of the actor arrives as the nearest built-in exception type (a stand-in subclass of it,
-  one per class of the actor, so `except sol.module.SomeError` works), with its message and the student's
-  own frames of the traceback as a note, control characters escaped.
-- The judge may call from several threads: each thread's calls are a chain, served in order by a thread of
-  its own in the actor. `mx.random.seed(n)` in a test seeds the actor too (never the reverse), and `fetch`
-  reads many attributes of many objects in one round trip.
+The judge's `sol.basics.softmax(x)` (course/sandbox.py's `RemoteSelection`) asks the actor, which runs the student's
+package, and gets the answer back; each process is an `Endpoint` on one end of a pair of pipes. The rule, as
+book/src/grading.md ("Where your code runs") states it: only data crosses (a JSON header and raw buffers, never
+pickle), rebuilt by the receiver as its own exact types; any other object of the actor is an opaque `Handle`; calls
+go one way (anything the actor writes unasked breaks the pipe); the judge hands over nothing but data, the actor's
+handles and what the actor rebuilds from files both read (an mlx-lm model, the tests' tokenizer).
 """
 
 from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import dataclasses
 import enum
 import functools
 import importlib
-import itertools
 import json
+import operator
 import os
-import queue
 import re
+import select
 import struct
+import sys
 import threading
 import traceback
 import unicodedata
-import weakref
 
 import numpy as np
 
@@ -62,7 +34,6 @@ MAX_HEADER = 64 << 20
 MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
 MAX_DEPTH = 200
-MAX_CHAINS = 512  # threads of calls the judge may start in the actor
 
 
 class RemoteGone(RuntimeError):
@@ -81,11 +52,8 @@ SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
 def _shared_class(path: str, load: bool = False):
-    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet, where
-    the path comes from the judge, or names a module of the reference's (never, at the actor's word, a module
-    whose import would run something: mlx-lm's command-line entry points)."""
-    import sys
-
+    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet (where
+    the judge names it, or the actor names a module of the reference's: never mlx-lm's command-line entry points)."""
     module, _, qualname = path.partition(":")
     if not (module.startswith(SHARED_MODULES) or module in SHARED_MODULES):
         return None
@@ -102,79 +70,38 @@ def _shared_class(path: str, load: bool = False):
 
 # ---------------------------------------------------------------- the wire: JSON header, raw buffers
 
-class PipeReader:
-    """The read end of a pipe, buffered (a message in one system call or few), read by one thread at a time."""
-
-    def __init__(self, fd: int):
-        self.fd, self.pending = fd, bytearray()
-
-    def read(self, count: int) -> bytes | bytearray:
-        if count > 1 << 16:
-            return self._read_large(count)
-        while len(self.pending) < count:
-            chunk = os.read(self.fd, max(count - len(self.pending), 1 << 16))
-            if not chunk:
-                raise RemoteGone("the other process closed the pipe")
-            self.pending += chunk
-        data = bytes(self.pending[:count])
-        del self.pending[:count]
-        return data
-
-    def _read_large(self, count: int) -> bytearray:
-        """An array's bytes, read from the pipe straight into their own buffer (no copy through `pending`)."""
-        data = bytearray(count)
-        view = memoryview(data)
-        filled = min(count, len(self.pending))
-        view[:filled] = self.pending[:filled]
-        del self.pending[:filled]
-        while filled < count:
-            got = os.readv(self.fd, [view[filled:]])
-            if not got:
-                raise RemoteGone("the other process closed the pipe")
-            filled += got
-        return data
-
-
-def _write_all(fd: int, parts: list) -> None:
-    """Write every part (bytes, or an array's memoryview, sent without a copy) in as few system calls as fit."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    first = 0  # the first part not yet written whole
-    while first < len(views):
-        try:
-            written = os.writev(fd, views[first:first + 1024])  # at most IOV_MAX parts a call
-        except (BrokenPipeError, OSError) as error:
-            raise RemoteGone(f"the other process closed the pipe ({error})") from None
-        while first < len(views) and written >= views[first].nbytes:
-            written -= views[first].nbytes
-            first += 1
-        if written:
-            views[first] = views[first][written:]
-
-
 def send_message(fd: int, header: dict, buffers: list) -> None:
-    text = json.dumps({**header, "nbuf": len(buffers)}, allow_nan=True).encode()
-    parts = [struct.pack("<Q", len(text)), text]
-    for buffer in buffers:
-        parts += [struct.pack("<Q", memoryview(buffer).nbytes), buffer]
-    _write_all(fd, parts)
+    text = json.dumps({**header, "sizes": [memoryview(b).nbytes for b in buffers]}, allow_nan=True).encode()
+    for part in (struct.pack("<Q", len(text)) + text, *buffers):  # an array's bytes from its own memory: no copy
+        view = memoryview(part).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
 
 
-def receive_message(reader: PipeReader) -> tuple[dict, list[bytes]]:
-    (size,) = struct.unpack("<Q", reader.read(8))
+def _read(fd: int, count: int) -> bytearray:
+    """Exactly `count` bytes, never more: what the other side wrote past a message stays in the pipe, where
+    `Endpoint.broken` sees it."""
+    data = bytearray(count)
+    view, filled = memoryview(data), 0
+    while filled < count:
+        got = os.readv(fd, [view[filled:]])
+        if not got:
+            raise RemoteGone("the other process closed the pipe")
+        filled += got
+    return data
+
+
+def receive_message(fd: int) -> tuple[dict, list[bytearray]]:
+    (size,) = struct.unpack("<Q", _read(fd, 8))
     if size > MAX_HEADER:
         raise ProtocolError(f"a message header of {size} bytes")
-    header = json.loads(reader.read(size))
-    count = header.get("nbuf") if isinstance(header, dict) else None
-    if not isinstance(count, int) or not 0 <= count <= MAX_BUFFERS:
+    header = json.loads(_read(fd, size))
+    sizes = header.get("sizes") if isinstance(header, dict) else None
+    if not isinstance(sizes, list) or len(sizes) > MAX_BUFFERS or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError("a malformed message header")
-    buffers, left = [], MAX_MESSAGE
-    for _ in range(count):
-        (length,) = struct.unpack("<Q", reader.read(8))
-        if length > left:
-            raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
-        left -= length
-        buffers.append(reader.read(length))
-    return header, buffers
+    if sum(sizes) > MAX_MESSAGE:
+        raise ProtocolError(f"a message of more than {MAX_MESSAGE} bytes")
+    return header, [_read(fd, n) for n in sizes]
 
 
 # ---------------------------------------------------------------- values
@@ -185,18 +112,9 @@ def _mlx():
     return mx
 
 
-@functools.cache
-def _dtype_names() -> dict:
-    mx = _mlx()
-    return {str(value).removeprefix("mlx.core."): value for value in vars(mx).values() if isinstance(value, mx.Dtype)}
-
-
 def plain(value):
-    """`value` as the exact built-in type it stands for, read with that type's own methods, or None.
-
-    So a deque, a list subclass, a numpy scalar or an int subclass the student returns crosses as data, and
-    an overridden `__eq__`, `__iter__` or `__class__` of the submission's stays behind.
-    """
+    """`value` as the exact built-in type it stands for, read with that type's own methods, or None: a deque, a list
+    subclass, a numpy scalar crosses as data, and an overridden `__eq__`, `__iter__` or `__class__` stays behind."""
     kind = type(value)
     if kind in (bool, int, float, str, list, tuple, set, frozenset, dict) or value is None:
         return value
@@ -216,9 +134,8 @@ def plain(value):
 
 
 def _data_fields(value, depth: int = 0) -> dict | None:
-    """The fields of a dataclass of a shared module (a `SamplingParams` of the reference's, mlx-lm's `ModelArgs`)
-    that holds only data, so it travels by value and is rebuilt as the receiver's class of the same name; else
-    None. (A class of the submission's own never does: its methods are what the tests grade.)"""
+    """The fields of a dataclass of a shared module (the reference's `SamplingParams`, mlx-lm's `ModelArgs`) that
+    holds only data, so it travels by value; else None (never a class of the submission's: its methods are graded)."""
     kind = type(value)
     if not dataclasses.is_dataclass(kind) or _shared_class(f"{kind.__module__}:{kind.__qualname__}") is not kind:
         return None
@@ -247,12 +164,6 @@ def _mlx_lm_model(value) -> bool:
     kind = type(value)
     return kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
         and _data_fields(getattr(value, "args", None)) is not None
-
-
-def _quantized_layers(model) -> dict:
-    """Each quantized layer of `model` by path, with what `to_quantized` needs to make it again."""
-    return {path: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
-            for path, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
 
 
 def _shared_tokenizer_dir(value) -> str | None:
@@ -304,50 +215,99 @@ def _shared_tokenizer(path: str, eos_token_ids: tuple) -> SharedTokenizer:
 
 
 class Endpoint:
-    """One end of the pipes. The judge's (`root` None) sends requests and waits for their replies; the actor's
-    (`root`: the object handle 0 names, what the judge starts from) serves them."""
+    """One end of the pipes. The judge's (`side` "trusted") sends a request and reads its reply in the thread that
+    asks, one call at a time; the actor's (`root`: the object handle 0 names, what the judge starts from) serves
+    the requests in turn (`read_forever`) and never sends one of its own."""
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
-        self.read_fd, self.write_fd, self.side, self.judge = read_fd, write_fd, side, root is None
+        self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
-        self.handle_of: dict[int, int] = {}  # id(object) -> handle
-        self.proxies: weakref.WeakValueDictionary[int, Handle] = weakref.WeakValueDictionary()
+        self.handle_of: dict[int, int] = {}  # id(object) -> handle (an exported object lives on: its id stays its own)
+        self.proxies: dict[int, Handle] = {}  # in the judge: handle -> the one `Handle` of that object
         self.stand_ins: dict[int, type] = {}  # in the judge: handle of an exception class of the actor -> its stand-in
-        self.models_sent: set[int] = set()  # in the judge: the mlx-lm models the actor has its copy of
         self.models: dict[int, object] = {}  # in the actor: the judge's model's handle -> the actor's copy
-        self.send_lock = threading.Lock()
-        self.export_lock = threading.Lock()
-        self.reader = PipeReader(read_fd)
-        self.chains: dict[str, queue.SimpleQueue] = {}  # chain -> the inbox of the thread it belongs to here
-        self.local = threading.local()
-        self.counter = itertools.count()
-        self.broken: str | None = None
+        self.lock = threading.Lock()  # the judge's threads take turns: one call on the pipe at a time
+        self._broken: str | None = None
         self.pending_seed: int | None = None
         self.explain_loss = lambda: ""  # what the owner of the other process can add when it is gone
         if root is not None:
             self._export(root)  # handle 0
 
     def start(self) -> "Endpoint":
-        threading.Thread(target=self.read_forever, name=f"remote-{self.side}", daemon=True).start()
-        return self
+        return self  # the judge reads each reply in the thread that asks: no thread to start
+
+    @property
+    def broken(self) -> str | None:
+        """Why the pipe is of no more use, or None. While the judge asks nothing, the actor has nothing to say:
+        whatever it wrote meanwhile (its end, or a request of its own: it never calls the judge) breaks the pipe."""
+        if self._broken is None and self.judge and self.lock.acquire(blocking=False):
+            try:
+                poller = select.poll()  # (select.select refuses a descriptor past 1023)
+                poller.register(self.read_fd, select.POLLIN)
+                if poller.poll(0):  # bytes, the end of the pipe (POLLHUP), or a descriptor closed here (POLLNVAL)
+                    self._broken = f"the submission's process ended or wrote unasked{self.explain_loss()}"
+            finally:
+                self.lock.release()
+        return self._broken
+
+    # ---- the judge's side: requests
+
+    def request(self, op: str, handle: int, *args):
+        """Ask the actor to do `op` on its object `handle`: its answer, or what it raised, here."""
+        if self.broken:
+            raise RemoteGone(self.broken)
+        with self.lock:
+            buffers: list = []
+            header = {"op": op, "h": handle, "a": self.encode(list(args), buffers)}  # what is refused is never sent
+            if self.pending_seed is not None:
+                header["seed"], self.pending_seed = self.pending_seed, None
+            try:
+                send_message(self.write_fd, header, buffers)
+                reply, buffers = receive_message(self.read_fd)
+                if reply.get("k") not in ("ok", "err"):
+                    raise ProtocolError("a message the judge does not take (the actor never calls the judge)")
+                value = self.decode(reply.get("v"), buffers)
+                if reply["k"] == "ok":
+                    return value
+                error = rebuild_exception(value, reply)
+            except Exception as gone:  # the process ended, or what it sent breaks the protocol
+                self._broken = self._broken or f"{gone}{self.explain_loss()}"
+                raise RemoteGone(self._broken) from None
+            except BaseException:
+                # Interrupted mid-call (a time limit): the other side's state is unknown from now on.
+                self._broken = "a call was interrupted (a time limit): the submission's process was stopped"
+                raise
+        raise error  # the call raised in the actor: the process is fine
+
+    # ---- the actor's side: serving
+
+    def read_forever(self) -> None:
+        """Serve the judge's requests in turn, in this thread, until the judge closes the pipe (the worker ends)."""
+        with contextlib.suppress(RemoteGone, ProtocolError, OSError, ValueError, struct.error):
+            while True:
+                header, buffers = receive_message(self.read_fd)
+                out: list = []
+                try:
+                    if "seed" in header:  # the judge's `mx.random.seed(n)`
+                        _mlx().random.seed(int(header["seed"]))
+                    result = OPERATIONS[header["op"]](self.exported[header["h"]], *self.decode(header["a"], buffers))
+                    reply = {"k": "ok", "v": self.encode(result, out)}
+                except BaseException as error:  # whatever the student's code raised (SystemExit too)
+                    out = []
+                    reply = {"k": "err", "v": self.encode(type(error), out), **describe_exception(error)}
+                send_message(self.write_fd, reply, out)
 
     # ---- encoding
 
     def _export(self, obj) -> int:
-        with self.export_lock:
-            handle = self.handle_of.get(id(obj))
-            if handle is None or self.exported.get(handle) is not obj:
-                handle = len(self.exported)
-                self.exported[handle] = obj
-                self.handle_of[id(obj)] = handle
-            return handle
+        handle = self.handle_of.setdefault(id(obj), len(self.exported))
+        self.exported[handle] = obj
+        return handle
 
     def encode(self, value, buffers: list, depth: int = 0):
-        """`value` as JSON and buffers: data by value; from the actor, any other object as a handle."""
+        """`value` as JSON and buffers: data by value; anything else as the sender's side allows."""
         if depth > MAX_DEPTH:
             raise ValueError("a value nested too deeply to send")
-        if type(value) is Handle and value._endpoint is self:
-            return {"$": "ref", "h": value._handle}  # back to its owner
         data = plain(value)
         if value is None or type(data) in (bool, int, float, str):
             return data
@@ -358,9 +318,6 @@ class Endpoint:
         if type(data) is dict:
             return {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
                                        for k, v in data.items()]}
-        return self._encode_object(value, buffers, depth)
-
-    def _encode_object(self, value, buffers: list, depth: int):
         kind = type(value)
         if kind is bytes:
             buffers.append(value)
@@ -370,12 +327,8 @@ class Endpoint:
             return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in parts]}
         if value is Ellipsis:
             return {"$": "ellipsis"}
-        if kind is np.ndarray and value.dtype.kind in "biufc":
-            flat = np.ascontiguousarray(value).reshape(-1)
-            buffers.append(flat.view(np.uint8).data if flat.size else b"")
-            return {"$": "np", "b": len(buffers) - 1, "dtype": value.dtype.str, "shape": list(value.shape)}
         mx = _mlx() if "mlx" in kind.__module__ else None
-        if mx is not None and kind is mx.array:
+        if (kind is np.ndarray and value.dtype.kind in "biufc") or (mx is not None and kind is mx.array):
             return self._encode_array(value, buffers)
         if mx is not None and kind is mx.distributed.Group and value.size() == 1:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
@@ -391,13 +344,18 @@ class Endpoint:
                     "h": None if self.judge else self._export(value)}
         if self.judge:
             return self._encode_for_the_actor(value, path, buffers, depth)
-        if issubclass(kind, type) and issubclass(value, Exception) \
-                and BUILTIN_EXCEPTIONS.get(value.__name__) is not value:
-            return {"$": "exc", **self._describe_class(value)}  # `except sol.module.SomeError:` works in the judge
+        if issubclass(kind, type) and issubclass(value, BaseException):  # `except sol.module.SomeError:` in the judge
+            base = next((c for c in value.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
+            if base is value:
+                return {"$": "exc", "base": base.__name__}
+            return {"$": "exc", "base": base.__name__, "h": self._export(value), "name": value.__qualname__[:200]}
         return {"$": "h", "h": self._export(value), "cls": path}
 
     def _encode_for_the_actor(self, value, path: str, buffers: list, depth: int) -> dict:
-        """What of the judge's may go to the actor besides data: what the actor can rebuild from files both read."""
+        """What of the judge's may go to the actor besides data: the actor's own objects back, and what it can
+        rebuild from files both read."""
+        if type(value) is Handle and value._endpoint is self:
+            return {"$": "ref", "h": value._handle}
         if _mlx_lm_model(value):
             return self._encode_model(value, path, buffers, depth)
         shared = _shared_tokenizer_dir(value)
@@ -409,58 +367,30 @@ class Endpoint:
     def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
         """An mlx-lm model (the oracle of many tests) goes as a copy: its class, its arguments, its quantized layers
         and its weights, once per model; the actor builds its own and never holds the judge's."""
+        sent = id(model) in self.handle_of
         handle = self._export(model)
-        if handle in self.models_sent:
+        if sent:
             return {"$": "model", "h": handle}
-        self.models_sent.add(handle)
         from mlx.utils import tree_flatten
 
         weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
+        quantized = {name: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
+                     for name, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
         return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1),
-                "w": weights, "q": _quantized_layers(model)}
+                "w": weights, "q": quantized}
 
-    def _decode_model(self, value: dict, buffers: list):
-        handle = value.get("h")
-        if "w" in value:
-            path = str(value["cls"])
-            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
-                raise ProtocolError(f"a model of an unknown class {path!r}")
-            importlib.import_module(path.partition(":")[0])
-            model = _shared_class(path)(self.decode(value["args"], buffers))
-            layers = value.get("q") or {}
-            if layers:  # the judge's quantized layers, quantized alike before their weights arrive
-                import mlx.nn as nn
-
-                nn.quantize(model, class_predicate=lambda name, _: layers.get(name, False))
-            model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
-            _mlx().eval(model.parameters())
-            self.models[handle] = model
-        if handle not in self.models:
-            raise ProtocolError("a model this side was never sent")
-        return self.models[handle]
-
-    def _describe_class(self, cls: type) -> dict:
-        """An exception class of the actor, for the judge's stand-in: handle, name, nearest built-in base."""
-        return {"h": self._export(cls), "name": cls.__qualname__[:200], "base": _nearest_builtin(cls).__name__}
-
-    def _stand_in(self, value: dict) -> type:
-        """The judge's class for an exception class of the actor: a subclass of its nearest built-in exception,
-        one per class, so `except sol.module.SomeError` and `pytest.raises` catch what it raises."""
-        handle, base = value.get("h"), BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
-        if not isinstance(handle, int):
-            raise ProtocolError("a malformed exception class")
-        if handle not in self.stand_ins:
-            name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
-            self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
-        return self.stand_ins[handle]
-
-    def _encode_array(self, value, buffers):
+    @staticmethod
+    def _encode_array(value, buffers: list) -> dict:
+        """A numpy or MLX array as raw bytes, dtype and shape, sent from the array's own memory where it can (no copy);
+        an MLX bfloat16 array's bits go as uint16 (numpy has no bfloat16)."""
         mx = _mlx()
-        dtype = str(value.dtype).removeprefix("mlx.core.")
-        raw = value.view(mx.uint16) if value.dtype == mx.bfloat16 else value
-        flat = np.ascontiguousarray(np.asarray(raw)).reshape(-1)  # MLX's own memory where it can (no copy)
-        buffers.append(flat.view(np.uint8).data if flat.size else b"")  # sent from there, not copied to bytes
-        return {"$": "mx", "b": len(buffers) - 1, "dtype": dtype, "shape": list(value.shape)}
+        bf16 = type(value) is mx.array and value.dtype == mx.bfloat16
+        raw = np.ascontiguousarray(np.asarray(value.view(mx.uint16) if bf16 else value)).reshape(-1)
+        buffers.append(raw.view(np.uint8).data if raw.size else b"")
+        tag = "np" if type(value) is np.ndarray else "bf16" if bf16 else "mx"
+        return {"$": tag, "b": len(buffers) - 1, "dtype": raw.dtype.str, "shape": list(value.shape)}
+
+    # ---- decoding
 
     def decode(self, value, buffers: list, depth: int = 0):
         if depth > MAX_DEPTH:
@@ -486,46 +416,38 @@ class Endpoint:
             return slice(*(self.decode(v, buffers, depth + 1) for v in value["v"]))
         if tag == "ellipsis":
             return Ellipsis
-        if tag == "np":
-            dtype = np.dtype(str(value["dtype"]))
-            if dtype.kind not in "biufc":
-                raise ProtocolError(f"an array of dtype {dtype} is not accepted")
-            return np.frombuffer(buffers[value["b"]], dtype=dtype).reshape([int(n) for n in value["shape"]]).copy()
-        if tag == "mx":
+        if tag in ("np", "mx", "bf16"):
             return self._decode_array(value, buffers)
-        if tag == "dtype":
-            return _dtype_names()[str(value["v"])]
+        if tag == "dtype" and isinstance(found := getattr(_mlx(), str(value["v"]), None), _mlx().Dtype):
+            return found
         if tag == "group1":
             group = _mlx().distributed.init()
             if group.size() != 1:
                 raise ProtocolError("a group of one rank sent to a process that is a rank of a larger one")
             return group
-        if tag == "data":
-            path, fields = str(value["cls"]), value["v"]
-            cls = _shared_class(path, load=self._may_load(path))
-            if cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
-                    and set(fields) == {f.name for f in dataclasses.fields(cls)}:
-                rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
-                for name, field in fields.items():
-                    object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
-                return rebuilt
-            if self.judge and isinstance(value.get("h"), int):
-                return self._proxy(value["h"], str(value["cls"]))  # a class the judge has not loaded: an object
-            raise ProtocolError(f"data of an unknown class {value['cls']!r}")
-        if tag == "enum":
-            path, name = str(value["cls"]), str(value["name"])
-            cls = _shared_class(path, load=self._may_load(path))
-            if cls is not None and issubclass(cls, enum.Enum) and name in cls.__members__:
-                return cls[name]
-            if self.judge and isinstance(value.get("h"), int):
-                return self._proxy(value["h"], path)  # a class the judge does not load: an object like any other
-            raise ProtocolError(f"an enum of an unknown class {path!r}")
+        if tag in ("data", "enum"):
+            return self._decode_shared(tag, value, buffers, depth)
         return self._decode_for(tag, value, buffers)
 
-    def _may_load(self, path: str) -> bool:
-        """Whether a class the other side names may be imported here to rebuild its data: anything the judge names,
-        in the actor; in the judge, a module of the reference's alone (its data classes and enums)."""
-        return not self.judge or re.fullmatch(r"tiny_llm_ref\.[a-z][a-z_0-9]*", path.partition(":")[0]) is not None
+    def _decode_shared(self, tag: str, value: dict, buffers: list, depth: int):
+        """A data class or enum member of a shared module, as the receiver's own; in the judge, one of a module it
+        does not load is an object of the actor's like any other (a handle)."""
+        path = str(value["cls"])
+        # The judge imports, at the actor's word, a module of the reference's alone (its data classes and enums).
+        may_load = not self.judge or re.fullmatch(r"tiny_llm_ref\.[a-z][a-z_0-9]*", path.partition(":")[0])
+        cls = _shared_class(path, load=bool(may_load))
+        if tag == "enum" and cls is not None and issubclass(cls, enum.Enum) and value["name"] in cls.__members__:
+            return cls[value["name"]]
+        fields = value.get("v")
+        if tag == "data" and cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
+                and set(fields) == {f.name for f in dataclasses.fields(cls)}:
+            rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
+            for name, field in fields.items():
+                object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
+            return rebuilt
+        if self.judge and isinstance(value.get("h"), int):
+            return self._proxy(value["h"], path)
+        raise ProtocolError(f"{tag} of an unknown class {path!r}")
 
     def _decode_for(self, tag: str, value: dict, buffers: list):
         """What only one side may receive: handles and exception classes (the judge); its own objects back, models
@@ -535,171 +457,91 @@ class Endpoint:
         if self.judge and tag == "exc":
             return self._stand_in(value)
         if not self.judge and tag == "ref":
-            handle = value["h"]
-            if not isinstance(handle, int) or handle not in self.exported:
-                raise ProtocolError("a handle this side never gave out")
-            return self.exported[handle]
+            return self.exported[value["h"]]
         if not self.judge and tag == "model":
             return self._decode_model(value, buffers)
         if not self.judge and tag == "tokenizer":
             return _shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
-    def _decode_array(self, value, buffers):
+    @staticmethod
+    def _decode_array(value: dict, buffers: list):
+        dtype = np.dtype(str(value["dtype"]))
+        if dtype.kind not in "biufc":
+            raise ProtocolError(f"an array of dtype {dtype} is not accepted")
+        raw = np.frombuffer(buffers[value["b"]], dtype=dtype).reshape([int(n) for n in value["shape"]])
+        if value["$"] == "np":
+            return raw.copy()  # writable, as the sender's was
         mx = _mlx()
-        dtype = _dtype_names()[str(value["dtype"])]
-        shape = [int(n) for n in value["shape"]]
-        if dtype == mx.bfloat16:
-            return mx.array(np.frombuffer(buffers[value["b"]], dtype=np.uint16).reshape(shape)).view(mx.bfloat16)
-        numpy_dtype = np.dtype(str(dtype).removeprefix("mlx.core."))
-        return mx.array(np.frombuffer(buffers[value["b"]], dtype=numpy_dtype).reshape(shape))
+        return mx.array(raw).view(mx.bfloat16) if value["$"] == "bf16" else mx.array(raw)
+
+    def _decode_model(self, value: dict, buffers: list):
+        handle = value.get("h")
+        if "w" in value:
+            path = str(value["cls"])
+            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
+                raise ProtocolError(f"a model of an unknown class {path!r}")
+            importlib.import_module(path.partition(":")[0])
+            model = _shared_class(path)(self.decode(value["args"], buffers))
+            layers = value.get("q") or {}
+            if layers:  # the judge's quantized layers, quantized alike before their weights arrive
+                import mlx.nn as nn
+
+                nn.quantize(model, class_predicate=lambda name, _: layers.get(name, False))
+            model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
+            _mlx().eval(model.parameters())
+            self.models[handle] = model
+        return self.models[handle]
+
+    def _stand_in(self, value: dict) -> type:
+        """The judge's class for an exception class of the actor: a built-in one itself; any other, a subclass of its
+        nearest built-in exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch it."""
+        base = BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
+        if "h" not in value:
+            return base
+        handle = int(value["h"])
+        if handle not in self.stand_ins:
+            name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
+            self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
+        return self.stand_ins[handle]
 
     def _proxy(self, handle: int, cls: str) -> "Handle":
         """The judge's `Handle` of an actor's object: one per object."""
-        proxy = self.proxies.get(handle)
-        if proxy is None:
-            proxy = Handle.__new__(Handle)
-            object.__setattr__(proxy, "_endpoint", self)
-            object.__setattr__(proxy, "_handle", handle)
-            object.__setattr__(proxy, "_cls", cls)
-            self.proxies[handle] = proxy
-        return proxy
-
-    def _send(self, header: dict, buffers: list) -> None:
-        with self.send_lock:
-            send_message(self.write_fd, header, buffers)
-
-    # ---- the judge's side: requests, one chain per thread
-
-    def request(self, op: str, handle: int, *args):
-        """Ask the actor to do `op` on its object `handle`; its answer, or what it raised, here."""
-        if self.broken:
-            raise RemoteGone(self.broken)
-        chain = getattr(self.local, "chain", None)
-        if chain is None:
-            chain = self.local.chain = f"{self.side}-{next(self.counter)}"
-            self.chains[chain] = queue.SimpleQueue()
-        buffers: list = []
-        header = {"k": "req", "c": chain, "op": op, "h": handle, "a": self.encode(list(args), buffers)}
-        if self.pending_seed is not None:
-            header["seed"], self.pending_seed = self.pending_seed, None
-        try:
-            self._send(header, buffers)
-            item = self.chains[chain].get()
-            if item is None:
-                raise RemoteGone(self.broken or "the other process closed the pipe")
-            reply, buffers = item
-            if reply.get("k") == "ok":
-                return self.decode(reply.get("v"), buffers)
-            stand_in = self._stand_in(reply["cls"]) if isinstance(reply.get("cls"), dict) else None
-            error = rebuild_exception(reply, stand_in)
-        except (RemoteGone, ProtocolError) as gone:
-            self.broken = self.broken or f"{gone}{self.explain_loss()}"
-            raise RemoteGone(self.broken) from None
-        except BaseException:
-            # Interrupted mid-call (a time limit): the other side's state is unknown from now on.
-            self.broken = "a call was interrupted (a time limit): the submission's process was stopped"
-            raise
-        raise error  # the call raised in the actor: the process is fine
-
-    # ---- both sides: the reader
-
-    def read_forever(self) -> None:
-        """Hand each message to its chain's thread: in the judge, a reply to the thread waiting for it; in the
-        actor, a request to the thread serving its chain (started for a chain's first request)."""
-        try:
-            while True:
-                header, buffers = receive_message(self.reader)
-                chain, kind = header.get("c"), header.get("k")
-                takes = ("ok", "err") if self.judge else ("req",)
-                if not isinstance(chain, str) or len(chain) > 64 or kind not in takes:
-                    raise ProtocolError("a message this side does not take (the actor never calls the judge)")
-                inbox = self.chains.get(chain)
-                if inbox is None:
-                    if self.judge or len(self.chains) >= MAX_CHAINS:
-                        raise ProtocolError("a reply nobody waits for, or too many threads of calls")
-                    inbox = self.chains[chain] = queue.SimpleQueue()
-                    threading.Thread(target=self._serve_chain, args=(inbox,), daemon=True).start()
-                inbox.put((header, buffers))
-        except (RemoteGone, ProtocolError, OSError, ValueError, struct.error, RecursionError) as error:
-            self.broken = self.broken or f"{error}{self.explain_loss()}"
-        for inbox in list(self.chains.values()):
-            inbox.put(None)
-
-    # ---- the actor's side: serving
-
-    def _serve_chain(self, inbox: queue.SimpleQueue) -> None:
-        while (item := inbox.get()) is not None:
-            try:
-                self._serve(*item)
-            except (RemoteGone, ProtocolError) as error:
-                self.broken = self.broken or str(error)
-                return
-
-    def _serve(self, header: dict, buffers: list) -> None:
-        out: list = []
-        try:
-            if "seed" in header:  # the judge's `mx.random.seed(n)`
-                _mlx().random.seed(int(header["seed"]))
-            handle = header.get("h")
-            if not isinstance(handle, int) or handle not in self.exported:
-                raise ProtocolError("a request for a handle this side never gave out")
-            result = _perform(str(header.get("op")), self.exported[handle], self.decode(header.get("a"), buffers))
-            reply = {"k": "ok", "v": self.encode(result, out)}
-        except (RemoteGone, ProtocolError):
-            raise
-        except BaseException as error:  # whatever the student's code raised (SystemExit too)
-            out = []
-            reply = describe_exception(error)  # with the student's frames
-            if BUILTIN_EXCEPTIONS.get(type(error).__name__) is not type(error):
-                reply["cls"] = self._describe_class(type(error))
-        reply["c"] = header.get("c")
-        self._send(reply, out)
+        if handle not in self.proxies:
+            self.proxies[handle] = proxy = Handle.__new__(Handle)
+            for slot, slot_value in (("_endpoint", self), ("_handle", handle), ("_cls", cls)):
+                object.__setattr__(proxy, slot, slot_value)
+        return self.proxies[handle]
 
 
-def _perform(op: str, target, args: list):
-    """What the actor does for the judge: anything it asks of the actor's own objects."""
-    if op == "getattr":
-        return getattr(target, args[0])
-    if op == "setattr":
-        return setattr(target, args[0], args[1])
-    if op == "delattr":
-        return delattr(target, args[0])
-    if op == "call":
-        return target(*args[0], **args[1])
-    if op == "getitem":
-        return target[args[0]]
-    if op == "import" and re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", str(args[0])):
-        return importlib.import_module(args[0])  # the fakes that need no trust (tests/harness.py)
-    if op == "fetch":
-        objects, paths = args
-        if not isinstance(objects, list) or not all(isinstance(p, str) for p in paths):
-            raise ProtocolError("fetch takes a list of objects and attribute paths")
-        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    raise ProtocolError(f"an unknown operation {op!r}")
+def _read_paths(objects, paths) -> list[list]:
+    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
+
+
+def _import_fakes(_, name: str):
+    """The package tests/actor_fakes or a module of it (the fakes that need no trust: tests/harness.py), no other."""
+    if not re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", name):
+        raise ProtocolError(f"the judge may not import {name!r} in the actor")
+    return importlib.import_module(name)
+
+
+# What the actor does for the judge: anything it asks of the actor's own objects.
+OPERATIONS = {"getattr": getattr, "setattr": setattr, "getitem": operator.getitem, "import": _import_fakes,
+              "call": lambda target, args, kwargs: target(*args, **kwargs),
+              "fetch": lambda _, objects, paths: _read_paths(objects, paths)}
 
 
 def fetch(objects, *paths: str) -> list[list]:
-    """For each object, the value of each attribute path ("seq.block_table"), as plain data where it can be.
-
-    Objects of the actor are read in one round trip for all of them, not one per attribute (a test reads a whole
-    plan at once); objects of this process are read here, so a test works either way.
-    """
+    """For each object, the value of each attribute path ("seq.block_table"): objects of the actor in one round trip
+    for all of them (a test reads a whole plan at once), objects of this process here."""
     objects = list(objects)
-    handles = [o for o in objects if type(o) is Handle]
-    if not handles:
-        return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-    endpoint = handles[0]._endpoint
-    if len(handles) < len(objects) or any(o._endpoint is not endpoint for o in handles):
-        raise ValueError("fetch reads objects of one process at a time")
-    return endpoint.request("fetch", handles[0]._handle, objects, list(paths))
+    handle = next((o for o in objects if type(o) is Handle), None)
+    if handle is None:
+        return _read_paths(objects, paths)
+    return handle._endpoint.request("fetch", 0, objects, list(paths))  # anything but that actor's handles: refused
 
 
 # ---------------------------------------------------------------- exceptions
-
-def _nearest_builtin(cls: type) -> type:
-    return next((c for c in cls.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
-
 
 def _student_frames(error: BaseException) -> str:
     """The traceback's frames outside this module and the worker's (the student's own, and the reference's
@@ -713,11 +555,28 @@ def _student_frames(error: BaseException) -> str:
 
 
 def describe_exception(error: BaseException) -> dict:
-    """An exception of the actor's as the nearest built-in type, its message and where it was raised."""
-    base = _nearest_builtin(type(error))
-    message = str(error) if base is not KeyError or not error.args else repr(error.args[0])
-    return {"k": "err", "type": base.__name__, "msg": message[:20_000], "tb": _student_frames(error),
-            "name": type(error).__qualname__[:200]}
+    """An exception of the actor's, besides its class (sent as a value): its message and where it was raised."""
+    try:
+        message = str(error)
+    except BaseException:  # noqa: BLE001 - a text of the submission's that raises in turn
+        message = "(the exception's text could not be read)"
+    return {"msg": message[:20_000], "tb": _student_frames(error)}
+
+
+def rebuild_exception(cls, reply: dict) -> Exception:
+    """The judge's exception for one of the actor's: of the judge's class `cls`, with its message and the student's
+    frames as a note, control characters escaped."""
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        raise ProtocolError("an error reply without an exception class")
+    message = printable(str(reply.get("msg", "")))
+    try:
+        error = cls(message)
+    except Exception:  # a built-in exception that takes other arguments (UnicodeDecodeError)
+        error = RuntimeError(message)
+    trace = printable(str(reply.get("tb", "")))
+    if trace:
+        error.add_note(f"Raised in the submission's code (sandboxed), innermost first:\n{trace.rstrip()}")
+    return error
 
 
 def printable(text: str) -> str:
@@ -728,56 +587,28 @@ def printable(text: str) -> str:
                    for c in text)
 
 
-def rebuild_exception(header: dict, stand_in: type | None = None) -> BaseException:
-    cls = stand_in or BUILTIN_EXCEPTIONS.get(str(header.get("type")), RuntimeError)
-    message = printable(str(header.get("msg", "")))
-    if cls is StopIteration:
-        return StopIteration()
-    try:
-        error = cls(message)
-    except Exception:
-        error = RuntimeError(message)
-    trace = printable(str(header.get("tb", "")))
-    if trace:
-        name = printable(str(header.get("name", "")))
-        error.add_note(f"Raised in the submission's code (sandboxed){f' as {name}' if name else ''}, "
-                       f"innermost first:\n{trace.rstrip()}")
-    return error
-
-
 # ---------------------------------------------------------------- the judge's handles
 
 class Handle:
-    """An object of the actor, as the judge holds it: opaque.
+    """An object of the actor, as the judge holds it: opaque. The judge may read an attribute or item, call it, set
+    an attribute and send it back; nothing the submission's code would answer is asked (comparing, hashing, `bool`,
+    `len`, iterating, converting, arithmetic raise `TypeError`), and its text is the judge's own."""
 
-    The judge may read an attribute or item (getting data or another handle), call it or a method of it,
-    set or delete an attribute of it (the judge writing the actor's state), and send it back. Nothing the
-    submission's code would answer is asked: comparing, hashing, `bool`, `len`, iterating, converting and
-    arithmetic raise `TypeError`, and `type()`/`isinstance` see a `Handle`. Its text is the judge's own: the
-    class's name.
-    """
-
-    __slots__ = ("_endpoint", "_handle", "_cls", "__weakref__")
-
-    def _request(self, op, *args):
-        return self._endpoint.request(op, self._handle, *args)
+    __slots__ = ("_endpoint", "_handle", "_cls")
 
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)  # Python's and pytest's probes of special methods: none here
-        return self._request("getattr", name)
+        return self._endpoint.request("getattr", self._handle, name)
 
     def __setattr__(self, name, value):
-        self._request("setattr", name, value)
-
-    def __delattr__(self, name):
-        self._request("delattr", name)
+        self._endpoint.request("setattr", self._handle, name, value)
 
     def __call__(self, *args, **kwargs):
-        return self._request("call", args, kwargs)
+        return self._endpoint.request("call", self._handle, args, kwargs)
 
     def __getitem__(self, key):
-        return self._request("getitem", key)
+        return self._endpoint.request("getitem", self._handle, key)
 
     def __repr__(self):
         return f"<object of the submission: {printable(self._cls)}>"
@@ -795,12 +626,10 @@ def _refused(name: str):
     return refuse
 
 
-for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__len__",
-              "__iter__", "__next__", "__reversed__", "__contains__", "__int__", "__float__", "__complex__",
-              "__index__", "__bytes__", "__round__", "__trunc__", "__floor__", "__ceil__", "__format__",
-              "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__", "__pow__", "__matmul__",
-              "__divmod__", "__lshift__", "__rshift__", "__and__", "__or__", "__xor__", "__radd__", "__rsub__",
-              "__rmul__", "__rtruediv__", "__rfloordiv__", "__rmod__", "__rpow__", "__rmatmul__", "__rdivmod__",
-              "__rand__", "__ror__", "__rxor__", "__neg__", "__pos__", "__abs__", "__invert__", "__await__",
-              "__enter__", "__exit__", "__instancecheck__", "__subclasscheck__", "__array__"):
-    setattr(Handle, _name, _refused(_name))
+_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "divmod", "lshift", "rshift",
+               "and", "or", "xor")
+for _name in ("eq", "ne", "lt", "le", "gt", "ge", "hash", "bool", "len", "iter", "next", "reversed", "contains",
+              "int", "float", "complex", "index", "bytes", "round", "trunc", "floor", "ceil", "format", "neg", "pos",
+              "abs", "invert", "await", "enter", "exit", "instancecheck", "subclasscheck", "array",
+              *_ARITHMETIC, *(f"r{op}" for op in _ARITHMETIC)):
+    setattr(Handle, f"__{_name}__", _refused(f"__{_name}__"))

@@ -963,11 +963,11 @@ def probe_worker(tmp_path):
     from course.sandbox import Worker, prepare_root
 
     def start(source: str):
-        package = tmp_path / "package"
+        package = tmp_path / f"package{len(started)}"
         shutil.copytree(REPO_ROOT / "src_ref" / "tiny_llm_ref", package, ignore=shutil.ignore_patterns("__pycache__"))
         (package / "probe.py").write_text(textwrap.dedent(source))
-        root = prepare_root(tmp_path / "root", package, REPO_ROOT / "src_ref" / "tiny_llm_ref", REPO_ROOT / "course",
-                            1, 1)
+        root = prepare_root(tmp_path / f"root{len(started)}", package, REPO_ROOT / "src_ref" / "tiny_llm_ref",
+                            REPO_ROOT / "course", 1, 1)
         started.append(Worker(root, 1, 1, "day", cpu_seconds=60, memory_mb=None))
         return started[-1].endpoint.request("getattr", 0, "probe")
 
@@ -997,9 +997,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
             return next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
 
         def write(header, *sizes):
-            ends = endpoint()
-            header = json.dumps({**header, "c": next(iter(ends.chains)), "nbuf": len(sizes)}).encode()
-            os.write(ends.write_fd, struct.pack("<Q", len(header)) + header + b"".join(struct.pack("<Q", n) for n in sizes))
+            header = json.dumps({**header, "sizes": sizes}).encode()
+            os.write(endpoint().write_fd, struct.pack("<Q", len(header)) + header)
 
         def seed():
             endpoint().pending_seed = 1234  # would ask the test's process to seed with it
@@ -1032,20 +1031,40 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
 
 
 def test_the_actor_cannot_call_the_judge(probe_worker):
-    """A request written by the actor on its own pipe ends the grade's use of that worker: the judge serves nothing."""
+    """A request written by the actor on its own pipe ends the grade's use of that worker: the judge serves nothing,
+    whether the request comes during a call or while the judge asks nothing (a thread of the submission's)."""
     from course.remote import RemoteGone
+    from tests.serve_fakes import wait_until
 
-    probe = probe_worker('''
-        import gc, json, os, struct
+    source = '''
+        import gc, json, os, struct, sys, threading, time
+        from traceback import walk_stack
 
         def call_back():
             ends = next(o for o in gc.get_objects() if type(o).__name__ == "Endpoint")
-            header = json.dumps({"k": "req", "c": next(iter(ends.chains)), "op": "getattr", "h": 0,
-                                 "a": {"$": "list", "v": ["__class__"]}, "nbuf": 0}).encode()
+            header = json.dumps({"k": "req", "op": "getattr", "h": 0, "a": {"$": "list", "v": ["__class__"]},
+                                 "sizes": []}).encode()
             os.write(ends.write_fd, struct.pack("<Q", len(header)) + header)
             return 1
-    ''')
+
+        def call_back_later():
+            """Calls back once this call's answer is sent, while the worker waits for the judge's next request."""
+            main = threading.main_thread().ident
+
+            def when_idle():
+                while "receive_message" not in [f.f_code.co_name for f, _ in walk_stack(sys._current_frames()[main])]:
+                    time.sleep(0.01)
+                call_back()
+
+            threading.Thread(target=when_idle).start()
+            return 1
+    '''
     with pytest.raises(RemoteGone, match="never calls the judge"):
+        probe_worker(source).call_back()
+    probe = probe_worker(source)
+    assert probe.call_back_later() == 1
+    assert wait_until(lambda: probe._endpoint.broken), "a request written between calls went unseen"
+    with pytest.raises(RemoteGone, match="wrote unasked"):
         probe.call_back()
 
 
