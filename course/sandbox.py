@@ -231,7 +231,7 @@ class Worker:
         self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
         self.endpoint = None
         if not ranks:
-            self.endpoint = remote.Endpoint(*self.ends[0], "trusted").start()
+            self.endpoint = remote.Endpoint(*self.ends[0], "trusted")
             self.endpoint.explain_loss = self._why_it_ended
 
     def _why_it_ended(self) -> str:
@@ -335,7 +335,7 @@ class RankLink:
 
     def __init__(self):
         read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
-        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted").start()
+        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted")
         self.modules: dict[str, remote.Handle] = {}
 
     @classmethod
