@@ -542,7 +542,7 @@ def _worker_main(argv: list[str]) -> None:
         return _start_ring(week, day, threads, fds)
     from course import fast_mlx
 
-    fast_mlx.setup(quiet=True)
+    fast_mlx.setup(quiet=True, shared_cores=True)  # the tests' process computes on the same cores between calls
     _defer_mlx_lm_start_up()
     if kind == "rank":
         import mlx.core as mx
