@@ -51,11 +51,19 @@ def _try_system_openblas() -> str | None:
     return None
 
 
-def setup(quiet: bool = False) -> str | None:
-    """Load an optimized BLAS for MLX on Linux; return its description (None when none is used)."""
+def setup(quiet: bool = False, shared_cores: bool = False) -> str | None:
+    """Load an optimized BLAS for MLX on Linux; return its description (None when none is used).
+
+    `shared_cores`: this process takes turns on the same cores with another that computes too (while grading, the
+    tests' process and the sandboxed worker call each other). MKL's OpenMP threads then sleep as soon as a parallel
+    region ends: by default each spins for 200 ms waiting for more work, a core the other process needed (measured
+    on 2 cores: a graded day 1.5 spent 13% less CPU, 2.1 12% less). Alone, a process gains nothing by it.
+    """
     if _state["done"]:
         return _state["blas"]
     _state["done"] = True
+    if shared_cores:
+        os.environ.setdefault("KMP_BLOCKTIME", "0")  # read by Intel's OpenMP runtime when it starts, below
     if not sys.platform.startswith("linux") or os.environ.get("TINY_LLM_NO_FAST_BLAS"):
         return None
     if "mlx.core" in sys.modules:

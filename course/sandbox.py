@@ -441,7 +441,7 @@ def _worker_main(argv: list[str]) -> None:
         return _start_ring([week, day, kind], fds)
     from course import fast_mlx
 
-    fast_mlx.setup(quiet=True)
+    fast_mlx.setup(quiet=True, shared_cores=True)  # the tests' process computes on the same cores between calls
     _defer_mlx_lm_start_up()
     root = selector.Choice(int(week), int(day), kind).select()
     if role == "rank":  # its rank program asks for its group too
