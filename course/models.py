@@ -9,10 +9,13 @@ random weights, so the text they generate is meaningless but every code path is 
 """
 
 import base64
+import concurrent.futures
+import functools
 import json
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -371,3 +374,82 @@ def build_prompt(tokenizer, text: str, use_chat_template: bool) -> str:
         messages = [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
+
+
+# ---------------------------------------------------------------- the tests' tokenizer, in the grader's sandbox
+# The grader's judge never hands the sandboxed worker its tokenizer (course/remote.py: only data crosses): it
+# sends the folder it was loaded from, and the worker loads its own copy from the same files (bound read-only).
+
+
+def shared_tokenizer_dir(value) -> str | None:
+    """The directory an mlx-lm tokenizer of the judge's was loaded from, where the sandbox can read it too (the
+    embedded model's, bound read-only): the actor loads its own from it. None for any other object."""
+    if type(value).__name__ != "TokenizerWrapper" or type(value).__module__ != "mlx_lm.tokenizer_utils":
+        return None
+    source = getattr(value._tokenizer, "name_or_path", "")
+    shared = str(EMBEDDED_MODEL_DIR.resolve())
+    return shared if source and os.path.realpath(source) == shared else None
+
+
+def _tokenizer_files(path: str, eos_token_ids: tuple | None = None):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(Path(path), eos_token_ids=None if eos_token_ids is None else list(eos_token_ids))
+
+
+_preloads: dict[str, concurrent.futures.Future] = {}  # tokenizer directory -> its load, begun in the background
+
+
+def preload_tokenizer(path: str) -> None:
+    """Begin loading the tokenizer in `path` in a thread of its own (the worker of a selection whose tests read text,
+    course/sandbox.py: the load then runs beside the judge's start-up, not inside a test that waits for it)."""
+    if path in _preloads:
+        return
+    _preloads[path] = future = concurrent.futures.Future()
+
+    def load() -> None:
+        try:
+            future.set_result(_tokenizer_files(path))
+        except BaseException as error:  # told to whoever takes the tokenizer, as its own load would have been
+            future.set_exception(error)
+
+    threading.Thread(target=load, name="tokenizer-preload", daemon=True).start()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, eos_token_ids: tuple):
+    """The actor's copy of a judge's tokenizer, loaded once per worker from the same files (begun early where a
+    test module asked: `preload_tokenizer`)."""
+    preloaded = _preloads.pop(path, None)
+    if preloaded is None:
+        return _tokenizer_files(path, eos_token_ids)
+    tokenizer = preloaded.result()
+    tokenizer.eos_token_ids = eos_token_ids  # the judge's set, its tokenizer's own EOS id included
+    return tokenizer
+
+
+class SharedTokenizer:
+    """The actor's stand-in for the tests' tokenizer: its EOS ids at once, anything else from the tokenizer itself,
+    loaded from its files on first use. An engine fed token ids reads the EOS ids alone, and loading the tokenizer
+    (transformers' start-up and an 11 MB tokenizer.json) costs one to two seconds of a worker's start."""
+
+    def __init__(self, path: str, eos_token_ids: tuple):
+        self._path, self._eos = path, eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self._eos)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_load_tokenizer(self._path, self._eos), name)
+
+    def __len__(self) -> int:
+        return len(_load_tokenizer(self._path, self._eos))
+
+
+@functools.lru_cache(maxsize=4)
+def shared_tokenizer(path: str, eos_token_ids: tuple) -> SharedTokenizer:
+    """The actor's one stand-in for the judge's tokenizer of `path` (course/remote.py rebuilds it from data)."""
+    return SharedTokenizer(path, eos_token_ids)

@@ -30,6 +30,8 @@ import unicodedata
 
 import numpy as np
 
+from course import models
+
 MAX_HEADER = 64 << 20
 MAX_MESSAGE = 2 << 30  # bytes of one message's buffers together (the largest weight of a test's model is ~0.1 GB)
 MAX_BUFFERS = 100_000
@@ -164,54 +166,6 @@ def _mlx_lm_model(value) -> bool:
     kind = type(value)
     return kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
         and _data_fields(getattr(value, "args", None)) is not None
-
-
-def _shared_tokenizer_dir(value) -> str | None:
-    """The directory an mlx-lm tokenizer of the judge's was loaded from, where the sandbox can read it too (the
-    embedded model's, bound read-only): the actor loads its own from it. None for any other object."""
-    if type(value).__name__ != "TokenizerWrapper" or type(value).__module__ != "mlx_lm.tokenizer_utils":
-        return None
-    from course.models import EMBEDDED_MODEL_DIR
-
-    source = getattr(value._tokenizer, "name_or_path", "")
-    shared = str(EMBEDDED_MODEL_DIR.resolve())
-    return shared if source and os.path.realpath(source) == shared else None
-
-
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer(path: str, eos_token_ids: tuple):
-    """The actor's copy of a judge's tokenizer, loaded once per worker from the same files."""
-    from pathlib import Path
-
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(path), eos_token_ids=list(eos_token_ids))
-
-
-class SharedTokenizer:
-    """The actor's stand-in for the tests' tokenizer: its EOS ids at once, anything else from the tokenizer itself,
-    loaded from its files on first use. An engine fed token ids reads the EOS ids alone, and loading the tokenizer
-    (transformers' start-up and an 11 MB tokenizer.json) costs one to two seconds of a worker's start."""
-
-    def __init__(self, path: str, eos_token_ids: tuple):
-        self._path, self._eos = path, eos_token_ids
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return set(self._eos)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(_load_tokenizer(self._path, self._eos), name)
-
-    def __len__(self) -> int:
-        return len(_load_tokenizer(self._path, self._eos))
-
-
-@functools.lru_cache(maxsize=4)
-def _shared_tokenizer(path: str, eos_token_ids: tuple) -> SharedTokenizer:
-    return SharedTokenizer(path, eos_token_ids)
 
 
 class Endpoint:
@@ -355,7 +309,7 @@ class Endpoint:
             return {"$": "ref", "h": value._handle}
         if _mlx_lm_model(value):
             return self._encode_model(value, path, buffers, depth)
-        shared = _shared_tokenizer_dir(value)
+        shared = models.shared_tokenizer_dir(value)
         if shared is not None:
             return {"$": "tokenizer", "path": shared, "eos": sorted(value.eos_token_ids)}
         raise TypeError(f"a test handed the submission's code an object of the grader's ({path}): only data, "
@@ -458,7 +412,7 @@ class Endpoint:
         if not self.judge and tag == "model":
             return self._decode_model(value, buffers)
         if not self.judge and tag == "tokenizer":
-            return _shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
+            return models.shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
     @staticmethod

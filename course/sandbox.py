@@ -21,7 +21,7 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from course import cgroup, remote, selector
+from course import cgroup, models, remote, selector
 
 BWRAP = "/usr/bin/bwrap"
 NOBODY = 65534
@@ -32,8 +32,9 @@ LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the g
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py",
-                "tasks.json")
+                "models.py", "tasks.json")
 SERVER_SOCKETS_VARIABLE = "TINY_LLM_SERVER_SOCKETS"  # "fd:port,...": the worker's listening sockets (see Worker)
+PRELOAD_VARIABLE = "TINY_LLM_PRELOAD_TOKENIZER"  # the tests' tokenizer, for a worker to begin loading at start
 SERVER_SOCKETS = 4  # a test's servers at once in one worker (module-scoped ones stay up beside a test's own)
 ACTOR_FAKES = "tests/actor_fakes"  # the one package of tests/ the worker holds (see its docstring)
 MAX_OUTPUT_BYTES = 16 << 20
@@ -149,10 +150,8 @@ def _bwrap_command(root: Path, inner: list[str], environment: dict[str, str]) ->
     for directory in _python_dirs():
         command += ["--ro-bind", directory, directory]
     command += ["--ro-bind", str(root), INSIDE]
-    from course.models import EMBEDDED_MODEL_DIR  # the tests' model: the actor loads its tokenizer from its files
-
-    if EMBEDDED_MODEL_DIR.is_dir():
-        shared = os.path.realpath(EMBEDDED_MODEL_DIR)
+    if models.EMBEDDED_MODEL_DIR.is_dir():  # the tests' model: the actor loads its tokenizer from its files
+        shared = os.path.realpath(models.EMBEDDED_MODEL_DIR)
         command += ["--ro-bind", shared, shared]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
                    "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0", **environment}
@@ -195,7 +194,7 @@ class Worker:
     (`ranks` N) N workers in an `mx.distributed` ring, each reached by the rank program the pipes go to."""
 
     def __init__(self, root: Path, week: int, day: int, kind: str, cpu_seconds: float | None, memory_mb: int | None,
-                 ranks: int = 0, threads_per_rank: int | None = None):
+                 ranks: int = 0, threads_per_rank: int | None = None, reads_text: bool = False):
         pipes = [(_pipe(), _pipe()) for _ in range(max(ranks, 1))]  # (to the worker, from the worker) each
         inside = [str(fd) for (to_r, _), (_, from_w) in pipes for fd in (to_r, from_w)]
         inner = [os.path.join(os.path.realpath(sys.prefix), "bin", "python"), "-s", "-m", "course.sandbox", str(week),
@@ -209,6 +208,8 @@ class Worker:
         environment = {SERVER_SOCKETS_VARIABLE: ",".join(f"{s.fileno()}:{s.getsockname()[1]}" for s in listeners)}
         if threads_per_rank:
             environment.update(dict.fromkeys(BLAS_THREADS, str(threads_per_rank)))
+        if reads_text:  # its tests read text: it begins loading its own tokenizer while the judge starts up
+            environment[PRELOAD_VARIABLE] = str(models.EMBEDDED_MODEL_DIR.resolve())
         self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
                                                dir=os.environ.get(LOGS_VARIABLE) or None)
         if bwrap_path():
@@ -278,14 +279,15 @@ class Worker:
             os.unlink(self.log.name)
 
 
-def _start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int | None = None) -> Worker:
+def _start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int | None = None,
+           reads_text: bool = False) -> Worker:
     """A sandbox for `kind`'s code of day W.D, with the grader's limits: on Task N's own root (`task_root`) for
     "taskN", so it runs the day's other tasks of the reference and never Task N's answer; on the day's otherwise."""
     root = Path(os.environ[SANDBOX_ROOT_VARIABLE])
     if kind.startswith("task"):
         root = task_root(root, week, day, int(kind.removeprefix("task")))
     cpu, memory = (float(limit or 0) for limit in os.environ.get(LIMITS_VARIABLE, ",").split(","))
-    return Worker(root, week, day, kind, cpu or None, int(memory) or None, ranks, threads_per_rank)
+    return Worker(root, week, day, kind, cpu or None, int(memory) or None, ranks, threads_per_rank, reads_text)
 
 
 class RemoteSelection:
@@ -294,10 +296,13 @@ class RemoteSelection:
     stopped at a time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
 
     _workers: dict[tuple, Worker] = {}
+    _reading_text: set[tuple] = set()  # the keys whose tests read text (`reads_text`): their workers preload
     restart_needed = False  # a worker broke and was replaced during the test running now
 
-    def __init__(self, week: int, day: int, kind: str = "day"):
+    def __init__(self, week: int, day: int, kind: str = "day", reads_text: bool = False):
         self._key = (week, day, kind)
+        if reads_text:
+            self._reading_text.add(self._key)
         _forward_seeds()
         # Started now, while this process is still importing and collecting the tests: on two cores the worker's
         # own start-up (Python, MLX, the package) runs beside this process's, not after it.
@@ -314,7 +319,7 @@ class RemoteSelection:
         if worker is None:
             if not self._workers:
                 atexit.register(stop_workers)  # the workers' output files go with them
-            worker = self._workers[self._key] = _start(*self._key)
+            worker = self._workers[self._key] = _start(*self._key, reads_text=self._key in self._reading_text)
         return worker
 
     def __getattr__(self, module: str):
@@ -448,6 +453,8 @@ def _worker_main(argv: list[str]) -> None:
         import mlx.core as mx
 
         root.rank_group = mx.distributed.init(strict=True, backend="ring")
+    if os.environ.get(PRELOAD_VARIABLE):
+        models.preload_tokenizer(os.environ[PRELOAD_VARIABLE])
     endpoint = remote.Endpoint(int(fds[0]), int(fds[1]), "sandbox", root=root)
     endpoint.read_forever()
 

@@ -67,25 +67,27 @@ def reference() -> selector.Selection:
     return selector.reference()
 
 
-def solution(week: int, day: int, task: int | None = None) -> selector.Selection:
+def solution(week: int, day: int, task: int | None = None, reads_text: bool = False) -> selector.Selection:
     """The code under test for one day: the student's code for that day's tasks (or for Task `task` alone), or
-    the reference."""
-    return chosen(selector.Choice(week, day, "day" if task is None else f"task{task}"))
+    the reference. `reads_text`: the tests hand it the tests' tokenizer to read text with, not only its EOS ids
+    (while grading, its worker then begins loading its own copy at start, beside the judge's start-up, instead of
+    in the first test that needs it, while the judge waits)."""
+    return chosen(selector.Choice(week, day, "day" if task is None else f"task{task}"), reads_text)
 
 
-def stack(week: int, day: int) -> selector.Selection:
+def stack(week: int, day: int, reads_text: bool = False) -> selector.Selection:
     """The engine a student serves with, for day W.D's "your stack so far" tests: their code for that day
     and every earlier day of week W they have written (the reference for the rest), or the reference."""
-    return chosen(selector.Choice(week, day, "stack"))
+    return chosen(selector.Choice(week, day, "stack"), reads_text)
 
 
-def chosen(choice: selector.Choice) -> selector.Selection:
+def chosen(choice: selector.Choice, reads_text: bool = False) -> selector.Selection:
     """The code `choice` names (`solution` and `stack` above, as data): the reference when testing it; while
     grading, the package in its sandboxed worker; otherwise the selector's package, built here."""
     if solution_name() == "ref":
         return reference()
     if os.environ.get(sandbox.SANDBOX_ROOT_VARIABLE):  # graded: the package runs in the sandbox
-        return sandbox.RemoteSelection(choice.week, choice.day, kind=choice.kind)
+        return sandbox.RemoteSelection(choice.week, choice.day, kind=choice.kind, reads_text=reads_text)
     return choice.select()
 
 

@@ -41,3 +41,22 @@ def test_embedded_model_is_a_qwen2_checkpoint(embedded_model):
     assert config["model_type"] == "qwen2"
     assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
     assert len(model.model.layers) == config["num_hidden_layers"]
+
+
+def test_the_sandbox_tokenizer_preloaded_is_the_judges(embedded_model):
+    """The grader's worker loads its own copy of the tests' tokenizer from the same folder, begun in the background
+    where a test module reads text (`reads_text`): the copy the student's code gets must be the judge's, EOS ids
+    included."""
+    from course import models
+
+    _, judge = embedded_model
+    folder = models.shared_tokenizer_dir(judge)
+    assert folder == str(EMBEDDED_MODEL_DIR.resolve())
+    eos = tuple(sorted(judge.eos_token_ids | {7}))  # an EOS id the files do not name: the judge's set wins
+    models.preload_tokenizer(folder)
+    copy = models.SharedTokenizer(folder, eos)
+    text = "Hello, 世界 <|im_end|>"
+    assert copy.encode(text) == judge.encode(text) and len(copy) == len(judge)
+    assert folder not in models._preloads, "the tokenizer loaded in the background is the one handed out"
+    assert models._load_tokenizer(folder, eos).eos_token_ids == set(eos)
+    assert type(copy.detokenizer) is type(judge.detokenizer)

@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.actor_fakes import week2_models as here
 from tests.harness import actor_fakes, fetch, reference, solution
 
-sol = solution(week=1, day=6)
+sol = solution(week=1, day=6, reads_text=True)
 ref = reference()
 
 

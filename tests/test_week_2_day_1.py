@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 from tests.actor_fakes import week2_models as here
 from tests.harness import actor_fakes, class_of, fetch, reference, solution
 
-sol = solution(week=2, day=1)
+sol = solution(week=2, day=1, reads_text=True)
 ref = reference()
 
 

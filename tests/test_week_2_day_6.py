@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tests.harness import actor_fakes, solution
 from tests.scheduler_fakes import EOS, FakeTokenizer, check_replay, expected_tokens, prompt_of, replay, replay_steps
 
-sol = solution(week=2, day=6)
+sol = solution(week=2, day=6, reads_text=True)
 
 
 PROMPTS = [

@@ -26,7 +26,7 @@ from tests.scheduler_fakes import (
     EOS, FakeTokenizer, check_replay, expected_tokens, next_token_of, prompt_of, replay, replay_steps,
 )
 
-sol = solution(week=2, day=7)
+sol = solution(week=2, day=7, reads_text=True)
 ref = reference()
 
 

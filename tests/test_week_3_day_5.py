@@ -21,8 +21,9 @@ from tests.serve_fakes import parse_prometheus, running_server, wait_until
 from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 from tests.week3_stack import check_stack
 
-sol = solution(week=3, day=5)  # Tasks 1-3: the student's pure functions
-served = solution(week=3, day=5, task=4)  # Task 4's server: the student's Task 4 alone
+sol = solution(week=3, day=5, reads_text=True)  # Tasks 1-3: the student's pure functions
+served = solution(week=3, day=5, task=4, reads_text=True)  # Task 4's server: the student's Task 4 alone
+STACK = stack(week=3, day=5, reads_text=True)  # "your stack so far": started now, its tokenizer too
 ref = reference()
 
 MODEL = "tiny-test-model"
@@ -902,4 +903,4 @@ def test_task_4_huge_prompt_does_not_stall_the_server(model, tokenizer):
 
 def test_task_5_your_stack_so_far():
     """Your week-3 engine behind your server, over real HTTP, on the workloads a server meets (tests/week3_stack.py)."""
-    check_stack(stack(week=3, day=5), day=5)
+    check_stack(STACK, day=5)

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from tests.harness import actor_fakes, fetch, reference, solution, stack
 from tests.week3_fakes import PLAIN_ENGINE
 
-TASKS = {n: solution(week=4, day=5, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
+# Task N's tests: the student's Task N alone
+TASKS = {n: solution(week=4, day=5, task=n, reads_text=True) for n in range(1, 4)}
+STACK = stack(week=4, day=5, reads_text=True)  # "your stack so far": started now, its tokenizer too
 ref = reference()
 
 STEP_LIMIT = 400  # no engine run here needs more steps; a run past it is a hung engine
@@ -754,7 +756,7 @@ def test_task_3_greedy_equals_llguidance(model32):
 
 def test_task_4_your_stack_so_far(model32):
     """Your week-3 engine with your day 4.5: preemption and prefix caching, constrained and free requests."""
-    check_constrained_engine(stack(week=4, day=5), model32, enable_prefix_caching=True)
+    check_constrained_engine(STACK, model32, enable_prefix_caching=True)
 
 
 # ---------------------------------------------------------------- Task 3, served: response_format over HTTP
