@@ -290,13 +290,22 @@ def test_task_3_chunked_prefill_equals_one_shot(batch, fakes, real, oracle_model
 def test_task_3_chunks_go_to_the_model_with_their_chunk_mask(batch, fakes):
     """The model gets `chunk_causal_mask(offset, chunk length)` with every chunk: the mask the chunk needs.
 
-    The record alone says which mask went with a chunk (the fake's tokens do not depend on it): a wrong mask the
-    record hid would still fail the real model's chunked-equals-one-shot test."""
-    model = fakes.FakeModel()
-    request = batch.Request(model, fakes.FakeTokenizer(), prompt_of(11, 3), prefill_max_step=4)
+    The fake model marks in its cache every row a chunk computed under another mask (schedulers.FakeModel), as a
+    real model's keys and values would be wrong there, so a wrong mask (or mask=None) changes the first output
+    token, which the judge's replay of the recorded masks must predict: a record that hid the wrong mask predicts
+    the right token, and the request holds another."""
+    model, tokenizer = fakes.FakeModel(), FakeTokenizer()
+    prompt = prompt_of(11, 3)
+    request = batch.Request(model, fakes.FakeTokenizer(), prompt, prefill_max_step=4)
     prefill_all(request)
+    ids, first = tokenizer.encode(prompt), next_token_of(tokenizer.encode(prompt))
+    assert request.next_token == first, (
+        "the chunks' rows saw other keys than their own and the cached ones: pass mask=chunk_causal_mask(...)")
+    assert replay(model.record()).generations() == [(tuple(ids), (first,))], "the replayed chunks predict that token"
+    # Day 2.7's array or the model's default "causal": the same keys in effect, so no output tells them apart. That
+    # check alone reads the record (a submission that rewrote it gains nothing it could not get from "causal").
     for call in prefill_calls(model):
-        assert call.mask is not None, "try_prefill must pass mask=chunk_causal_mask(...) to the model"
+        assert not isinstance(call.mask, str), "try_prefill must pass mask=chunk_causal_mask(...) to the model"
         np.testing.assert_array_equal(np.array(call.mask), numpy_chunk_mask(call.offset, len(call.tokens)))
 
 

@@ -1,10 +1,12 @@
 """Days 2.6 and 2.7's fakes, built where the scheduler under test runs (`actor_fakes(sol, "schedulers")`).
 
-`FakeModel` has the interface of `Qwen2ModelWeek2` (`__call__(inputs, offset, cache, mask=None)`, `make_cache()`,
+`FakeModel` has the interface of `Qwen2ModelWeek2` (`__call__(inputs, offset, cache, mask="causal")`, `make_cache()`,
 `make_batch_cache(batch_size, max_seq_len)`, `num_hidden_layers`, `vocab_size`). Its caches hold token ids
 instead of keys and values, and the token it predicts is a hash of the whole history in the cache
 (`next_token_of`), so a scheduler that mixes up slots, caches or offsets gets different tokens (and a wrong offset
-fails an assertion at once).
+fails an assertion at once). A prefill chunk's row computed under a mask that is not the chunk's causal one (each
+row sees the cached tokens and the chunk's up to itself) goes into the cache marked (`WRONG_MASK`), as a real
+model's keys and values would be wrong there: every later token differs, so the mask shows in the outputs.
 
 Everything the fake does goes through a `Tape`: plain data (the token ids each cache holds, which cache each
 decode slot holds) and the list of operations (`events`) that made it. The tape is what the test reads back, in
@@ -24,6 +26,27 @@ import mlx.core as mx
 from . import EOS, VOCAB, FakeTokenizer, Lines, next_token_of  # noqa: F401  (the fake model's tokenizer, a log sink)
 
 
+WRONG_MASK = 1000  # added to a token the cache took from a row computed under a wrong mask
+
+
+def rows_masked_right(mask, offset: int, length: int) -> list[bool]:
+    """Per row of a prefill chunk at `offset`: whether `mask` lets it see exactly the cached tokens and the chunk's
+    up to itself, as day 2.7's `chunk_causal_mask` and the model's default "causal" do (None: no mask, every row
+    sees the whole chunk). An array mask is additive, `L x S` (S = offset + L): 0 where a row sees a key; a key
+    it must not see may hold any value up to -1e4 (-inf included)."""
+    if isinstance(mask, str):
+        assert mask == "causal", f"a mask is an array, None or \"causal\", not {mask!r}"
+        return [True] * length
+    if mask is None:
+        return [row == length - 1 for row in range(length)]
+    keys = offset + length
+    assert tuple(mask.shape[-2:]) == (length, keys) and mask.size == length * keys, (
+        f"a chunk of {length} tokens at offset {offset} takes an {length} x {keys} mask, not {tuple(mask.shape)}")
+    values = mx.array(mask).reshape(length, keys)
+    sees = mx.arange(keys)[None, :] <= offset + mx.arange(length)[:, None]
+    return mx.all(mx.where(sees, values == 0, values <= -1e4), axis=1).tolist()
+
+
 class ModelFailure(Exception):
     """What FakeModel(fail_on_call=n) raises (not a RuntimeError, so NotImplementedError never passes for it)."""
 
@@ -34,7 +57,7 @@ class Call:
     tokens: list  # prefill: the chunk's tokens; decode: one token per row
     offset: object  # prefill: an int; decode: one offset per row
     active: list  # decode: the slots that held a request
-    mask: object = None  # prefill: the mask the caller passed (None: none)
+    mask: object = None  # prefill: the mask the caller passed ("causal": none, the model's default)
 
 
 class Tape:
@@ -109,10 +132,12 @@ class Tape:
         assert isinstance(offset, int) and len(caches) == self.num_layers, \
             "a prefill chunk is one request: 1 x L, an int offset, one cache per layer"
         self.calls.append(Call("prefill", tokens, offset, [], mask))
+        # A row computed under a wrong mask leaves wrong keys and values behind it: a marked token.
+        held = [t if right else t + WRONG_MASK for t, right in zip(tokens, rows_masked_right(mask, offset, len(tokens)))]
         for cache in caches:
             assert len(self.histories[cache]) == offset, (
                 f"prefill chunk at offset {offset}, but this cache holds {len(self.histories[cache])} tokens")
-            self.histories[cache] += tokens
+            self.histories[cache] += held
             self.prefilled[cache] += len(tokens)
         history = self.histories[caches[0]]
         return [next_token_of(history[: offset + i + 1], self.eos) for i in range(len(tokens))]
@@ -223,7 +248,7 @@ class FakeModel:
         self.batch_caches.append(cache)
         return cache
 
-    def __call__(self, inputs: mx.array, offset, cache, mask=None) -> mx.array:
+    def __call__(self, inputs: mx.array, offset, cache, mask="causal") -> mx.array:
         rows = inputs.tolist()
         if self.fail_on_call is not None and len(self.calls) + 1 == self.fail_on_call:
             self.tape.apply(["failed", rows, offset])
