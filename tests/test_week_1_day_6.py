@@ -118,14 +118,21 @@ def test_task_1_streams_text_as_tokens_arrive(model32, our_model):
     assert all(piece for piece in pieces), "on_text should not be called with empty pieces"
 
 
-def test_task_1_uses_the_sampler(model32, our_model):
+def test_task_1_uses_the_sampler(model32, our_model, judge_model):
     _, tokenizer = model32
     eos = next(iter(tokenizer.eos_token_ids))
-    # A sampler that answers token 40 ("I") three times, then EOS, must be obeyed, its EOS included.
-    scripted = fakes().ScriptedSampler([40, 40, 40, eos])
-    text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=scripted, max_tokens=10)
-    assert text.strip() == tokenizer.decode([40] * 3).strip()
-    # The sampler gets log-probabilities for one sequence (1 x vocab), once per token, the EOS it picked included.
-    shapes = scripted.shapes
-    assert len(shapes) == 4, "the loop must ask the sampler once per token and stop at the EOS it picks"
-    assert all(shape == (1, our_model.vocab_size) for shape in shapes)
+    # A sampler that picks the 2nd most likely token, then the most likely, then the 3rd, then EOS must be obeyed, its
+    # EOS included (week2_models.RankedSampler). Its picks show in the text: a loop that asked it twice for a token,
+    # handed it another position's log-probabilities or went on after its EOS spells another text than the
+    # reference's loop does here with this process's own copy of the sampler.
+    ranks = [1, 0, 2]
+    text = sol.generate.simple_generate(our_model, tokenizer, PROMPTS[0], sampler=fakes().RankedSampler(ranks, eos),
+                                        max_tokens=10)
+    oracle = here.RankedSampler(ranks, eos)
+    expected = ref.generate.simple_generate(judge_model, tokenizer, PROMPTS[0], sampler=oracle, max_tokens=10)
+    assert oracle.calls == 4 and expected, "the oracle: three tokens, then the EOS the sampler picked"
+    assert text == expected, (
+        "the loop must ask the sampler once per token, with the last position's log-probabilities (1 x vocab), and "
+        "stop at the EOS it picks")
+    # The shape itself (1 x vocab, not vocab) shows in no output: the sampler refuses another, a check of the fake's
+    # own, which a submission that rewrote the fake could pass by (nothing the judge sees can tell the two apart).

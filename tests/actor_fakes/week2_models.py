@@ -189,14 +189,22 @@ class Events:
         self.pieces.append(piece)
 
 
-class ScriptedSampler:
-    """A sampler that answers `tokens` in order (the last one again once they run out), noting the shape of the
-    log-probabilities it is handed."""
+class RankedSampler:
+    """A sampler that answers, at its n-th call, the token of rank `ranks[n]` (0: the most likely) in the
+    log-probabilities it is handed, and `then` once they run out.
 
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-        self.shapes: list[tuple[int, ...]] = []
+    Its picks spell a text that only a loop handing it the last position's log-probabilities, once per token, in
+    order, produces: the judge computes that text with the reference's loop and its own copy of this sampler. It
+    takes one sequence's log-probabilities (1 x vocab) and refuses any other shape."""
+
+    def __init__(self, ranks: list[int], then: int):
+        self.ranks, self.then = ranks, then
+        self.calls = 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        self.shapes.append(tuple(logprobs.shape))
-        return mx.array([self.tokens[min(len(self.shapes), len(self.tokens)) - 1]])
+        if logprobs.ndim != 2 or logprobs.shape[0] != 1:
+            raise ValueError(f"a sampler takes one sequence's log-probabilities, 1 x vocab, not {tuple(logprobs.shape)}")
+        call, self.calls = self.calls, self.calls + 1
+        if call >= len(self.ranks):
+            return mx.array([self.then])
+        return mx.argsort(-logprobs, axis=-1)[:, self.ranks[call]]
