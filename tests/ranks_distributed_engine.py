@@ -76,8 +76,12 @@ def mlx_lm_greedy(mlx_model, prompt: list[int]) -> list[int]:
 
 def count_samples(sol, runner):
     """A counter of the calls of the wrapped week-3 runner's `sample` on this rank, built where `sol`'s code runs
-    (read back with `samples_counted`). Only rank 0 must sample: rank 0's count is checked against its steps; a
-    follower that sampled and hid it would have to find this counter and rewrite it."""
+    (read back with `samples_counted`). Only rank 0 must sample: rank 0's count is checked against its steps.
+
+    Taken on trust: no sound check exists. A follower's pick changes no output (all_sum hands every rank the same
+    logits, and rank 0's token is the one every rank is sent next), and the counter is the actor's, so a follower
+    could sample and rewrite it, or pick its tokens without the runner. It catches an honest follower that calls
+    `sample`, not a forged count (only time would show the waste, and tests never time)."""
     return actor_fakes(sol, "week4_late").SampleCounter(runner)
 
 

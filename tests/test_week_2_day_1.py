@@ -6,7 +6,8 @@ week 1's cacheless loop for the generated tokens. The loops (Tasks 3 and 4) run 
 the week-2 interface, with fakes built where the code under test runs (tests/actor_fakes/week2_models.py): a spy
 model records what each call fed, and a tokenizer notes how many model calls had been made when each token reached
 its detokenizer (the pipelined loop queues step n + 1 before reading token n). Their records are checked against
-the reference loops' run on the judge's own copies of the same fakes and model.
+the reference loops' run on the judge's own copies of the same fakes and model; where they say more than the outputs
+(what each call fed, when it ran), they are taken on trust: no output shows it (see `run`).
 """
 
 from dataclasses import dataclass
@@ -205,8 +206,10 @@ def run(module, loop, model, tokenizer, prompt, eos=None, eos_from=None, record=
     win from `eos_from` on), a CallCountingTokenizer, a Recorder as the sampler if `record`, Pieces as on_text.
 
     The student's loop runs with the actor's fakes (`fakes()`); the oracle is the reference's loop with the judge's
-    own (`here`) on the judge's own model: a test compares the two records, so a record the submission rewrote must
-    still be the one the reference makes, token ids included, and agree with the text it returned.
+    own (`here`) on the judge's own model, and a test compares the two. The text and the tokens are outputs; the
+    records of how the loop got them (what each call fed, when each call happened) are the actor's, and follow from
+    the outputs: a submission could write them itself, so what they add to the outputs is taken on trust (it
+    catches an honest mistake, not a forged record).
     """
     spy = module.Spy(model, eos, eos_from)
     counting = module.CallCountingTokenizer(tokenizer, spy)
@@ -262,8 +265,9 @@ def test_task_3_feeds_one_token_per_step(model32, ref_model, judge_model):
     assert got.calls[1:] == [(1, prompt_len + i) for i in range(5)], (
         f"after the prompt, each step feeds one token at the next offset; calls were {got.calls}")
     # The Spy's record is the actor's: it must be, token for token, the calls the reference's loop makes on the
-    # judge's own model. A lying record has to hold the model's own greedy tokens at the right offsets, beside the
-    # text they spell: the loop's whole output, computed some other way.
+    # judge's own model. No sound check exists for it: a loop without the cache (the whole sequence at offset 0
+    # into a fresh cache, every step) returns the same text, and the record follows from that text, so a submission
+    # could write it. What each call fed is taken on trust: only time would show it, and tests never time.
     oracle = run(here, ref.generate.simple_generate_with_kv_cache, judge_model, tokenizer, prompt, max_tokens=6)
     assert_same_record(got, oracle)
 
@@ -303,8 +307,11 @@ def test_task_3_streams_text(model32, ref_model):
 def assert_queued_ahead(got: Run, max_tokens):
     """Each token reached the detokenizer after the step that reads it had been queued (but never past max_tokens).
 
-    The one record no output shows: when each call happened. It is the actor's; the tests also require the calls and
-    tokens themselves to be the reference loop's (`assert_same_record`), so only the order is taken on trust.
+    No sound check exists: a pipelined loop and a plain one return the same text, token for token, and these counts
+    are the actor's, which a plain loop could write itself (only time would show the difference, and tests never
+    time). So the order is taken on trust: it catches a loop that reads a token before queuing the next step, not a
+    forged record. The same holds for the number of calls (a step queued past max_tokens and thrown away changes no
+    output); the tokens and the text are checked against the oracles.
     """
     read = len(got.calls_at_token)
     expected = [min(n + 2, max_tokens) for n in range(read)]
