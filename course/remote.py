@@ -1,8 +1,7 @@
 """The pipe between the grader's trusted test process (the judge) and the sandboxed worker (the actor).
 
-Each process is an `Endpoint` on one end of a pair of pipes. Only data crosses (a JSON header and raw buffers, never
-pickle), rebuilt by the receiver as its own exact types; any other object of the actor is an opaque `Handle`; calls
-go one way. The rules, and what else the judge may hand over: book/src/grading.md, "Where your code runs".
+Only data crosses (a JSON header and raw buffers, never pickle), rebuilt by the receiver as its own exact types; any
+other object of the actor is an opaque `Handle`; calls go one way. See book/src/grading.md, "Where your code runs".
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ class _NotData(Exception):
     """Raised while a data class is encoded field by field, at a field that is not data (it goes as a handle)."""
 
 
-BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items()
-                      if isinstance(value, type) and issubclass(value, Exception)
-                      and not issubclass(value, BaseExceptionGroup)}
+BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items() if isinstance(value, type)
+                      and issubclass(value, Exception) and not issubclass(value, BaseExceptionGroup)}
 # Modules both processes load from the same files: their data classes and enum members travel by value.
 SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
@@ -107,6 +105,7 @@ def receive_message(fd: int) -> tuple[dict, list[bytearray]]:
 # ---------------------------------------------------------------- values
 
 def _mlx():
+    """mlx.core, imported at first use: in the worker, course/fast_mlx.py picks MLX's BLAS before it is loaded."""
     import mlx.core as mx
 
     return mx
@@ -122,10 +121,10 @@ def plain(value):
         return None  # an enum member travels as its name (see `encode`)
     if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
         return value.item()
-    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__),
-                       (list, list.copy), (collections.deque, lambda d: list(collections.deque.__iter__(d))),
+    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__), (list, list.copy),
+                       (set, set.copy), (frozenset, frozenset.copy),  # each an exact set, never the subclass's
                        (tuple, lambda t: tuple.__getitem__(t, slice(None))),
-                       (set, lambda s: set(set.__iter__(s))), (frozenset, lambda s: frozenset(frozenset.__iter__(s)))):
+                       (collections.deque, lambda d: list(collections.deque.__iter__(d)))):
         if issubclass(kind, base):  # the class itself, never what its `__class__` claims
             return read(value)
     if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
@@ -141,8 +140,7 @@ class Endpoint:
         self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle (an exported object lives on: its id stays its own)
-        self.proxies: dict[int, object] = {}  # in the judge: handle -> its one `Handle` (or exception class)
-        self.models: dict[int, object] = {}  # in the actor: the judge's model's handle -> the actor's copy
+        self.proxies: dict[int, object] = {}  # their handle -> our one object for it: a Handle, stand-in, model copy
         self.lock = threading.Lock()  # the judge's threads take turns: one call on the pipe at a time
         self._broken: str | None = None
         self.pending_seed: int | None = None
@@ -254,8 +252,7 @@ class Endpoint:
         if dataclasses.is_dataclass(kind) and _shared_class(path) is kind:
             return self._encode_data(value, path, buffers, depth)
         if issubclass(kind, enum.Enum) and _shared_class(path) is kind:
-            return {"$": "enum", "cls": path, "name": str(value.name)[:200],
-                    "h": None if self.judge else self._export(value)}
+            return {"$": "enum", "cls": path, "name": value.name, "h": None if self.judge else self._export(value)}
         if self.judge:  # besides data and the actor's objects: what the actor rebuilds from files both read
             if kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
                     and dataclasses.is_dataclass(getattr(value, "args", None)):
@@ -269,8 +266,8 @@ class Endpoint:
             raise _NotData
         if issubclass(kind, type) and issubclass(value, BaseException):  # `except sol.module.SomeError:` in the judge
             base = next((c for c in value.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
-            return {"$": "exc", "base": base.__name__, "h": None if base is value else self._export(value),
-                    "name": value.__name__[:200]}
+            return {"$": "exc", "base": base.__name__, "name": value.__name__,
+                    "h": None if base is value else self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
 
     def _encode_data(self, value, path: str, buffers: list, depth: int) -> dict:
@@ -291,8 +288,7 @@ class Endpoint:
         return {"$": "data", "cls": path, "h": None if self.judge else self._export(value), "v": fields}
 
     def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
-        """An mlx-lm model (the oracle of many tests) goes as a copy: its class, its arguments, its quantized layers
-        and its weights, once per model; the actor builds its own and never holds the judge's."""
+        """An mlx-lm model as what the actor builds its own copy from: class, arguments, quantized layers, weights."""
         if id(model) in self.handle_of:
             return {"$": "model", "h": self._export(model)}
         from mlx.utils import tree_flatten
@@ -324,16 +320,14 @@ class Endpoint:
         if not isinstance(value, dict) or not isinstance(value.get("$"), str):
             raise ProtocolError("a malformed value")
         tag = value["$"]
-        if tag in ("tuple", "list", "set", "frozenset", "dict"):
-            if "ints" in value:
-                items = value["ints"]
-                if not isinstance(items, list) or not all(type(v) is int for v in items):
-                    raise ProtocolError("a list of integers holds something else")
-            elif tag == "dict":
-                items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
-            else:
-                items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
-            return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "dict": dict}[tag](items)
+        if tag == "dict":
+            return {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
+        if tag in ("tuple", "list", "set", "frozenset"):
+            if "ints" not in value:
+                return getattr(builtins, tag)([self.decode(v, buffers, depth + 1) for v in value["v"]])
+            if not isinstance(value["ints"], list) or not all(type(v) is int for v in value["ints"]):
+                raise ProtocolError("a list of integers holds something else")
+            return getattr(builtins, tag)(value["ints"])
         if tag == "bytes":
             return bytes(buffers[value["b"]])
         if tag == "slice":
@@ -351,8 +345,7 @@ class Endpoint:
             return group
         if tag in ("data", "enum"):
             return self._decode_shared(tag, value, buffers, depth)
-        # What one side alone takes: handles and exception classes (the judge); its own objects back, models and
-        # tokenizers (the actor).
+        # One side's alone: handles, exception classes (the judge); its own objects, models, tokenizers (the actor).
         if self.judge and tag in ("h", "exc"):
             return self._proxy(value)
         if not self.judge and tag == "ref":
@@ -364,12 +357,10 @@ class Endpoint:
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
 
     def _decode_shared(self, tag: str, value: dict, buffers: list, depth: int):
-        """A data class or enum member of a shared module, as the receiver's own; in the judge, one of a module it
-        does not load is an object of the actor's like any other (a handle)."""
+        """A data class or enum member of a shared module, as the receiver's own (a handle where the judge lacks it)."""
         path = str(value["cls"])
         # The judge imports, at the actor's word, a module of the reference's alone (its data classes and enums).
-        may_load = not self.judge or re.fullmatch(r"tiny_llm_ref\.[a-z][a-z_0-9]*", path.partition(":")[0])
-        cls = _shared_class(path, load=bool(may_load))
+        cls = _shared_class(path, load=not self.judge or re.match(r"tiny_llm_ref\.[a-z][a-z_0-9]*:", path) is not None)
         if tag == "enum" and isinstance(cls, enum.EnumMeta) and value["name"] in cls.__members__:
             return cls[value["name"]]
         fields = value.get("v")
@@ -395,20 +386,16 @@ class Endpoint:
         return mx.array(raw).view(mx.bfloat16) if value["$"] == "bf16" else mx.array(raw)
 
     def _decode_model(self, value: dict, buffers: list):
-        handle = value.get("h")
-        if "w" in value:
-            path = str(value["cls"])
-            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
-                raise ProtocolError(f"a model of an unknown class {path!r}")
-            model = _shared_class(path, load=True)(self.decode(value["args"], buffers))
+        if "w" in value:  # the first time the judge sends it (`_encode_model`)
+            model = _shared_class(str(value["cls"]), load=True)(self.decode(value["args"], buffers))
             import mlx.nn as nn
 
             # The judge's quantized layers (`q`), quantized alike before their weights arrive.
             nn.quantize(model, class_predicate=lambda name, _: value["q"].get(name, False))
             model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
             _mlx().eval(model.parameters())
-            self.models[handle] = model
-        return self.models[handle]
+            self.proxies[value["h"]] = model
+        return self.proxies[value["h"]]
 
     def _proxy(self, value: dict):
         """The judge's one object for an object of the actor's: a `Handle`; for an exception class, the built-in
@@ -428,10 +415,6 @@ class Endpoint:
         return self.proxies[handle]
 
 
-def _read_paths(_, objects, paths) -> list[list]:
-    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
-
-
 def _import_fakes(_, name: str):
     """The package tests/actor_fakes or a module of it (the fakes that need no trust: tests/harness.py), no other."""
     if not re.fullmatch(r"tests\.actor_fakes(\.[a-z_0-9]+)?", name):
@@ -441,7 +424,8 @@ def _import_fakes(_, name: str):
 
 # What the actor does for the judge: anything it asks of the actor's own objects.
 OPERATIONS = {"getattr": getattr, "setattr": setattr, "getitem": operator.getitem, "import": _import_fakes,
-              "call": lambda target, args, kwargs: target(*args, **kwargs), "fetch": _read_paths}
+              "call": lambda target, args, kwargs: target(*args, **kwargs),
+              "fetch": lambda _, objects, paths: fetch(objects, *paths)}
 
 
 def fetch(objects, *paths: str) -> list[list]:
@@ -449,9 +433,9 @@ def fetch(objects, *paths: str) -> list[list]:
     for all of them (a test reads a whole plan at once), objects of this process here."""
     objects = list(objects)
     handle = next((o for o in objects if type(o) is Handle), None)
-    if handle is None:
-        return _read_paths(None, objects, paths)
-    return handle._endpoint.request("fetch", 0, objects, list(paths))  # anything but that actor's handles: refused
+    if handle is not None:  # (in the judge) anything but that actor's handles is refused
+        return handle._endpoint.request("fetch", 0, objects, list(paths))
+    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
 
 
 # ---------------------------------------------------------------- exceptions
@@ -463,17 +447,15 @@ def describe_exception(error: BaseException) -> dict:
         message = str(error)
     except BaseException:  # noqa: BLE001 - a text of the submission's that raises in turn
         message = "(the exception's text could not be read)"
-    ours = (os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py"))
     # Paths from the repository's root ("src/tiny_llm/batch.py"), as the student's tree and `pdm run test` name them.
     frames = [f'  File "{re.sub(r"^.*?/(?=src(_ref)?/)", "", f.filename)}", line {f.lineno}, in {f.name}: '
               f'{(f.line or "").strip()}' for f in traceback.extract_tb(error.__traceback__)[::-1]
-              if not f.filename.endswith(ours)]
+              if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
     return {"msg": message[:20_000], "tb": "\n".join(frames[:12])[:6000]}
 
 
 def rebuild_exception(cls, reply: dict) -> Exception:
-    """The judge's exception of its class `cls` for one of the actor's, with its text and the student's frames as a
-    note, control characters escaped."""
+    """The judge's exception of class `cls` for the actor's: its text, and the student's frames as a note, escaped."""
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         raise ProtocolError("an error reply without an exception class")
     message = printable(str(reply.get("msg", "")))
@@ -517,15 +499,12 @@ class Handle:
         return self._endpoint.request("getitem", self._handle, key)
 
     def __repr__(self):
-        return f"<object of the submission: {printable(self._cls)}>"
-
-    __str__ = __repr__
+        return f"<object of the submission: {printable(self._cls)}>"  # (and its `str`, object's own)
 
 
 def _refuse(handle: Handle, name: str):
     raise TypeError(f"a test expected a value and got an object of the submission ({handle!r}): the grader does not "
-                    f"let the submission's code answer __{name}__ (return plain data: numbers, strings, lists, tuples, "
-                    f"dicts, arrays)")
+                    f"let the submission's code answer __{name}__ (return data: numbers, strings, lists, arrays)")
 
 
 # Comparing, hashing, `bool`, `len`, iterating, converting, formatting, arithmetic: each raises `TypeError`.
