@@ -133,8 +133,7 @@ def plain(value):
 
 
 class Endpoint:
-    """One end of the pipes. The judge's (`side` "trusted") sends a request and reads its reply in the thread that
-    asks, one call at a time; the actor's (`root`: the object handle 0 names) serves them (`read_forever`)."""
+    """One end of the pipes: the judge's (`side` "trusted") asks; the actor's answers, from `root` (handle 0)."""
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
         self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
@@ -238,7 +237,8 @@ class Endpoint:
             buffers.append(value)
             return {"$": "bytes", "b": len(buffers) - 1}
         if kind is slice:
-            return {"$": "slice", "v": self.encode([value.start, value.stop, value.step], buffers, depth + 1)}
+            parts = (value.start, value.stop, value.step)
+            return {"$": "slice", "v": [self.encode(v, buffers, depth + 1) for v in parts]}
         if value is Ellipsis:
             return {"$": "ellipsis"}
         mx = _mlx() if "mlx" in kind.__module__ else None
@@ -331,7 +331,7 @@ class Endpoint:
         if tag == "bytes":
             return bytes(buffers[value["b"]])
         if tag == "slice":
-            return slice(*self.decode(value["v"], buffers, depth + 1))
+            return slice(*(self.decode(v, buffers, depth + 1) for v in value["v"]))
         if tag == "ellipsis":
             return Ellipsis
         if tag in ("np", "mx", "bf16"):
