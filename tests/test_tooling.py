@@ -1016,6 +1016,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
     for judges_own in (lambda: 1, Sequence("s", [1, 2, 3]), type("Fake", (), {})(), print, mx):
         with pytest.raises(TypeError, match="an object of the grader's"):
             probe.identity(judges_own)
+    halves = probe.identity(mx.array([1.5, -2.25], dtype=mx.bfloat16))  # data both ways, numpy has no bfloat16
+    assert halves.dtype == mx.bfloat16 and halves.tolist() == [1.5, -2.25]
     mx.random.seed(5)
     expected = mx.random.uniform().item()
     mx.random.seed(5)
