@@ -499,7 +499,7 @@ class Handle:
         return self._endpoint.request("getitem", self._handle, key)
 
     def __repr__(self):
-        return f"<object of the submission: {printable(self._cls)}>"  # (and its `str`, object's own)
+        return f"<object of the submission: {printable(self._cls)}>"  # `str()` too: object's `__str__` calls it
 
 
 def _refuse(handle: Handle, name: str):
