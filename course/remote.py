@@ -1,11 +1,7 @@
 """The pipe between the grader's trusted test process (the judge) and the sandboxed worker (the actor).
 
-The judge's `sol.basics.softmax(x)` (course/sandbox.py's `RemoteSelection`) asks the actor, which runs the student's
-package, and gets the answer back; each process is an `Endpoint` on one end of a pair of pipes. The rule, as
-book/src/grading.md ("Where your code runs") states it: only data crosses (a JSON header and raw buffers, never
-pickle), rebuilt by the receiver as its own exact types; any other object of the actor is an opaque `Handle`; calls
-go one way (anything the actor writes unasked breaks the pipe); the judge hands over nothing but data, the actor's
-handles and what the actor rebuilds from files both read (an mlx-lm model, the tests' tokenizer).
+Only data crosses (a JSON header and raw buffers, never pickle), rebuilt by the receiver as its own exact types; any
+other object of the actor is an opaque `Handle`; calls go one way. See book/src/grading.md, "Where your code runs".
 """
 
 from __future__ import annotations
@@ -46,24 +42,24 @@ class ProtocolError(RuntimeError):
     """The other side sent something this protocol does not allow."""
 
 
-BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items()
-                      if isinstance(value, type) and issubclass(value, Exception)
-                      and not issubclass(value, BaseExceptionGroup)}
+class _NotData(Exception):
+    """Raised while a data class is encoded field by field, at a field that is not data (it goes as a handle)."""
+
+
+BUILTIN_EXCEPTIONS = {name: value for name, value in vars(builtins).items() if isinstance(value, type)
+                      and issubclass(value, Exception) and not issubclass(value, BaseExceptionGroup)}
 # Modules both processes load from the same files: their data classes and enum members travel by value.
 SHARED_MODULES = ("mlx.", "mlx_lm.", "numpy", "tiny_llm_ref.")
 
 
 def _shared_class(path: str, load: bool = False):
-    """The class `module:qualname` of a shared module, or None. `load`: import the module if it is not yet (where
-    the judge names it, or the actor names a module of the reference's: never mlx-lm's command-line entry points)."""
+    """The class `module:qualname` of a shared module, or None; `load`: import the module if it is not yet."""
     module, _, qualname = path.partition(":")
-    if not (module.startswith(SHARED_MODULES) or module in SHARED_MODULES):
+    if not module.startswith(SHARED_MODULES):
         return None
     if load and module not in sys.modules:
-        try:
+        with contextlib.suppress(ImportError):  # no such module: no such class
             importlib.import_module(module)
-        except ImportError:
-            return None
     found = sys.modules.get(module)
     for part in qualname.split("."):
         found = getattr(found, part, None)
@@ -109,6 +105,7 @@ def receive_message(fd: int) -> tuple[dict, list[bytearray]]:
 # ---------------------------------------------------------------- values
 
 def _mlx():
+    """mlx.core, imported at first use: in the worker, course/fast_mlx.py picks MLX's BLAS before it is loaded."""
     import mlx.core as mx
 
     return mx
@@ -124,10 +121,10 @@ def plain(value):
         return None  # an enum member travels as its name (see `encode`)
     if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
         return value.item()
-    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__),
-                       (list, list.copy), (collections.deque, lambda d: list(collections.deque.__iter__(d))),
+    for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__), (list, list.copy),
+                       (set, set.copy), (frozenset, frozenset.copy),  # each an exact set, never the subclass's
                        (tuple, lambda t: tuple.__getitem__(t, slice(None))),
-                       (set, lambda s: set(set.__iter__(s))), (frozenset, lambda s: frozenset(frozenset.__iter__(s)))):
+                       (collections.deque, lambda d: list(collections.deque.__iter__(d)))):
         if issubclass(kind, base):  # the class itself, never what its `__class__` claims
             return read(value)
     if issubclass(kind, dict) and kind.__module__ in ("collections", "builtins"):  # OrderedDict, defaultdict, Counter
@@ -135,55 +132,19 @@ def plain(value):
     return None
 
 
-def _data_fields(value, depth: int = 0) -> dict | None:
-    """The fields of a dataclass of a shared module (the reference's `SamplingParams`, mlx-lm's `ModelArgs`) that
-    holds only data, so it travels by value; else None (never a class of the submission's: its methods are graded)."""
-    kind = type(value)
-    if not dataclasses.is_dataclass(kind) or _shared_class(f"{kind.__module__}:{kind.__qualname__}") is not kind:
-        return None
-    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(kind)}
-    return fields if all(_is_data(v, depth + 1) for v in fields.values()) else None
-
-
-def _is_data(value, depth: int = 0) -> bool:
-    if depth > 20:
-        return False
-    data = plain(value)
-    if value is None or type(data) in (bool, int, float, str):
-        return True
-    kind = type(value)
-    if (kind is np.ndarray and value.dtype.kind in "biufc") or ("mlx" in kind.__module__ and kind is _mlx().array):
-        return True  # an array crosses as its raw bytes: a dataclass of arrays (a step's batch) goes whole
-    if type(data) in (list, tuple, set, frozenset):
-        return all(_is_data(v, depth + 1) for v in data)
-    if type(data) is dict:
-        return all(_is_data(k, depth + 1) and _is_data(v, depth + 1) for k, v in data.items())
-    return issubclass(type(value), enum.Enum) or _data_fields(value, depth) is not None
-
-
-def _mlx_lm_model(value) -> bool:
-    """An mlx-lm model built from data arguments (quantized or not): the actor can build its own copy of it."""
-    kind = type(value)
-    return kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
-        and _data_fields(getattr(value, "args", None)) is not None
-
-
 class Endpoint:
-    """One end of the pipes. The judge's (`side` "trusted") sends a request and reads its reply in the thread that
-    asks, one call at a time; the actor's (`root`: the object handle 0 names, what the judge starts from) serves
-    the requests in turn (`read_forever`) and never sends one of its own."""
+    """One end of the pipes: the judge's (`side` "trusted") asks; the actor's answers, from `root` (handle 0)."""
 
     def __init__(self, read_fd: int, write_fd: int, side: str, root=None):
         self.read_fd, self.write_fd, self.judge = read_fd, write_fd, side == "trusted"
         self.exported: dict[int, object] = {}  # handle -> object of ours the other side holds (in the judge: models)
         self.handle_of: dict[int, int] = {}  # id(object) -> handle (an exported object lives on: its id stays its own)
-        self.proxies: dict[int, Handle] = {}  # in the judge: handle -> the one `Handle` of that object
-        self.stand_ins: dict[int, type] = {}  # in the judge: handle of an exception class of the actor -> its stand-in
-        self.models: dict[int, object] = {}  # in the actor: the judge's model's handle -> the actor's copy
+        self.proxies: dict[int, object] = {}  # their handle -> our one object for it: a Handle, stand-in, model copy
         self.lock = threading.Lock()  # the judge's threads take turns: one call on the pipe at a time
         self._broken: str | None = None
         self.pending_seed: int | None = None
         self.explain_loss = lambda: ""  # what the owner of the other process can add when it is gone
+        self.strict = False  # in the actor, while a data class's fields are encoded: anything but data raises
         if root is not None:
             self._export(root)  # handle 0
 
@@ -270,6 +231,8 @@ class Endpoint:
             return {"$": "dict", "v": [[self.encode(k, buffers, depth + 1), self.encode(v, buffers, depth + 1)]
                                        for k, v in data.items()]}
         kind = type(value)
+        if kind is Handle and value._endpoint is self:  # (in the judge) the actor's own object, back
+            return {"$": "ref", "h": value._handle}
         if kind is bytes:
             buffers.append(value)
             return {"$": "bytes", "b": len(buffers) - 1}
@@ -286,49 +249,55 @@ class Endpoint:
         if mx is not None and kind is mx.Dtype:
             return {"$": "dtype", "v": str(value).removeprefix("mlx.core.")}
         path = f"{kind.__module__}:{kind.__qualname__}"[:300]
-        fields = _data_fields(value)
-        if fields is not None:
-            return {"$": "data", "cls": path, "h": None if self.judge else self._export(value),
-                    "v": {name: self.encode(v, buffers, depth + 1) for name, v in fields.items()}}
+        if dataclasses.is_dataclass(kind) and _shared_class(path) is kind:
+            return self._encode_data(value, path, buffers, depth)
         if issubclass(kind, enum.Enum) and _shared_class(path) is kind:
-            return {"$": "enum", "cls": path, "name": str(value.name)[:200],
-                    "h": None if self.judge else self._export(value)}
-        if self.judge:
-            return self._encode_for_the_actor(value, path, buffers, depth)
+            return {"$": "enum", "cls": path, "name": value.name, "h": None if self.judge else self._export(value)}
+        if self.judge:  # besides data and the actor's objects: what the actor rebuilds from files both read
+            if kind.__module__.startswith("mlx_lm.models.") and kind.__name__ == "Model" \
+                    and dataclasses.is_dataclass(getattr(value, "args", None)):
+                return self._encode_model(value, path, buffers, depth)
+            shared = models.shared_tokenizer_dir(value)
+            if shared is not None:
+                return {"$": "tokenizer", "path": shared, "eos": sorted(value.eos_token_ids)}
+            raise TypeError(f"a test handed the submission's code an object of the grader's ({path}): only data, the "
+                            f"tests' mlx-lm models and tokenizer cross (build fakes in the worker: tests/actor_fakes)")
+        if self.strict:
+            raise _NotData
         if issubclass(kind, type) and issubclass(value, BaseException):  # `except sol.module.SomeError:` in the judge
             base = next((c for c in value.__mro__ if BUILTIN_EXCEPTIONS.get(c.__name__) is c), RuntimeError)
-            if base is value:
-                return {"$": "exc", "base": base.__name__}
-            return {"$": "exc", "base": base.__name__, "h": self._export(value), "name": value.__qualname__[:200]}
+            return {"$": "exc", "base": base.__name__, "name": value.__name__,
+                    "h": None if base is value else self._export(value)}
         return {"$": "h", "h": self._export(value), "cls": path}
 
-    def _encode_for_the_actor(self, value, path: str, buffers: list, depth: int) -> dict:
-        """What of the judge's may go to the actor besides data: the actor's own objects back, and what it can
-        rebuild from files both read."""
-        if type(value) is Handle and value._endpoint is self:
-            return {"$": "ref", "h": value._handle}
-        if _mlx_lm_model(value):
-            return self._encode_model(value, path, buffers, depth)
-        shared = models.shared_tokenizer_dir(value)
-        if shared is not None:
-            return {"$": "tokenizer", "path": shared, "eos": sorted(value.eos_token_ids)}
-        raise TypeError(f"a test handed the submission's code an object of the grader's ({path}): only data, "
-                        f"the tests' mlx-lm models and tokenizer cross (build fakes in the worker: tests/actor_fakes)")
+    def _encode_data(self, value, path: str, buffers: list, depth: int) -> dict:
+        """A data class of a shared module (the reference's `SamplingParams`, mlx-lm's `ModelArgs`; never the
+        submission's: its methods are graded) by value; in the actor, one holding anything but data as a handle."""
+        strict, first = self.strict, len(buffers)
+        self.strict = not self.judge
+        try:
+            fields = {f.name: self.encode(getattr(value, f.name), buffers, depth + 1)
+                      for f in dataclasses.fields(value)}
+        except _NotData:
+            if strict:
+                raise
+            del buffers[first:]
+            return {"$": "h", "h": self._export(value), "cls": path}
+        finally:
+            self.strict = strict
+        return {"$": "data", "cls": path, "h": None if self.judge else self._export(value), "v": fields}
 
     def _encode_model(self, model, path: str, buffers: list, depth: int) -> dict:
-        """An mlx-lm model (the oracle of many tests) goes as a copy: its class, its arguments, its quantized layers
-        and its weights, once per model; the actor builds its own and never holds the judge's."""
-        sent = id(model) in self.handle_of
-        handle = self._export(model)
-        if sent:
-            return {"$": "model", "h": handle}
+        """An mlx-lm model as what the actor builds its own copy from: class, arguments, quantized layers, weights."""
+        if id(model) in self.handle_of:
+            return {"$": "model", "h": self._export(model)}
         from mlx.utils import tree_flatten
 
         weights = [[name, self._encode_array(array, buffers)] for name, array in tree_flatten(model.parameters())]
         quantized = {name: {"group_size": int(m.group_size), "bits": int(m.bits), "mode": str(m.mode)}
                      for name, m in model.named_modules() if hasattr(m, "group_size") and hasattr(m, "bits")}
-        return {"$": "model", "h": handle, "cls": path, "args": self.encode(model.args, buffers, depth + 1),
-                "w": weights, "q": quantized}
+        return {"$": "model", "h": self._export(model), "cls": path, "w": weights, "q": quantized,
+                "args": self.encode(model.args, buffers, depth + 1)}
 
     @staticmethod
     def _encode_array(value, buffers: list) -> dict:
@@ -351,16 +320,14 @@ class Endpoint:
         if not isinstance(value, dict) or not isinstance(value.get("$"), str):
             raise ProtocolError("a malformed value")
         tag = value["$"]
-        if tag in ("tuple", "list", "set", "frozenset", "dict"):
-            if "ints" in value:
-                items = value["ints"]
-                if not isinstance(items, list) or not all(type(v) is int for v in items):
-                    raise ProtocolError("a list of integers holds something else")
-            elif tag == "dict":
-                items = {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
-            else:
-                items = [self.decode(v, buffers, depth + 1) for v in value["v"]]
-            return {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "dict": dict}[tag](items)
+        if tag == "dict":
+            return {self.decode(k, buffers, depth + 1): self.decode(v, buffers, depth + 1) for k, v in value["v"]}
+        if tag in ("tuple", "list", "set", "frozenset"):
+            if "ints" not in value:
+                return getattr(builtins, tag)([self.decode(v, buffers, depth + 1) for v in value["v"]])
+            if not isinstance(value["ints"], list) or not all(type(v) is int for v in value["ints"]):
+                raise ProtocolError("a list of integers holds something else")
+            return getattr(builtins, tag)(value["ints"])
         if tag == "bytes":
             return bytes(buffers[value["b"]])
         if tag == "slice":
@@ -378,35 +345,9 @@ class Endpoint:
             return group
         if tag in ("data", "enum"):
             return self._decode_shared(tag, value, buffers, depth)
-        return self._decode_for(tag, value, buffers)
-
-    def _decode_shared(self, tag: str, value: dict, buffers: list, depth: int):
-        """A data class or enum member of a shared module, as the receiver's own; in the judge, one of a module it
-        does not load is an object of the actor's like any other (a handle)."""
-        path = str(value["cls"])
-        # The judge imports, at the actor's word, a module of the reference's alone (its data classes and enums).
-        may_load = not self.judge or re.fullmatch(r"tiny_llm_ref\.[a-z][a-z_0-9]*", path.partition(":")[0])
-        cls = _shared_class(path, load=bool(may_load))
-        if tag == "enum" and cls is not None and issubclass(cls, enum.Enum) and value["name"] in cls.__members__:
-            return cls[value["name"]]
-        fields = value.get("v")
-        if tag == "data" and cls is not None and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
-                and set(fields) == {f.name for f in dataclasses.fields(cls)}:
-            rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
-            for name, field in fields.items():
-                object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
-            return rebuilt
-        if self.judge and isinstance(value.get("h"), int):
-            return self._proxy(value["h"], path)
-        raise ProtocolError(f"{tag} of an unknown class {path!r}")
-
-    def _decode_for(self, tag: str, value: dict, buffers: list):
-        """What only one side may receive: handles and exception classes (the judge); its own objects back, models
-        and tokenizers (the actor)."""
-        if self.judge and tag == "h":
-            return self._proxy(int(value["h"]), str(value.get("cls", "")))
-        if self.judge and tag == "exc":
-            return self._stand_in(value)
+        # One side's alone: handles, exception classes (the judge); its own objects, models, tokenizers (the actor).
+        if self.judge and tag in ("h", "exc"):
+            return self._proxy(value)
         if not self.judge and tag == "ref":
             return self.exported[value["h"]]
         if not self.judge and tag == "model":
@@ -414,6 +355,24 @@ class Endpoint:
         if not self.judge and tag == "tokenizer":
             return models.shared_tokenizer(str(value["path"]), tuple(int(e) for e in value["eos"]))
         raise ProtocolError(f"a value tag {tag!r} this side does not take")
+
+    def _decode_shared(self, tag: str, value: dict, buffers: list, depth: int):
+        """A data class or enum member of a shared module, as the receiver's own (a handle where the judge lacks it)."""
+        path = str(value["cls"])
+        # The judge imports, at the actor's word, a module of the reference's alone (its data classes and enums).
+        cls = _shared_class(path, load=not self.judge or re.match(r"tiny_llm_ref\.[a-z][a-z_0-9]*:", path) is not None)
+        if tag == "enum" and isinstance(cls, enum.EnumMeta) and value["name"] in cls.__members__:
+            return cls[value["name"]]
+        fields = value.get("v")
+        if tag == "data" and dataclasses.is_dataclass(cls) and isinstance(fields, dict) \
+                and set(fields) == {f.name for f in dataclasses.fields(cls)}:
+            rebuilt = object.__new__(cls)  # the receiver's own class, holding the values sent
+            for name, field in fields.items():
+                object.__setattr__(rebuilt, name, self.decode(field, buffers, depth + 1))
+            return rebuilt
+        if self.judge and isinstance(value.get("h"), int):
+            return self._proxy(value)
+        raise ProtocolError(f"{tag} of an unknown class {path!r}")
 
     @staticmethod
     def _decode_array(value: dict, buffers: list):
@@ -427,46 +386,33 @@ class Endpoint:
         return mx.array(raw).view(mx.bfloat16) if value["$"] == "bf16" else mx.array(raw)
 
     def _decode_model(self, value: dict, buffers: list):
-        handle = value.get("h")
-        if "w" in value:
-            path = str(value["cls"])
-            if not re.fullmatch(r"mlx_lm\.models\.\w+:Model", path):
-                raise ProtocolError(f"a model of an unknown class {path!r}")
-            importlib.import_module(path.partition(":")[0])
-            model = _shared_class(path)(self.decode(value["args"], buffers))
-            layers = value.get("q") or {}
-            if layers:  # the judge's quantized layers, quantized alike before their weights arrive
-                import mlx.nn as nn
+        if "w" in value:  # the first time the judge sends it (`_encode_model`)
+            model = _shared_class(str(value["cls"]), load=True)(self.decode(value["args"], buffers))
+            import mlx.nn as nn
 
-                nn.quantize(model, class_predicate=lambda name, _: layers.get(name, False))
+            # The judge's quantized layers (`q`), quantized alike before their weights arrive.
+            nn.quantize(model, class_predicate=lambda name, _: value["q"].get(name, False))
             model.load_weights([(str(name), self._decode_array(array, buffers)) for name, array in value["w"]])
             _mlx().eval(model.parameters())
-            self.models[handle] = model
-        return self.models[handle]
+            self.proxies[value["h"]] = model
+        return self.proxies[value["h"]]
 
-    def _stand_in(self, value: dict) -> type:
-        """The judge's class for an exception class of the actor: a built-in one itself; any other, a subclass of its
-        nearest built-in exception, one per class, so `except sol.module.SomeError` and `pytest.raises` catch it."""
-        base = BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError)
-        if "h" not in value:
+    def _proxy(self, value: dict):
+        """The judge's one object for an object of the actor's: a `Handle`; for an exception class, the built-in
+        one itself, or a subclass of its nearest built-in one (one per class: `pytest.raises(sol.module.Error)`)."""
+        base = BUILTIN_EXCEPTIONS.get(str(value.get("base")), RuntimeError) if value["$"] == "exc" else None
+        if base is not None and value.get("h") is None:
             return base
         handle = int(value["h"])
-        if handle not in self.stand_ins:
-            name = re.sub(r"\W", "_", str(value.get("name", "Error")))[:200] or "Error"
-            self.stand_ins[handle] = type(name, (base,), {"__module__": "submission"})
-        return self.stand_ins[handle]
-
-    def _proxy(self, handle: int, cls: str) -> "Handle":
-        """The judge's `Handle` of an actor's object: one per object."""
         if handle not in self.proxies:
-            self.proxies[handle] = proxy = Handle.__new__(Handle)
-            for slot, slot_value in (("_endpoint", self), ("_handle", handle), ("_cls", cls)):
-                object.__setattr__(proxy, slot, slot_value)
+            if base is not None:
+                name = re.sub(r"\W", "_", str(value.get("name")))[:200] or "Error"
+                self.proxies[handle] = type(name, (base,), {"__module__": "submission"})
+            else:
+                self.proxies[handle] = proxy = Handle.__new__(Handle)
+                for slot, slot_value in (("_endpoint", self), ("_handle", handle), ("_cls", str(value["cls"]))):
+                    object.__setattr__(proxy, slot, slot_value)
         return self.proxies[handle]
-
-
-def _read_paths(objects, paths) -> list[list]:
-    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
 
 
 def _import_fakes(_, name: str):
@@ -479,7 +425,7 @@ def _import_fakes(_, name: str):
 # What the actor does for the judge: anything it asks of the actor's own objects.
 OPERATIONS = {"getattr": getattr, "setattr": setattr, "getitem": operator.getitem, "import": _import_fakes,
               "call": lambda target, args, kwargs: target(*args, **kwargs),
-              "fetch": lambda _, objects, paths: _read_paths(objects, paths)}
+              "fetch": lambda _, objects, paths: fetch(objects, *paths)}
 
 
 def fetch(objects, *paths: str) -> list[list]:
@@ -487,36 +433,29 @@ def fetch(objects, *paths: str) -> list[list]:
     for all of them (a test reads a whole plan at once), objects of this process here."""
     objects = list(objects)
     handle = next((o for o in objects if type(o) is Handle), None)
-    if handle is None:
-        return _read_paths(objects, paths)
-    return handle._endpoint.request("fetch", 0, objects, list(paths))  # anything but that actor's handles: refused
+    if handle is not None:  # (in the judge) anything but that actor's handles is refused
+        return handle._endpoint.request("fetch", 0, objects, list(paths))
+    return [[functools.reduce(getattr, path.split("."), obj) for path in paths] for obj in objects]
 
 
 # ---------------------------------------------------------------- exceptions
 
-def _student_frames(error: BaseException) -> str:
-    """The traceback's frames outside this module and the worker's (the student's own, and the reference's
-    they call), innermost first, one line each: file, line and code, as `pdm run test` shows them."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
-    # Paths from the repository's root ("src/tiny_llm/batch.py"), as the student's tree and `pdm run test` name them.
-    lines = [f'  File "{re.sub(r"^.*?/(?=src(_ref)?/)", "", f.filename)}", line {f.lineno}, in {f.name}: '
-             f'{(f.line or "").strip()}' for f in frames[::-1]]
-    return "\n".join(lines[:12])[:6000]
-
-
 def describe_exception(error: BaseException) -> dict:
-    """An exception of the actor's, besides its class (sent as a value): its message and where it was raised."""
+    """An exception of the actor's, besides its class (sent as a value): its text, and the student's frames of its
+    traceback (outside this module and the worker's), innermost first, as `pdm run test` shows them."""
     try:
         message = str(error)
     except BaseException:  # noqa: BLE001 - a text of the submission's that raises in turn
         message = "(the exception's text could not be read)"
-    return {"msg": message[:20_000], "tb": _student_frames(error)}
+    # Paths from the repository's root ("src/tiny_llm/batch.py"), as the student's tree and `pdm run test` name them.
+    frames = [f'  File "{re.sub(r"^.*?/(?=src(_ref)?/)", "", f.filename)}", line {f.lineno}, in {f.name}: '
+              f'{(f.line or "").strip()}' for f in traceback.extract_tb(error.__traceback__)[::-1]
+              if not f.filename.endswith((os.path.join("course", "remote.py"), os.path.join("course", "sandbox.py")))]
+    return {"msg": message[:20_000], "tb": "\n".join(frames[:12])[:6000]}
 
 
 def rebuild_exception(cls, reply: dict) -> Exception:
-    """The judge's exception for one of the actor's: of the judge's class `cls`, with its message and the student's
-    frames as a note, control characters escaped."""
+    """The judge's exception of class `cls` for the actor's: its text, and the student's frames as a note, escaped."""
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         raise ProtocolError("an error reply without an exception class")
     message = printable(str(reply.get("msg", "")))
@@ -531,9 +470,8 @@ def rebuild_exception(cls, reply: dict) -> Exception:
 
 
 def printable(text: str) -> str:
-    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e): no text
-    of the submission's (a failure message, its output, a file name) can recolour or clear a terminal, move the
-    cursor back over a table, or reorder what is shown."""
+    """`text` with every control and format character but newline and tab escaped (\\x1b, \\r, \\u202e), so that
+    no text of the submission's can recolour or clear a terminal, or move the cursor back over a table."""
     return "".join(c if c in "\n\t" or unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode()
                    for c in text)
 
@@ -541,9 +479,8 @@ def printable(text: str) -> str:
 # ---------------------------------------------------------------- the judge's handles
 
 class Handle:
-    """An object of the actor, as the judge holds it: opaque. The judge may read an attribute or item, call it, set
-    an attribute and send it back; nothing the submission's code would answer is asked (comparing, hashing, `bool`,
-    `len`, iterating, converting, arithmetic raise `TypeError`), and its text is the judge's own."""
+    """An object of the actor, as the judge holds it: the judge may read an attribute or item, call it, set an
+    attribute and send it back; nothing the submission's code would answer is asked (see `_refuse`)."""
 
     __slots__ = ("_endpoint", "_handle", "_cls")
 
@@ -562,25 +499,17 @@ class Handle:
         return self._endpoint.request("getitem", self._handle, key)
 
     def __repr__(self):
-        return f"<object of the submission: {printable(self._cls)}>"
-
-    __str__ = __repr__
+        return f"<object of the submission: {printable(self._cls)}>"  # `str()` too: object's `__str__` calls it
 
 
-def _refused(name: str):
-    def refuse(self, *args):
-        raise TypeError(f"a test expected a value and got an object of the submission ({self!r}): the grader "
-                        f"does not let the submission's code answer {name} (return plain data: numbers, "
-                        f"strings, lists, tuples, dicts, arrays)")
-
-    refuse.__name__ = name
-    return refuse
+def _refuse(handle: Handle, name: str):
+    raise TypeError(f"a test expected a value and got an object of the submission ({handle!r}): the grader does not "
+                    f"let the submission's code answer __{name}__ (return data: numbers, strings, lists, arrays)")
 
 
-_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "divmod", "lshift", "rshift",
-               "and", "or", "xor")
-for _name in ("eq", "ne", "lt", "le", "gt", "ge", "hash", "bool", "len", "iter", "next", "reversed", "contains",
-              "int", "float", "complex", "index", "bytes", "round", "trunc", "floor", "ceil", "format", "neg", "pos",
-              "abs", "invert", "await", "enter", "exit", "instancecheck", "subclasscheck", "array",
-              *_ARITHMETIC, *(f"r{op}" for op in _ARITHMETIC)):
-    setattr(Handle, f"__{_name}__", _refused(f"__{_name}__"))
+# Comparing, hashing, `bool`, `len`, iterating, converting, formatting, arithmetic: each raises `TypeError`.
+_REFUSED = ("eq ne lt le gt ge hash bool len iter next reversed contains int float complex index bytes round trunc "
+            "floor ceil format neg pos abs invert await enter exit instancecheck subclasscheck array").split()
+_ARITHMETIC = "add sub mul truediv floordiv mod pow matmul divmod lshift rshift and or xor".split()
+for _name in [*_REFUSED, *_ARITHMETIC, *(f"r{op}" for op in _ARITHMETIC)]:
+    setattr(Handle, f"__{_name}__", lambda self, *args, _name=_name: _refuse(self, _name))

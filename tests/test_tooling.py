@@ -1016,6 +1016,8 @@ def test_the_pipe_refuses_what_would_reach_past_it(probe_worker):
     for judges_own in (lambda: 1, Sequence("s", [1, 2, 3]), type("Fake", (), {})(), print, mx):
         with pytest.raises(TypeError, match="an object of the grader's"):
             probe.identity(judges_own)
+    halves = probe.identity(mx.array([1.5, -2.25], dtype=mx.bfloat16))  # data both ways, numpy has no bfloat16
+    assert halves.dtype == mx.bfloat16 and halves.tolist() == [1.5, -2.25]
     mx.random.seed(5)
     expected = mx.random.uniform().item()
     mx.random.seed(5)
@@ -1070,9 +1072,12 @@ def test_the_actor_cannot_call_the_judge(probe_worker):
 
 def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
     """What the submission returns arrives as the judge's own plain types, read with the base types' methods (a
-    lying `__eq__`, `__iter__` or `__class__` stays behind); anything else is a handle the judge never asks to
-    compare, hash, iterate or convert; a failure carries the student's frames, control characters escaped."""
+    lying `__eq__`, `__iter__` or `__class__` stays behind), and a reference data class as the judge's own when it
+    holds only data; anything else is a handle the judge never asks to compare, hash, iterate or convert; a failure
+    carries the student's frames, control characters escaped."""
     import numpy as np
+
+    from tiny_llm_ref.distributed_engine import PlannedChunk
 
     probe = probe_worker('''
         import collections
@@ -1113,6 +1118,11 @@ def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
         def liar():
             return Liar()
 
+        def chunks():
+            from tiny_llm_ref.distributed_engine import BlockTable, PlannedChunk
+
+            return PlannedChunk(BlockTable([1]), 0, 1, [5], True), PlannedChunk(BlockTable([Liar()]), 0, 1, [5], True)
+
         THE_ONE = Liar()
 
         def same():
@@ -1132,6 +1142,9 @@ def test_only_data_crosses_to_the_judge_and_objects_are_opaque(probe_worker):
     assert (type(queue), queue, type(ordered), ordered, members, flag) == (list, [4, 5], dict, {"a": 1}, {6}, True)
     handle = probe.liar()
     assert type(handle) is not float and "object of the submission" in repr(handle)
+    data, holding = probe.chunks()
+    assert type(data) is PlannedChunk and (data.seq.block_table, data.token_ids, data.samples) == ([1], [5], True)
+    assert type(holding) is not PlannedChunk and "PlannedChunk" in repr(holding), "a data class holding an object"
     for use in (lambda: handle == 1.0, lambda: 1.0 == handle, lambda: handle != 1.0, lambda: hash(handle),
                 lambda: bool(handle), lambda: len(handle), lambda: list(handle), lambda: 1 in handle,
                 lambda: float(handle), lambda: int(handle), lambda: handle + 1, lambda: 1 - handle, lambda: -handle,
