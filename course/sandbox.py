@@ -130,7 +130,7 @@ def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
                str(NOBODY), "--proc", "/proc", "--dev", "/dev", "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]
     system = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
     python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *(p for p in sys.path if p and "site-packages" in p)]
-    shared = {os.path.realpath(p) for p in (*python, models.EMBEDDED_MODEL_DIR) if os.path.exists(p)}  # no links
+    shared = {os.path.realpath(p) for p in (*python, models.EMBEDDED_MODEL_DIR) if os.path.exists(p)}
     for directory in [*(p for p in system if os.path.exists(p)), *sorted(shared)]:
         command += ["--ro-bind", directory, directory]
     return command + ["--ro-bind", str(root), INSIDE, "--chdir", "/tmp", *inner]
@@ -241,17 +241,16 @@ class Worker:
             self.group.remove()  # whatever it left behind, however detached
 
 
-def start(code: selector.Choice, ranks: int = 0, threads_per_rank: int | None = None,
+def start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int | None = None,
           reads_text: bool = False) -> Worker:
-    """A sandbox for `code` with the grader's limits: `RemoteSelection`'s worker, or (`ranks` N) a launch's ring
-    (course/ranks.py: rank r's program on `.ends[r]`). Task N's code runs on Task N's own root (`task_root`): the
-    day's other tasks of the reference are there, never Task N's answer."""
+    """A sandbox for `kind`'s code of day W.D (a `selector.Choice`) with the grader's limits: `RemoteSelection`'s
+    worker, or (`ranks` N) a launch's ring (course/ranks.py: rank r's program on `.ends[r]`). Task N's code runs on
+    Task N's own root (`task_root`): the day's other tasks of the reference are there, never Task N's answer."""
     root = Path(os.environ[SANDBOX_ROOT_VARIABLE])
-    if code.kind.startswith("task"):
-        root = task_root(root, code.week, code.day, int(code.kind.removeprefix("task")))
+    if kind.startswith("task"):
+        root = task_root(root, week, day, int(kind.removeprefix("task")))
     cpu, memory = (float(limit or 0) for limit in os.environ.get(LIMITS_VARIABLE, ",").split(","))
-    return Worker(root, code.week, code.day, code.kind, cpu or None, int(memory) or None, ranks, threads_per_rank,
-                  reads_text)
+    return Worker(root, week, day, kind, cpu or None, int(memory) or None, ranks, threads_per_rank, reads_text)
 
 
 class RemoteSelection:
@@ -259,13 +258,14 @@ class RemoteSelection:
     of its own), in a sandboxed worker; in a rank program, in its rank's. A worker that died or was stopped at a
     time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
 
-    _workers: dict[selector.Choice, Worker] = {}
-    _modules: dict[selector.Choice, dict[str, remote.Handle]] = {}  # each worker's modules read so far
-    _reading_text: set[selector.Choice] = set()  # the codes whose tests read text (`reads_text`): their workers preload
+    _workers: dict[tuple, Worker] = {}  # by (week, day, kind)
+    _modules: dict[tuple, dict[str, remote.Handle]] = {}  # each worker's modules read so far
+    _reading_text: set[tuple] = set()  # the keys whose tests read text (`reads_text`): their workers preload
     restart_needed = False  # a worker broke and was replaced during the test running now
 
     def __init__(self, week: int, day: int, kind: str = "day", reads_text: bool = False):
-        self._key = selector.Choice(week, day, kind)
+        self._key = (week, day, kind)
+        self._modules.setdefault(self._key, {})
         if reads_text:
             self._reading_text.add(self._key)
         _forward_seeds()
@@ -285,7 +285,7 @@ class RemoteSelection:
         if worker is None:
             if not self._workers:
                 atexit.register(stop_workers)  # no worker outlives this process
-            worker = self._workers[self._key] = start(self._key, reads_text=self._key in self._reading_text)
+            worker = self._workers[self._key] = start(*self._key, reads_text=self._key in self._reading_text)
             self._modules[self._key] = {}
         return worker.endpoint
 
@@ -293,7 +293,7 @@ class RemoteSelection:
         if module.startswith("_"):
             raise AttributeError(module)
         endpoint = self._endpoint()
-        modules = self._modules.setdefault(self._key, {})
+        modules = self._modules[self._key]
         found = modules.get(module)
         if found is None:
             found = endpoint.request("getattr", 0, module)
