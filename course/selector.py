@@ -277,4 +277,3 @@ def announce(selection: Selection, file=None) -> None:
     """Print the selection's one line (to stderr), if it took anything from the reference."""
     if selection.used:
         print(f"[tiny-llm] {selection.describe()} (--strict: your code only)", file=file or sys.stderr, flush=True)
-
