@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from contextlib import suppress
 from pathlib import Path
 
@@ -200,6 +201,7 @@ class Worker:
         # This side's ends: (read, write) per worker.
         self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
         self.fds = tuple(fd for pair in self.ends for fd in pair)
+        self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
         self.endpoint = None if ranks else remote.Endpoint(*self.ends[0], "trusted")  # (a ring's: its rank programs')
         if self.endpoint is not None:
             self.endpoint.explain_loss = self._why_it_ended
@@ -259,24 +261,22 @@ class RemoteSelection:
     time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
 
     _workers: dict[tuple, Worker] = {}  # by (week, day, kind)
-    _modules: dict[tuple, dict[str, remote.Handle]] = {}  # each worker's modules read so far
     _reading_text: set[tuple] = set()  # the keys whose tests read text (`reads_text`): their workers preload
     restart_needed = False  # a worker broke and was replaced during the test running now
 
     def __init__(self, week: int, day: int, kind: str = "day", reads_text: bool = False):
         self._key = (week, day, kind)
-        self._modules.setdefault(self._key, {})
         if reads_text:
             self._reading_text.add(self._key)
         _forward_seeds()
         # Started now, while this process is still importing and collecting the tests: on two cores the worker's
         # own start-up (Python, MLX, the package) runs beside this process's, not after it.
-        self._endpoint()
+        self._worker()
 
-    def _endpoint(self) -> remote.Endpoint:
-        """The pipe to this code's worker (in a rank program, to its rank's), started or replaced where needed."""
+    def _worker(self) -> Worker | types.SimpleNamespace:
+        """This code's worker (in a rank program, its link to its rank's), started or replaced where needed."""
         if os.environ.get(RANK_PIPES_VARIABLE):
-            return _rank_endpoint()
+            return _rank_link()
         worker = self._workers.get(self._key)
         if worker is not None and worker.endpoint.broken:
             RemoteSelection.restart_needed = True
@@ -286,32 +286,30 @@ class RemoteSelection:
             if not self._workers:
                 atexit.register(stop_workers)  # no worker outlives this process
             worker = self._workers[self._key] = start(*self._key, reads_text=self._key in self._reading_text)
-            self._modules[self._key] = {}
-        return worker.endpoint
+        return worker
 
     def __getattr__(self, module: str):
         if module.startswith("_"):
             raise AttributeError(module)
-        endpoint = self._endpoint()
-        modules = self._modules[self._key]
-        found = modules.get(module)
+        worker = self._worker()
+        found = worker.modules.get(module)
         if found is None:
-            found = endpoint.request("getattr", 0, module)
+            found = worker.endpoint.request("getattr", 0, module)
             if type(found) is remote.Handle:  # a module stays one object: `sol.engine` in a loop is one round trip
-                modules[module] = found
+                worker.modules[module] = found
         return found
 
 
 @functools.cache
-def _rank_endpoint() -> remote.Endpoint:
-    """A rank program's pipes to its worker, which serves the launch's code and this rank's group (`rank_group`)."""
+def _rank_link() -> types.SimpleNamespace:
+    """A rank program's pipe to its worker (the launch's code, this rank's group: `rank_group`), as a Worker has it."""
     read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
-    return remote.Endpoint(read_fd, write_fd, "trusted")
+    return types.SimpleNamespace(endpoint=remote.Endpoint(read_fd, write_fd, "trusted"), modules={})
 
 
 def rank_group():
     """In a rank program while grading: this rank's `mx.distributed` group, in its worker; None otherwise."""
-    return _rank_endpoint().request("getattr", 0, "rank_group") if os.environ.get(RANK_PIPES_VARIABLE) else None
+    return _rank_link().endpoint.request("getattr", 0, "rank_group") if os.environ.get(RANK_PIPES_VARIABLE) else None
 
 
 def _forward_seeds() -> None:

@@ -48,7 +48,7 @@ def actor_fakes(sol, module: str = ""):
     while type(sol) is not sandbox.RemoteSelection and "wrapped" in getattr(sol, "__dict__", {}):
         sol = sol.wrapped  # a test's wrapper of a selection (a stack whose model is built another way)
     if type(sol) is sandbox.RemoteSelection:  # its worker (in a rank program, its rank's)
-        return sol._endpoint().request("import", 0, name)
+        return sol._worker().endpoint.request("import", 0, name)
     import importlib
 
     return importlib.import_module(name)
