@@ -31,7 +31,7 @@ fast_mlx.setup()
 from benches import lab, runner, workloads  # noqa: E402
 from benches.engines import Day27, MlxLm, Week3  # noqa: E402
 from course.engines import PLAIN_ENGINE  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-batching"
 COLUMNS = [lab.Column("batch", "batch_size", "{}"), lab.Column("day2.6 tok/s", "day26_tokens_per_s"),
@@ -80,7 +80,7 @@ def median_runs(made: list, arrivals, clock, rounds: int) -> dict:
             for name, done in runs.items()}
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

@@ -25,7 +25,7 @@ fast_mlx.setup()
 
 from benches import lab, runner, workloads  # noqa: E402
 from benches.engines import Day27  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-chunked-prefill"
 UNCHUNKED = "unchunked"
@@ -119,7 +119,7 @@ def plot(bench, results: dict) -> list:
     return written
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

@@ -27,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 
 from benches import lab  # noqa: E402
 from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-flash-attention"
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64  # Qwen2-0.5B
@@ -90,7 +91,7 @@ COLUMNS = [lab.Column("tokens", "length", "{}"), lab.Column("scores GiB", "score
            lab.Column("tiled / plain time", "time_ratio", "{:.2f}x")]
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

@@ -22,7 +22,7 @@ import time  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from benches import lab  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-kv-cache"
 
@@ -69,7 +69,7 @@ COLUMNS = [lab.Column("", "what", "{}"), lab.Column("no cache", "plain", "{:.3f}
            lab.Column("KV cache", "cached", "{:.3f}"), lab.Column("ratio", "ratio", "{:.2f}x")]
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

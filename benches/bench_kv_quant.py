@@ -38,7 +38,7 @@ from course.engines import PLAIN_ENGINE  # noqa: E402
 from course import selector  # noqa: E402
 from course.engines import week3_engine  # noqa: E402
 from course.models import build_prompt, default_model  # noqa: E402
-from course.user_errors import user_error  # noqa: E402
+from course.user_errors import command, user_error  # noqa: E402
 
 PROG = "pdm run bench-kv-quant"
 FORMATS = {"float32": None, "float16": 16, "8-bit": 8, "4-bit": 4}  # label -> the engine's kv_bits
@@ -225,7 +225,7 @@ def plot(path: Path, pools: dict, machine: str, title: str) -> Path:
     return path
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

@@ -21,7 +21,7 @@ fast_mlx.setup()
 from benches import lab, runner, workloads  # noqa: E402
 from benches.engines import Week3  # noqa: E402
 from course.engines import PLAIN_ENGINE  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-prefix-cache"
 COLUMNS = [lab.Column("cache", "label", "{}"), lab.Column("TTFT p50 s", "user_ttft_p50_s", "{:.3f}"),
@@ -36,7 +36,7 @@ def build_parser():
     return parser
 
 
-@selector.command
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

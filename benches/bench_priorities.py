@@ -26,7 +26,7 @@ fast_mlx.setup()
 from benches import lab, runner, workloads  # noqa: E402
 from benches.engines import Week3  # noqa: E402
 from course.engines import PLAIN_ENGINE  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-priorities"
 COLUMNS = [lab.Column("run", "label", "{}"), lab.Column("TTFT p50 s", "interactive_ttft_p50_s", "{:.3f}"),
@@ -55,7 +55,7 @@ def ratio(a, b):
     return None if a is None or not b else a / b
 
 
-@selector.command
+@command
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

@@ -30,7 +30,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from benches import lab  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-quantized"
 GROUP_SIZE = 64
@@ -138,7 +138,7 @@ COLUMNS = [lab.Column("weights", "weights", "{}"), lab.Column("engine", "engine"
            lab.Column("same tokens as mlx-lm", "same", "{}")]
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

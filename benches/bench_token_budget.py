@@ -44,7 +44,7 @@ fast_mlx.setup()
 from benches import lab, runner, workloads  # noqa: E402
 from benches.engines import Day27, MlxLm, Week3  # noqa: E402
 from course.engines import PLAIN_ENGINE  # noqa: E402
-from course import selector  # noqa: E402
+from course.user_errors import command  # noqa: E402
 
 PROG = "pdm run bench-token-budget"
 RECOMMENDED = "week3 defaults"  # EngineConfig's defaults: the engine `pdm run serve` starts
@@ -231,7 +231,7 @@ def plot_sweep(path, machine: str, rows: list[dict]) -> None:
         lab.legend_below(ax, ax2)
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:

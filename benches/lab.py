@@ -109,7 +109,7 @@ class Bench:
 
 def start(args, modules: tuple[str, ...], load: bool = True) -> Bench:
     """Pick whose code runs, load its `modules` and say which tasks came from the reference; load the model."""
-    selection = selector.from_arguments(args)
+    selection = selector.for_command(args.solution, args.strict)
     for module in modules:
         getattr(selection, module)  # imported now, so the line below names every task they take
     selector.announce(selection)

@@ -17,13 +17,8 @@ V1_NAMES = {"memory.max": "memory.limit_in_bytes", "cgroup.freeze": "freezer.sta
 
 
 def _v2_root() -> Path | None:
-    """The mount point of the unified (v2) hierarchy, if one exists."""
-    with suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 2 and fields[2] == "cgroup2":
-                return Path(fields[1])
-    return None
+    """The unified (v2) hierarchy, where it is mounted at its usual place (as systemd and Docker mount it)."""
+    return MOUNTS if (MOUNTS / "cgroup.controllers").exists() else None
 
 
 def _bases() -> list[Path]:
@@ -121,10 +116,9 @@ class Group:
                 directory.rmdir()
 
 
-def remove_all(prefix: str) -> int:
-    """Kill and remove every group named with `prefix`; how many there were."""
+def remove_all(prefix: str) -> None:
+    """Kill and remove every group named with `prefix`."""
     bases = _bases()
     names = {p.name for base in bases if base.is_dir() for p in base.iterdir() if p.name.startswith(prefix)}
     for name in names:
         Group([base / name for base in bases]).remove()
-    return len(names)

@@ -204,7 +204,7 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
     reported in mlx.launch's words ("Node with rank R exited with code C")."""
     from course import sandbox
 
-    ring = sandbox.start_ranks(world_size, threads_per_rank, code)
+    ring = sandbox.start(code.week, code.day, code.kind, world_size, threads_per_rank)
     import_paths = os.pathsep.join(path for path in sys.path if path)
     ranks, timed_out = [], False
     with tempfile.TemporaryFile() as log:
@@ -234,10 +234,9 @@ def _launch_sandboxed(program: list[str], world_size: int, out_dir: Path, timeou
             for process in ranks:
                 kill_group(process)
             ring.fds = ()
-            ring.stop(wait=GROUP_EXIT_WAIT, keep_log=True)
+            ring.stop(wait=GROUP_EXIT_WAIT)
         log.seek(0)
         output = log.read().decode(errors="replace") + ring.output_tail()
-        ring.remove_log()
     return RankRun([read_result(out_dir, rank) for rank in range(world_size)], output, timed_out)
 
 

@@ -1,7 +1,5 @@
 """The submission's code runs here: a worker process in an OS sandbox (bubblewrap), reached through course/remote.py.
-
-What it sees, and each bound: book/src/grading.md, "Where your code runs" and "The bounds, and where each holds".
-"""
+What it sees, and each bound: book/src/grading.md, "Where your code runs" and "The bounds, and where each holds"."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from contextlib import suppress
 from pathlib import Path
 
@@ -28,7 +27,7 @@ NOBODY = 65534
 SANDBOX_ROOT_VARIABLE = "TINY_LLM_SANDBOX_ROOT"  # set by the grader in the trusted test process
 LIMITS_VARIABLE = "TINY_LLM_SANDBOX_LIMITS"  # "cpu_seconds,memory_mb" for the worker
 RANK_PIPES_VARIABLE = "TINY_LLM_RANK_PIPES"  # "read_fd,write_fd": a rank program's pipes to its worker
-LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # where the workers' output goes (the grader removes it)
+LOGS_VARIABLE = "TINY_LLM_SANDBOX_LOGS"  # the folder of the workers' output files (unnamed: gone with them)
 UNSANDBOXED_VARIABLE = "TINY_LLM_UNSANDBOXED"  # why bubblewrap cannot be used (set once, inherited)
 CGROUP_PREFIX_VARIABLE = "TINY_LLM_CGROUP_PREFIX"  # how the grading run names its cgroups (it removes them all)
 WORKER_FILES = ("__init__.py", "remote.py", "sandbox.py", "cgroup.py", "selector.py", "course_map.py", "fast_mlx.py",
@@ -38,6 +37,7 @@ PRELOAD_VARIABLE = "TINY_LLM_PRELOAD_TOKENIZER"  # the tests' tokenizer, for a w
 SERVER_SOCKETS = 4  # a test's servers at once in one worker (module-scoped ones stay up beside a test's own)
 ACTOR_FAKES = "tests/actor_fakes"  # the one package of tests/ the worker holds (see its docstring)
 MAX_OUTPUT_BYTES = 16 << 20
+PIPE_BYTES = 1 << 20  # a model's logits (1.5 MB for a chunk of tests' tiny model) cross in one or two writes
 # Threads and processes of one sandbox: the cgroup's pids.max, and RLIMIT_NPROC set inside the sandbox's user
 # namespace (`_worker_main`). Day 3.5's server, its client and MLX's pools run many: at 64 an honest 3.5 hung.
 MAX_TASKS = 512
@@ -45,6 +45,8 @@ MAX_OPEN_FILES = 4096  # mlx_lm sets its own limit to (2048, 4096) at import, an
 SCRATCH_BYTES = 256 << 20
 INSIDE = "/grade"
 BLAS_THREADS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+CACHES = shutil.ignore_patterns("__pycache__")
+HIDDEN = "not available while this day is graded"  # what a stripped task body of the reference raises
 
 
 @functools.cache  # probed once per process; a failure is remembered for its children too
@@ -56,17 +58,17 @@ def bwrap_path() -> str | None:
     probe = subprocess.run([found, "--ro-bind", "/", "/", "--unshare-all", "--uid", str(NOBODY), "--gid",
                             str(NOBODY), "true"], capture_output=True)
     if probe.returncode != 0:
-        os.environ[UNSANDBOXED_VARIABLE] = probe.stderr.decode(errors="replace").strip() or "bwrap failed"
+        broken = (probe.stderr.decode(errors="replace").strip() or "bwrap failed").splitlines()[0]
+        os.environ[UNSANDBOXED_VARIABLE] = (f"bubblewrap cannot start a sandbox here ({broken}): user namespaces may "
+                                            "be disabled")
         return None
     return found
 
 
 def why_unsandboxed() -> str:
     """One line: why bubblewrap cannot start a sandbox here."""
-    broken = os.environ.get(UNSANDBOXED_VARIABLE)
-    if sys.platform == "darwin" or not broken:
-        return "macOS has no bubblewrap" if sys.platform == "darwin" else "bubblewrap is not installed"
-    return f"bubblewrap cannot start a sandbox here ({broken.splitlines()[0]}): user namespaces may be disabled"
+    not_there = "macOS has no bubblewrap" if sys.platform == "darwin" else "bubblewrap is not installed"
+    return os.environ.get(UNSANDBOXED_VARIABLE) or not_there
 
 
 def unsandboxed_warning() -> str | None:
@@ -82,82 +84,57 @@ def unsandboxed_warning() -> str | None:
 def strip_task_bodies(source: str, functions: set[str]) -> str:
     """`source` with the bodies of the named functions (qualified names) replaced by a raise."""
     lines = source.splitlines(keepends=True)
-    spans = []
-    for name, node in selector.definitions(ast.parse(source)).items():
-        if name in functions:
-            first = node.body[0]
-            spans.append((first.lineno, node.end_lineno, first.col_offset))
-    for start, end, indent in sorted(spans, reverse=True):
-        lines[start - 1:end] = [" " * indent + 'raise NotImplementedError("not available while this day is graded")\n']
+    bodies = [node.body for name, node in selector.definitions(ast.parse(source)).items() if name in functions]
+    for first, last in sorted(((body[0], body[-1]) for body in bodies), key=lambda ends: -ends[0].lineno):
+        lines[first.lineno - 1:last.end_lineno] = [" " * first.col_offset + f'raise NotImplementedError("{HIDDEN}")\n']
     return "".join(lines)
 
 
 def prepare_root(dest: Path, package: Path, reference: Path, course: Path, week: int, day: int,
                  task: int | None = None) -> Path:
-    """The sandbox's read-only view: the graded package, the reference without day W.D's tasks (or without
-    Task `task` of it alone), the worker."""
-    graded = {}
-    for module, names in selector.task_table().items():
-        graded[module] = {name for name, t in names.items() if t is not None and t.day_key == (week, day)
-                          and task in (None, t.number)}
-    (dest / "course").mkdir(parents=True)
+    """The sandbox's read-only view at `dest`: the graded package, the reference without day W.D's task bodies (or
+    Task `task`'s alone), the worker's code; made whole or not at all (a process stopped half-way leaves none)."""
+    graded = {module: {name for name, t in names.items() if t.day_key == (week, day) and task in (None, t.number)}
+              for module, names in selector.task_table().items()}
+    building = Path(tempfile.mkdtemp(prefix=f"{dest.name}-", dir=dest.parent)) / "root"
+    (building / "course").mkdir(parents=True)
     for name in WORKER_FILES:
-        shutil.copyfile(course / name, dest / "course" / name)
+        shutil.copyfile(course / name, building / "course" / name)
     if (course.parent / ACTOR_FAKES).exists():  # fakes that need no trust: no test, no answer (a course may have none)
-        (dest / "tests").mkdir()
-        shutil.copytree(course.parent / ACTOR_FAKES, dest / ACTOR_FAKES, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(package, dest / "src" / "tiny_llm", ignore=shutil.ignore_patterns("__pycache__"))
-    target = dest / "src_ref" / reference.name
+        shutil.copytree(course.parent / ACTOR_FAKES, building / ACTOR_FAKES, ignore=CACHES)
+    shutil.copytree(package, building / "src" / "tiny_llm", ignore=CACHES)
+    target = building / "src_ref" / reference.name
     target.mkdir(parents=True)
     for path in sorted(reference.glob("*.py")):
         text = path.read_text()
-        if graded.get(path.stem):
-            text = strip_task_bodies(text, graded[path.stem])
-        (target / path.name).write_text(text)
+        (target / path.name).write_text(strip_task_bodies(text, graded[path.stem]) if graded.get(path.stem) else text)
+    building.rename(dest)
+    building.parent.rmdir()
     return dest
 
 
 def task_root(root: Path, week: int, day: int, task: int) -> Path:
-    """The root of the worker that runs Task `task`'s tests of the day graded in `root` (trusted side): the same
-    package, the reference without that task's bodies alone; made beside `root` on first use."""
+    """Task `task`'s root beside the day's `root` (made on first use): the reference lacks that task's bodies alone."""
     dest = root.parent / f"{root.name}-task{task}"
-    if not dest.exists():
-        here = Path(__file__).resolve().parent
-        building = Path(tempfile.mkdtemp(prefix=f"{dest.name}-", dir=root.parent)) / "root"
-        prepare_root(building, root / "src" / "tiny_llm", here.parent / "src_ref" / "tiny_llm_ref", here, week, day,
-                     task)
-        building.rename(dest)  # whole or not at all: a test process stopped half-way leaves no half root
-        building.parent.rmdir()
-    return dest
+    here = Path(__file__).resolve().parent
+    reference = here.parent / "src_ref" / "tiny_llm_ref"
+    return dest if dest.exists() else prepare_root(dest, root / "src" / "tiny_llm", reference, here, week, day, task)
 
 
 # ---------------------------------------------------------------- starting the worker (trusted side)
 
-def _python_dirs() -> list[str]:
-    """What the interpreter needs to run, read-only: its installation and the virtual environment."""
-    dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    dirs |= {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
-    return sorted(dirs)
-
-
-def _bwrap_command(root: Path, inner: list[str], environment: dict[str, str]) -> list[str]:
-    command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY),
-               "--gid", str(NOBODY), "--clearenv", "--proc", "/proc", "--dev", "/dev",
-               "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]
-    for system in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives"):
-        if os.path.exists(system):
-            command += ["--ro-bind", system, system]
-    for directory in _python_dirs():
+def _bwrap_command(root: Path, inner: list[str]) -> list[str]:
+    """`inner` in a sandbox that reads, besides `root` (at `INSIDE`), only the system's libraries, the interpreter's
+    installation and virtual environment, and the tests' model (the actor loads its tokenizer from its files);
+    its environment is bubblewrap's own, which `Worker` sets whole."""
+    command = [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--uid", str(NOBODY), "--gid",
+               str(NOBODY), "--proc", "/proc", "--dev", "/dev", "--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]
+    system = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/alternatives")
+    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, *(p for p in sys.path if p and "site-packages" in p)]
+    shared = {os.path.realpath(p) for p in (*python, models.EMBEDDED_MODEL_DIR) if os.path.exists(p)}
+    for directory in [*(p for p in system if os.path.exists(p)), *sorted(shared)]:
         command += ["--ro-bind", directory, directory]
-    command += ["--ro-bind", str(root), INSIDE]
-    if models.EMBEDDED_MODEL_DIR.is_dir():  # the tests' model: the actor loads its tokenizer from its files
-        shared = os.path.realpath(models.EMBEDDED_MODEL_DIR)
-        command += ["--ro-bind", shared, shared]
-    environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-                   "PYTHONPATH": f"{INSIDE}/src:{INSIDE}/src_ref:{INSIDE}", "PYTHONHASHSEED": "0", **environment}
-    for name, value in environment.items():
-        command += ["--setenv", name, value]
-    return command + ["--chdir", "/tmp", *inner]
+    return command + ["--ro-bind", str(root), INSIDE, "--chdir", "/tmp", *inner]
 
 
 def _limits(cpu_seconds: float | None, memory_mb: int | None, group: cgroup.Group | None):
@@ -175,9 +152,6 @@ def _limits(cpu_seconds: float | None, memory_mb: int | None, group: cgroup.Grou
             group.join()
 
     return apply
-
-
-PIPE_BYTES = 1 << 20  # a model's logits (1.5 MB for a chunk of tests' tiny model) cross in one or two writes
 
 
 def _pipe() -> tuple[int, int]:
@@ -205,20 +179,18 @@ class Worker:
         # machine's loopback, and handed over open, so the tests talk HTTP to it while the worker, with no network
         # of its own, can only accept on them (bytes cross; no object of either side does).
         listeners = [] if ranks else [socket.create_server(("127.0.0.1", 0), backlog=64) for _ in range(SERVER_SOCKETS)]
-        environment = {SERVER_SOCKETS_VARIABLE: ",".join(f"{s.fileno()}:{s.getsockname()[1]}" for s in listeners)}
+        top = INSIDE if bwrap_path() else str(root)  # where the worker finds its root
+        environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
+                       "PYTHONPATH": os.pathsep.join([f"{top}/src", f"{top}/src_ref", top]),
+                       SERVER_SOCKETS_VARIABLE: ",".join(f"{s.fileno()}:{s.getsockname()[1]}" for s in listeners)}
         if threads_per_rank:
             environment.update(dict.fromkeys(BLAS_THREADS, str(threads_per_rank)))
         if reads_text:  # its tests read text: it begins loading its own tokenizer while the judge starts up
             environment[PRELOAD_VARIABLE] = str(models.EMBEDDED_MODEL_DIR.resolve())
-        self.log = tempfile.NamedTemporaryFile(prefix="tiny-llm-worker-", suffix=".log", delete=False,
-                                               dir=os.environ.get(LOGS_VARIABLE) or None)
-        if bwrap_path():
-            command, cwd, env = _bwrap_command(root, inner, environment), "/", {}
-        else:
-            command, cwd = inner, str(root)
-            env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(["src", "src_ref", "."]),
-                   "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(root), **environment}
-        self.process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+        # Its output, in a file without a name: gone with the last process holding it, however this one ends.
+        self.log = tempfile.TemporaryFile(prefix="tiny-llm-worker-", dir=os.environ.get(LOGS_VARIABLE) or None)
+        command = _bwrap_command(root, inner) if bwrap_path() else inner
+        self.process = subprocess.Popen(command, cwd=root, env=environment, stdin=subprocess.DEVNULL, stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
                                         pass_fds=[int(fd) for fd in inside] + [s.fileno() for s in listeners],
                                         preexec_fn=_limits(cpu_seconds, memory_mb, self.group))
@@ -230,9 +202,8 @@ class Worker:
         self.ends = [(from_r, to_w) for (_, to_w), (from_r, _) in pipes]
         self.fds = tuple(fd for pair in self.ends for fd in pair)
         self.modules: dict[str, remote.Handle] = {}  # the selection's modules read so far (RemoteSelection)
-        self.endpoint = None
-        if not ranks:
-            self.endpoint = remote.Endpoint(*self.ends[0], "trusted")
+        self.endpoint = None if ranks else remote.Endpoint(*self.ends[0], "trusted")  # (a ring's: its rank programs')
+        if self.endpoint is not None:
             self.endpoint.explain_loss = self._why_it_ended
 
     def _why_it_ended(self) -> str:
@@ -248,10 +219,9 @@ class Worker:
                 f"limit on memory, CPU time or output). The end of its output:\n{self.output_tail(1500)}")
 
     def output_tail(self, limit: int = 3000) -> str:
-        with suppress(OSError), open(self.log.name, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-            return f.read().decode(errors="replace")
-        return ""
+        """The end of what the worker(s) wrote; read in place (the workers may share the file's offset)."""
+        size = os.fstat(self.log.fileno()).st_size
+        return os.pread(self.log.fileno(), limit, max(0, size - limit)).decode(errors="replace")
 
     def close_pipes(self) -> None:
         """The worker's pipes closed: it ends on its own (and is counted in CPU time)."""
@@ -260,7 +230,7 @@ class Worker:
                 os.close(fd)
         self.fds = ()  # closed once: the numbers may belong to other files by now
 
-    def stop(self, wait: float = 2, keep_log: bool = False) -> None:
+    def stop(self, wait: float = 2) -> None:
         """Close the pipes so the worker ends on its own; kill it if it does not."""
         self.close_pipes()
         try:
@@ -271,18 +241,13 @@ class Worker:
             self.process.wait()
         if self.group is not None:
             self.group.remove()  # whatever it left behind, however detached
-        if not keep_log:
-            self.remove_log()
-
-    def remove_log(self) -> None:
-        with suppress(OSError):
-            os.unlink(self.log.name)
 
 
-def _start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int | None = None,
-           reads_text: bool = False) -> Worker:
-    """A sandbox for `kind`'s code of day W.D, with the grader's limits: on Task N's own root (`task_root`) for
-    "taskN", so it runs the day's other tasks of the reference and never Task N's answer; on the day's otherwise."""
+def start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int | None = None,
+          reads_text: bool = False) -> Worker:
+    """A sandbox for `kind`'s code of day W.D (a `selector.Choice`) with the grader's limits: `RemoteSelection`'s
+    worker, or (`ranks` N) a launch's ring (course/ranks.py: rank r's program on `.ends[r]`). Task N's code runs on
+    Task N's own root (`task_root`): the day's other tasks of the reference are there, never Task N's answer."""
     root = Path(os.environ[SANDBOX_ROOT_VARIABLE])
     if kind.startswith("task"):
         root = task_root(root, week, day, int(kind.removeprefix("task")))
@@ -292,10 +257,10 @@ def _start(week: int, day: int, kind: str, ranks: int = 0, threads_per_rank: int
 
 class RemoteSelection:
     """`solution(week, day)` while grading: the day's package (`kind` "day", "taskN" or "stack", each with a worker
-    of its own), in a sandboxed worker; in a rank program, in its rank's (`RankLink`). A worker that died or was
-    stopped at a time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
+    of its own), in a sandboxed worker; in a rank program, in its rank's. A worker that died or was stopped at a
+    time limit is replaced on the next use, so a module-level `sol = solution(...)` survives it."""
 
-    _workers: dict[tuple, Worker] = {}
+    _workers: dict[tuple, Worker] = {}  # by (week, day, kind)
     _reading_text: set[tuple] = set()  # the keys whose tests read text (`reads_text`): their workers preload
     restart_needed = False  # a worker broke and was replaced during the test running now
 
@@ -308,9 +273,10 @@ class RemoteSelection:
         # own start-up (Python, MLX, the package) runs beside this process's, not after it.
         self._worker()
 
-    def _worker(self) -> Worker | RankLink:
+    def _worker(self) -> Worker | types.SimpleNamespace:
+        """This code's worker (in a rank program, its link to its rank's), started or replaced where needed."""
         if os.environ.get(RANK_PIPES_VARIABLE):
-            return RankLink.get()
+            return _rank_link()
         worker = self._workers.get(self._key)
         if worker is not None and worker.endpoint.broken:
             RemoteSelection.restart_needed = True
@@ -318,8 +284,8 @@ class RemoteSelection:
             worker = None
         if worker is None:
             if not self._workers:
-                atexit.register(stop_workers)  # the workers' output files go with them
-            worker = self._workers[self._key] = _start(*self._key, reads_text=self._key in self._reading_text)
+                atexit.register(stop_workers)  # no worker outlives this process
+            worker = self._workers[self._key] = start(*self._key, reads_text=self._key in self._reading_text)
         return worker
 
     def __getattr__(self, module: str):
@@ -334,31 +300,16 @@ class RemoteSelection:
         return found
 
 
-class RankLink:
-    """A rank program's pipes to its worker in the launch's sandbox (course/ranks.py starts both), which serves
-    the launch's code and this rank's `mx.distributed` group (`rank_group`)."""
-
-    def __init__(self):
-        read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
-        self.endpoint = remote.Endpoint(read_fd, write_fd, "trusted")
-        self.modules: dict[str, remote.Handle] = {}
-
-    @classmethod
-    @functools.cache
-    def get(cls) -> RankLink:
-        return cls()
+@functools.cache
+def _rank_link() -> types.SimpleNamespace:
+    """A rank program's pipe to its worker (the launch's code, this rank's group: `rank_group`), as a Worker has it."""
+    read_fd, write_fd = (int(fd) for fd in os.environ[RANK_PIPES_VARIABLE].split(","))
+    return types.SimpleNamespace(endpoint=remote.Endpoint(read_fd, write_fd, "trusted"), modules={})
 
 
 def rank_group():
     """In a rank program while grading: this rank's `mx.distributed` group, in its worker; None otherwise."""
-    return RankLink.get().endpoint.request("getattr", 0, "rank_group") if os.environ.get(RANK_PIPES_VARIABLE) else None
-
-
-def start_ranks(world_size: int, threads_per_rank: int | None, code) -> Worker:
-    """One sandbox of `world_size` workers in an `mx.distributed` ring on its own loopback, for the rank programs of
-    a launch that runs `code` (a `selector.Choice`). `.ends[r]` are the pipes of rank r's program (pass them on
-    with `RANK_PIPES_VARIABLE`)."""
-    return _start(code.week, code.day, code.kind, world_size, threads_per_rank)
+    return _rank_link().endpoint.request("getattr", 0, "rank_group") if os.environ.get(RANK_PIPES_VARIABLE) else None
 
 
 def _forward_seeds() -> None:
@@ -410,10 +361,8 @@ def _start_ring(argv: list[str], fds: list[str]) -> None:
 
 def _defer_mlx_lm_start_up() -> None:
     """Make `import mlx_lm.models.qwen2` cost its model files alone in the worker: mlx-lm's package start-up
-    (its `load`, `generate` and tokenizers: transformers, huggingface_hub, jinja2) runs on the first attribute
-    read of `mlx_lm` itself, not before. The worker builds every model the judge hands over from
-    `mlx_lm.models` (course/remote.py) and day 4.1's reference imports `mlx_lm.models.cache`: 2-3 s of imports
-    per worker it never used (what the student's code reads of `mlx_lm` is there all the same)."""
+    (transformers, huggingface_hub, jinja2: 2-3 s a worker) waits for the first attribute read of `mlx_lm` itself
+    (book/src/grading.md, "Why a stand-in over a pipe, and what it costs")."""
     import importlib.util
 
     spec = importlib.util.find_spec("mlx_lm")
@@ -433,7 +382,6 @@ def _defer_mlx_lm_start_up() -> None:
 
     package.__getattr__ = start_up
     sys.modules["mlx_lm"] = package
-
 
 
 def _worker_main(argv: list[str]) -> None:

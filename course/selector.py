@@ -1,16 +1,9 @@
-"""Whose code runs: the one selector of the tests, every command, every benchmark and the checks.
-
-Packages of the student's modules with some functions and methods the reference's, run in the student's module:
-`Choice(...).select()` for the tests, `for_command` for the commands. The rules: MAINTAINERS.md, "Whose code runs:
-the selector"; in the grader: book/src/grading.md, "Where your code runs". Which task a function belongs to comes
-from the markers (read with `ast`, never run) and `course/tasks.json` (a finished function has no marker any more).
-"""
+"""Whose code runs, function by function: the one selector of the tests (`Choice(...).select()`), the commands
+(`for_command`), the benchmarks and the checks. The rules: MAINTAINERS.md, "Whose code runs: the selector"."""
 
 from __future__ import annotations
 
 import ast
-import functools
-import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -79,9 +72,8 @@ def unwritten_in_source(source: str) -> dict[str, Task]:
 
 
 def unwritten() -> dict[str, dict[str, Task]]:
-    """module -> {qualified name -> task} for every function of the student's package still raising its marker."""
-    found = {path.stem: unwritten_in_source(path.read_text()) for path in sorted(STUDENT_DIR.glob("*.py"))}
-    return {module: tasks for module, tasks in found.items() if tasks}
+    """Every module of the student's package -> {qualified name -> task} of its functions still raising a marker."""
+    return {path.stem: unwritten_in_source(path.read_text()) for path in sorted(STUDENT_DIR.glob("*.py"))}
 
 
 def task_table() -> dict[str, dict[str, Task]]:
@@ -150,8 +142,7 @@ class Selection:
         self.used.update(self.tasks[name][qualname] for qualname in swapped)
 
     def unwritten(self, module: str) -> dict[str, str]:
-        """The student's functions of `module` still raising their task marker: qualified name -> the task, as
-        text. Asked of the selection, so that while grading the sandbox's copy of the student's package answers."""
+        """`unwritten()`'s tasks of `module`, as text: asked of the selection, a grader's worker answers."""
         return {name: str(task) for name, task in unwritten().get(module, {}).items()}
 
     def describe(self) -> str:
@@ -228,12 +219,8 @@ def reference() -> Selection:
 
 @dataclass(frozen=True)
 class Choice:
-    """The code a test runs, as data another process can be handed ("4 3 task2": `course.ranks.launch` hands it to
-    a rank program; `course/sandbox.py`'s workers are named by the same three parts). `kind` of day W.D: "day" (the
-    student's code for the day's tasks, the reference's for every other), "taskN" (the student's Task N alone) or
-    "stack" (your stack so far: the day's tasks, and those the student has written of the stack's earlier days,
-    from day W.1 or where `STACK_STARTS` says). The modules holding the days' tasks, and their `Day.modules`, are
-    the student's files with the reference's functions swapped in; every other module is the reference's own."""
+    """The code a test runs, as data another process can be handed ("4 3 task2": to a rank program, to a grader's
+    worker): `kind` of day W.D is "day", "taskN" or "stack" (MAINTAINERS.md, "Whose code runs: the selector")."""
 
     week: int
     day: int
@@ -242,11 +229,6 @@ class Choice:
     def __post_init__(self):
         if self.kind not in ("day", "stack") and not re.fullmatch(r"task[1-9]\d*", self.kind):
             raise ValueError(f"a choice's kind is 'day', 'stack' or 'taskN', not {self.kind!r}")
-
-    @property
-    def task(self) -> int | None:
-        """N for "taskN", else None."""
-        return int(self.kind.removeprefix("task")) if self.kind.startswith("task") else None
 
     def __str__(self) -> str:
         return f"{self.week} {self.day} {self.kind}"
@@ -261,6 +243,7 @@ class Choice:
         from course.course_map import DAYS, find_day
 
         today = self.week, self.day
+        number = int(self.kind.removeprefix("task")) if self.kind.startswith("task") else None  # "taskN": N alone
         start = STACK_STARTS.get(self.week, (self.week, 1)) if self.kind == "stack" else today
         days = [(d.week, d.day) for d in DAYS if start <= (d.week, d.day) <= today]
         own = {module for module, names in task_table().items() if any(t.day_key in days for t in names.values())}
@@ -269,56 +252,28 @@ class Choice:
         def students(task: Task, written: bool) -> bool:
             if self.kind == "stack" and start <= task.day_key < today:
                 return written
-            return task.day_key == today and self.task in (None, task.number)
+            return task.day_key == today and number in (None, task.number)
 
         return _build(f"tiny_llm_{self.kind}_week{self.week}_day{self.day}", own, students)
 
 
-def for_command(solution: str = "student", strict: bool = False) -> Selection:
+def for_command(solution: str, strict: bool = False) -> Selection:
     """What a command runs: "ref" -> the reference; "student" -> `for_student()`, or `tiny_llm` as it is when strict."""
     if solution == "ref":
         return reference()
     return Selection(STUDENT_PACKAGE) if strict else for_student()
 
 
-def add_arguments(parser, default: str = "ref") -> None:
+def add_arguments(parser) -> None:
     """The `--solution` and `--strict` options every command that can run student code shares."""
-    parser.add_argument("--solution", choices=["ref", "student"], default=default,
-                        help=f"ref: src_ref/tiny_llm_ref; student: your src/tiny_llm, with the reference's code for "
-                             f"the tasks you have not written yet (default {default})")
+    parser.add_argument("--solution", choices=["ref", "student"], default="ref",
+                        help="ref: src_ref/tiny_llm_ref; student: your src/tiny_llm, with the reference's code for "
+                             "the tasks you have not written yet (default ref)")
     parser.add_argument("--strict", action="store_true",
                         help="with --solution student: your code only, no task taken from the reference")
 
 
-def from_arguments(args) -> Selection:
-    """The selection that parsed `--solution`/`--strict` ask for."""
-    return for_command(args.solution, strict=args.strict)
-
-
 def announce(selection: Selection, file=None) -> None:
     """Print the selection's one line (to stderr), if it took anything from the reference."""
-    line = selection.describe()
-    if line:
-        print(f"[tiny-llm] {line} (--strict: your code only)", file=file or sys.stderr, flush=True)
-
-
-def command(main):
-    """Decorator for an entry point's `main`: a NotImplementedError that escapes (an unfinished task, only possible
-    with --strict) ends in one line naming the task, its chapter and its test command, and exit status 1."""
-
-    @functools.wraps(main)
-    def wrapped(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except NotImplementedError as error:
-            while isinstance(error.__context__, NotImplementedError):
-                error = error.__context__  # clean-up code that is unwritten too: report what failed first
-            task = Task.parse(str(error))
-            line = f"not implemented yet: {error}"
-            if task is not None:
-                line += (f". Read {task.chapter}, then run `pdm run test --week {task.week} --day {task.day}`. "
-                         f"(Without --strict, a command takes unwritten tasks from the reference.)")
-            print(line, file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-
-    return wrapped
+    if selection.used:
+        print(f"[tiny-llm] {selection.describe()} (--strict: your code only)", file=file or sys.stderr, flush=True)

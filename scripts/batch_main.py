@@ -20,7 +20,7 @@ import sys
 import time
 
 from course import fast_mlx, selector
-from course.user_errors import OneLineParser, user_error
+from course.user_errors import OneLineParser, command, user_error
 
 PROMPTS = [
     "What is continuous batching?",
@@ -131,7 +131,7 @@ def set_up(args, selection: selector.Selection, live: bool, log_lines: list[str]
     return scheduler, path
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from course.models import MEANINGLESS_NOTE, describe_model, is_embedded
     from tiny_llm_ref.metrics import format_summary
 
-    selection = selector.from_arguments(args)
+    selection = selector.for_command(args.solution, args.strict)
     live = not args.no_live and sys.stdout.isatty()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     log_lines: list[str] = []

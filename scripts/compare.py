@@ -36,6 +36,7 @@ import time
 import traceback
 
 from course import selector
+from course.user_errors import command
 from course.course_map import Day, find_day
 
 DEFAULT_PROMPTS = [
@@ -400,7 +401,7 @@ def print_schedules(mine: dict, ref: dict) -> None:
     print(f"  time ratio yours / reference: {mine['seconds'] / max(ref['seconds'], 1e-9):.2f}")
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return compare(args)

@@ -27,7 +27,7 @@ import sys
 import time
 
 from course import fast_mlx, selector
-from course.user_errors import OneLineParser, user_error
+from course.user_errors import OneLineParser, command, user_error
 
 DEFAULT_PROMPT = "Give me a short introduction to large language models."
 
@@ -195,7 +195,7 @@ def check_args(args) -> None:
         check_text("--prompt", args.prompt)
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                resolve_model)
     from tiny_llm_ref.validation import check_text
 
-    package = selector.from_arguments(args)
+    package = selector.for_command(args.solution, args.strict)
     try:
         check_args(args)
         args.model = default_model() if args.model is None else args.model

@@ -32,7 +32,7 @@ import sys
 import uvicorn
 
 from course import fast_mlx, ranks, selector
-from course.user_errors import OneLineParser, user_error
+from course.user_errors import OneLineParser, command, user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +147,7 @@ def check_port(parser, host: str, port: int) -> None:
         parser.error(f"cannot listen on {host}:{port}: {error.strerror or error}")
 
 
-@selector.command
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -225,7 +225,7 @@ def serve_rank(parser, args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(name)s] %(message)s", stream=sys.stderr)
     from course.models import load_model
 
-    selection = selector.from_arguments(args)
+    selection = selector.for_command(args.solution, args.strict)
     try:
         mlx_model, tokenizer = load_model(default_model_name(args))
         model = selection.tensor_parallel.Qwen2TensorParallel(mlx_model, group)
@@ -297,7 +297,7 @@ def serve(parser, args) -> int:
 
     from course.models import MEANINGLESS_NOTE, default_model, describe_model, is_embedded, load_model, resolve_model
 
-    selection = selector.from_arguments(args)
+    selection = selector.for_command(args.solution, args.strict)
     try:
         args.model = default_model() if args.model is None else args.model
         path = resolve_model(args.model)

@@ -47,9 +47,7 @@ def actor_fakes(sol, module: str = ""):
     name = f"tests.actor_fakes.{module}" if module else "tests.actor_fakes"
     while type(sol) is not sandbox.RemoteSelection and "wrapped" in getattr(sol, "__dict__", {}):
         sol = sol.wrapped  # a test's wrapper of a selection (a stack whose model is built another way)
-    if type(sol) is sandbox.RemoteSelection:
-        if os.environ.get(sandbox.RANK_PIPES_VARIABLE):  # in a rank program: the rank's worker
-            return sandbox.RankLink.get().endpoint.request("import", 0, name)
+    if type(sol) is sandbox.RemoteSelection:  # its worker (in a rank program, its rank's)
         return sol._worker().endpoint.request("import", 0, name)
     import importlib
 

@@ -12,6 +12,7 @@ import pytest
 
 from course import selector
 from course.course_map import DAYS
+from course.user_errors import command
 
 REFERENCE_DIR = selector.REPO_ROOT / "src_ref" / "tiny_llm_ref"
 
@@ -204,7 +205,7 @@ def helper():
 
 
 def test_unfinished_work_ends_in_one_line_and_status_1(capsys):
-    @selector.command
+    @command
     def main():
         try:
             raise NotImplementedError("Week 2 Day 6 Task 2 (book/src/week2-06-continuous-batching.md): admit")
