@@ -5,11 +5,9 @@
     pdm run grade --json results.json      # also write Gradescope's results.json
     pdm run grade --src path/to/submission # grade a submission (a directory of module files)
     pdm run grade --solution ref           # grade the reference (every task at full points)
-    pdm run grade --make-autograder DIR    # write a Gradescope autograder
 
-What is graded, where it runs, how points are counted and what bounds a run: book/src/grading.md. Exit status:
-0 when grading finished (whatever the score); 2 when the grader itself failed (bad arguments, an error in the
-grader, a day whose tests could not be run at all); the report is still written.
+What is graded, where it runs, how points are counted, what bounds a run: book/src/grading.md. Exit status 0 when
+grading finished (whatever the score); 2 when the grader itself failed (the report is still written).
 """
 
 import argparse
@@ -41,7 +39,7 @@ UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
 STATUS_WORDS = {"error": "error in set-up", "timeout": "timed out", "crashed": "crashed the test process",
                 "not_run": "not run", "not_collected": "could not be collected"}
-TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
+TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (maint/record_times.py)
 CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
 DEFAULT_DAY_CAP = 600.0  # a day without a recorded time
 MAX_FILE_BYTES = 1 << 20  # a submitted file larger than this is refused (the largest course module is 38 kB)
@@ -109,13 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
                              "16384, on Linux without an NVIDIA GPU; 0: none)")
-    parser.add_argument("--record-times", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
-                        help="grade ROUNDS times (default 3) and save each day's slowest time for the caps "
-                             "(maintainers: --src src_ref/tiny_llm_ref on an idle machine)")
     parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse to grade a student's code where bubblewrap cannot start (default: with --json)")
-    parser.add_argument("--make-autograder", metavar="DIR",
-                        help="write a Gradescope autograder (setup.sh, run_autograder and the course) to DIR")
     return parser
 
 
@@ -308,7 +301,9 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
     return {"score": sum(t.units for t in graded) / UNITS, "execution_time": round(seconds), "output": summary,
             "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
             "extra_data": {"max_score": sum(t.max_units for t in graded) / UNITS,
-                           "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending], **extra}}
+                           "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
+                           "seconds": {f"{r.day.week}.{r.day.day}": r.seconds for r in reports if not r.pending},
+                           **extra}}
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -322,11 +317,9 @@ def write_atomically(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- time caps
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
-    """A day's time cap, counted from the end of its tests' collection: CAP_FACTOR x its recorded honest time plus
-    one test's limit (the default limit if --timeout is shorter), the same at any load (no yardstick, nothing the
-    submission can stretch). --day-budget replaces it; a day not recorded, or a run recording times, gets
-    DEFAULT_DAY_CAP."""
-    if args.day_budget is not None or args.record_times or day.key not in times:
+    """A day's flat time cap (grading.md, "A day has a flat time cap"): CAP_FACTOR x its recorded honest time plus
+    one test's limit, never less than the default one; --day-budget replaces it."""
+    if args.day_budget is not None or day.key not in times:
         return args.day_budget or DEFAULT_DAY_CAP
     return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
@@ -336,20 +329,6 @@ def recorded_times() -> dict[str, float]:
         return {k: float(v) for k, v in json.loads(TIMES_FILE.read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
-
-
-def record_times(reports: list[DayReport]) -> None:
-    """Save each day's slowest time of its rounds (`reports` holds each day once per round), only for a day that
-    passed every test in every round: a cut-short run is no honest run, and would shrink the next caps."""
-    times, slowest, failed = recorded_times(), {}, set()
-    for report in reports:
-        if report.tests and all(t.passed for t in report.tests) and not report.problems:
-            slowest[report.day.key] = max(slowest.get(report.day.key, 0.0), report.seconds)
-        else:
-            failed.add(report.day.key)
-            print(f"[grade] {report.day.key}: not every test passed; time not recorded")
-    times.update({key: round(seconds, 2) for key, seconds in slowest.items() if key not in failed})
-    TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- main
@@ -397,7 +376,7 @@ def grade(args: argparse.Namespace) -> int:
     if not days:
         raise SystemExit("no day in the selection has tests yet")
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
-    reports, graded, extra = [placeholder(d) for d in days], [], {}
+    reports, extra = [placeholder(d) for d in days], {}
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
 
     def save() -> None:
@@ -421,74 +400,20 @@ def grade(args: argparse.Namespace) -> int:
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
         times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()
-        for repeat in range(args.record_times or 1):  # --record-times N grades the selection N times
-            for index, day in enumerate(days):
-                print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
-                reports[index] = grade_day(day, args, tmp / f"{day.key}-{repeat}", trusted, env, package,
-                                           day_cap(day, args, times), memory_mb)
-                graded.append(reports[index])
-                cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
-                save()
+        for index, day in enumerate(days):
+            print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
+            reports[index] = grade_day(day, args, tmp / day.key, trusted, env, package, day_cap(day, args, times),
+                                       memory_mb)
+            cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
+            save()
     finally:
         cgroup.remove_all(groups)
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.record_times:
-        record_times(graded)
     print(render(reports, notes, args.solution))
     print(f"\ngraded {len(reports)} day(s) in {time.monotonic() - started:.0f} s")
     if args.json:
         print(f"wrote {Path(args.json).resolve()}")
     return GRADER_FAILED if any(r.problems for r in reports) else 0
-
-
-# ---------------------------------------------------------------- a Gradescope autograder
-
-AUTOGRADER_PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "maint", "scripts", "tests", "src", "src_ref",
-                    "models/qwen2-tiny-random")
-SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu, Python 3.11 or later):
-# bubblewrap for the sandbox, then the course's packages from its lock file.
-set -euo pipefail
-apt-get update -qq
-apt-get install -y -qq bubblewrap
-cd /autograder/source/course
-python3 -m pip install --quiet 'pdm[locked]'
-PDM_CHECK_UPDATE=false pdm install --frozen-lockfile --prod
-"""
-RUN_AUTOGRADER = """#!/usr/bin/env bash
-# Gradescope runs this for each submission: it grades /autograder/submission (a student's modules, in
-# src/tiny_llm/, tiny_llm/ or the top folder) and writes /autograder/results/results.json. The variables
-# below move each place, to run it elsewhere (the course's own test does).
-course="${TINY_LLM_AUTOGRADER_COURSE:-/autograder/source/course}"
-cd "$course" || exit 2
-export PYTHONPATH=src:src_ref:.
-exec "${TINY_LLM_AUTOGRADER_PYTHON:-$course/.venv/bin/python}" -m scripts.grade \\
-    --src "${TINY_LLM_AUTOGRADER_SUBMISSION:-/autograder/submission}" \\
-    --json "${TINY_LLM_AUTOGRADER_RESULTS:-/autograder/results/results.json}" "$@"
-"""
-
-
-def make_autograder(dest: Path) -> None:
-    """Gradescope's autograder: setup.sh and run_autograder at the top (zip DIR's contents and upload them), and
-    the course (tests, tooling, reference, embedded model) in course/, with the skeleton written afresh from the
-    reference: whatever is in this checkout's src/tiny_llm (a student's work) never goes in."""
-    from maint.make_skeleton import generate
-    if dest.exists() and any(dest.iterdir()):
-        raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
-    (dest / "course").mkdir(parents=True)
-    for name in AUTOGRADER_PARTS:
-        source = REPO_ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, dest / "course" / name, ignore=scratch.IGNORE, symlinks=True)
-        elif source.exists():
-            shutil.copyfile(source, dest / "course" / name)
-    for name, text in generate(REPO_ROOT / REFERENCE_DIR).items():
-        (dest / "course" / SKELETON_DIR / name).write_text(text)
-    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
-        (dest / name).write_text(text)
-        (dest / name).chmod(0o755)
-    print(f"wrote a Gradescope autograder to {dest}: upload a zip of its contents "
-          f"(cd {dest} && zip -r ../autograder.zip .)")
 
 
 def _stop(signum, frame):
@@ -499,9 +424,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
     signal.signal(signal.SIGTERM, _stop)
     try:
-        if args.make_autograder:
-            make_autograder(Path(args.make_autograder).resolve())
-            return 0
         return grade(args)
     except KeyboardInterrupt:
         print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)
