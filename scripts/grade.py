@@ -22,12 +22,12 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 
 from course import cgroup, sandbox, scratch
-from course.course_map import DAYS, Day
+from course.course_map import DAYS, Day, find_day
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
 from course.remote import printable
 
@@ -41,7 +41,7 @@ STATUS_WORDS = {"error": "error in set-up", "timeout": "timed out", "crashed": "
                 "not_run": "not run", "not_collected": "could not be collected"}
 TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (maint/record_times.py)
 CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
-DEFAULT_DAY_CAP = 600.0  # a day without a recorded time
+DEFAULT_DAY_CAP = 600.0  # a day without a recorded time, and every day while maint/record_times.py records
 MAX_FILE_BYTES = 1 << 20  # a submitted file larger than this is refused (the largest course module is 38 kB)
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
@@ -64,10 +64,6 @@ class CaseScore:
     @property
     def passed(self) -> bool:
         return self.outcome == "passed"
-
-    @property
-    def name(self) -> str:
-        return f"Week {self.day.week} Day {self.day.day} Task {self.task}: {self.nodeid.split('::')[-1]}"
 
 
 @dataclass
@@ -95,15 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--week", type=int, help="grade only this week")
     parser.add_argument("--day", type=int, nargs="+", help="grade only these days of --week")
     parser.add_argument("--json", metavar="FILE", help="write Gradescope's results.json format to FILE")
-    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR (its modules, or tiny_llm/ or "
-                        "src/tiny_llm/ holding them) instead of src/tiny_llm")
+    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR, DIR/tiny_llm or DIR/src/tiny_llm")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help=f"time cap of one day (default: {CAP_FACTOR:g}x its time in course/grading_times.json "
-                             f"plus --timeout; {DEFAULT_DAY_CAP:g} for a day not recorded)")
+                        help=f"time cap of one day (default {CAP_FACTOR:g}x its recorded time plus --timeout)")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
                         help="address-space limit of each test process (default: the machine's memory, at most "
                              "16384, on Linux without an NVIDIA GPU; 0: none)")
@@ -115,11 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 def select_days(week: int | None, days: list[int] | None) -> list[Day]:
     if days and week is None:
         raise SystemExit("--day needs --week, e.g. `pdm run grade --week 2 --day 7`")
-    chosen = [d for d in DAYS if (week is None or d.week == week) and (not days or d.day in days)]
-    if not chosen or set(days or []) - {d.day for d in chosen}:
-        known = ", ".join(f"{d.week}.{d.day}" for d in DAYS)
-        asked = f"week {week}" + (f" day {' '.join(map(str, days))}" if days else "")
-        raise SystemExit(f"{asked} is not in the course (days: {known})")
+    chosen = [find_day(week, d) for d in sorted(set(days))] if days else [d for d in DAYS if week in (None, d.week)]
+    if not chosen:
+        raise SystemExit(f"week {week} is not in the course (weeks {DAYS[0].week} to {DAYS[-1].week})")
     return chosen
 
 
@@ -136,10 +128,8 @@ def submission_dir(src: Path) -> Path:
 
 
 def read_regular(path: Path) -> bytes:
-    """A submitted file's bytes if it is a plain file of its own, else ValueError saying what it is. The grader has
-    more rights than the sandbox, so a symbolic link (to the reference, to a hidden test), a hard link, a device, a
-    FIFO, a directory or a file over MAX_FILE_BYTES is never read: opened without following a link or blocking,
-    checked on the open descriptor."""
+    """A submitted file's bytes if it is a regular file of its own of at most MAX_FILE_BYTES, checked on a descriptor
+    opened without following a link or blocking; else ValueError saying what it is (grading.md, "The threat model")."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
@@ -157,10 +147,8 @@ def read_regular(path: Path) -> bytes:
 
 
 def stage_submission(root: Path, package: Path) -> Submission:
-    """The package being graded: the submission's course modules, the untouched skeleton's for a module it lacks,
-    the reference's provided code and an `__init__.py` of the grader's. Every file of the submission is read as
-    `read_regular` reads (a refused module counts as missing); those that are not course modules are listed, never
-    run."""
+    """The package being graded (grading.md, "What is graded"): every file of the submission read by `read_regular`
+    (a refused module counts as missing), the course modules staged and the others listed."""
     package.mkdir(parents=True)
     wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
     for name in provided:
@@ -201,9 +189,8 @@ def split(total: int, count: int) -> list[int]:
 
 
 def score_day(day: Day, run: RunResult) -> DayReport:
-    """A task's points split evenly across its test functions (`test_task_N_...`: maint/book_check.py checks that
-    every test of a day is one), a function's share across its cases (`run.expected`, the cases collected). A task
-    none of whose tests was collected counts as one case, at zero."""
+    """Each case's points (grading.md, "How points are counted") among the cases collected; a task none of whose
+    tests was collected counts as one case, at zero."""
     report = DayReport(day, seconds=run.seconds)
     cases: dict[str, list[str]] = {}
     for nodeid in run.expected:
@@ -225,24 +212,20 @@ def score_day(day: Day, run: RunResult) -> DayReport:
 
 def placeholder(day: Day) -> DayReport:
     """A day not graded yet, in a report written before it is: every test at 0."""
-    report = score_day(day, RunResult(day.test_file))
-    report.pending = True
-    return report
+    return replace(score_day(day, RunResult(day.test_file)), pending=True)
 
 
 # ---------------------------------------------------------------- output
 
 def first_lines(text: str, count: int = 3) -> str:
-    """The most telling lines of a failure (the last ones of pytest's, "E   assert ..."), and where it happened:
-    the innermost frame in the student's package."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    telling = [line for line in lines if line.startswith(("E ", "timed out", "the test process died", "not run"))
-               or "not implemented yet" in line]
-    chosen = (telling or lines)[:count]
+    """The most telling lines of a failure ("E   assert ..."), and the innermost frame in the student's package."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    chosen = [line for line in lines if line.startswith(("E ", "timed out", "the test process died", "not run"))
+              or "not implemented yet" in line][:count] or lines[:count]
     where = [line for line in lines if re.search(r"src/tiny_llm\S*:\d+", line)][-1:]
     if where and where[0] not in chosen:
         chosen = chosen[: count - 1] + where
-    return "\n".join("      " + line.strip()[:160] for line in chosen)
+    return "\n".join("      " + line[:160] for line in chosen)
 
 
 def status_word(test: CaseScore) -> str:
@@ -293,8 +276,8 @@ def render(reports: list[DayReport], notes: list[str], solution: str) -> str:
 def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
     graded = [t for r in reports for t in r.tests]
-    tests = [{"name": t.name, "score": t.units / UNITS, "max_score": t.max_units / UNITS,
-              "status": "passed" if t.passed else "failed",
+    tests = [{"name": f"Week {t.day.week} Day {t.day.day} Task {t.task}: {t.nodeid.split('::')[-1]}",
+              "score": t.units / UNITS, "max_score": t.max_units / UNITS, "status": "passed" if t.passed else "failed",
               "output": "passed" if t.passed else f"{status_word(t)}\n{t.output}".strip(),
               "tags": [f"week {t.day.week}", f"day {t.day.week}.{t.day.day}", f"task {t.task}"],
               "visibility": "visible"} for t in graded]
@@ -324,13 +307,6 @@ def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> floa
     return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
 
-def recorded_times() -> dict[str, float]:
-    try:
-        return {k: float(v) for k, v in json.loads(TIMES_FILE.read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
 # ---------------------------------------------------------------- main
 
 def submission_notes(submission: Submission, args: argparse.Namespace) -> list[str]:
@@ -346,8 +322,7 @@ def submission_notes(submission: Submission, args: argparse.Namespace) -> list[s
 
 def grade_day(day: Day, args: argparse.Namespace, work: Path, trusted: Path, env: dict, package: Path | None,
               cap: float, memory_mb: int | None) -> DayReport:
-    """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it. The tests
-    expected are those that process collects: no test decides which tests exist from what the submission returns."""
+    """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it."""
     work.mkdir()
     if package is not None:
         root = sandbox.prepare_root(work / "sandbox", package, REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course",
@@ -370,11 +345,7 @@ def grade(args: argparse.Namespace) -> int:
         print(f"grade: refused: the sandbox cannot start here ({sandbox.why_unsandboxed()}); "
               "--no-require-sandbox grades without it", file=sys.stderr)
         return GRADER_FAILED
-    selected = select_days(args.week, args.day)
-    days = [d for d in selected if (REPO_ROOT / d.test_file).exists()]
-    notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded" for d in selected if d not in days]
-    if not days:
-        raise SystemExit("no day in the selection has tests yet")
+    days, notes = select_days(args.week, args.day), []
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
     reports, extra = [placeholder(d) for d in days], {}
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
@@ -398,7 +369,8 @@ def grade(args: argparse.Namespace) -> int:
             extra = {"ignored_files": submission.ignored, "sandboxed": warning is None}
         trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
-        times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
+        times = json.loads(TIMES_FILE.read_text()) if TIMES_FILE.exists() else {}
+        memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()
         for index, day in enumerate(days):
             print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
@@ -428,11 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)
         return 130
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            print(f"grade: {stop.code}", file=sys.stderr)
-            return GRADER_FAILED
-        return 0
+    except SystemExit as stop:  # a selection or --src that cannot be graded: one line
+        print(f"grade: {stop.code}", file=sys.stderr)
+        return GRADER_FAILED
     except Exception:
         traceback.print_exc()
         print("grade: the grader itself failed (see above); no grade was produced", file=sys.stderr)
