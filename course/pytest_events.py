@@ -1,9 +1,8 @@
 """The judge's results plugin (book/src/grading.md): where TINY_LLM_EVENTS names a file, one JSON line, one `os.write`
 each (on disk whatever kills the process): {"collected": [ids], "errors": [texts]}, then {"finish": id, "outcome":
-..., "output": text} per test, then {"done": exit status}. It also stops pytest-timeout's clock between a test's
-phases, and starts the tests after a broken worker on fresh ones.
+..., "output": text} per test. It also stops pytest-timeout's clock between a test's phases, and starts the tests
+after a broken worker on fresh ones.
 """
-
 import json
 import os
 import signal
@@ -101,7 +100,3 @@ def pytest_runtest_logfinish(nodeid, location):
         outcome = "timeout"
         texts.insert(0, f"timed out: still running after {_state['timeout']:g} s, so it was stopped.")
     _emit(finish=nodeid, outcome=outcome, output=_clip("\n".join(t for t in texts if t)))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _emit(done=int(exitstatus))

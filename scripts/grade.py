@@ -151,8 +151,8 @@ def stage_submission(root: Path, package: Path) -> Submission:
     (a refused module counts as missing), the course modules staged and the others listed."""
     package.mkdir(parents=True)
     wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
-    for name in provided:
-        shutil.copyfile(REPO_ROOT / SKELETON_DIR / name if name[:-3] in wanted else trusted_file(name), package / name)
+    for name in provided:  # provided code is the reference's: this checkout's src/tiny_llm may be a student's
+        shutil.copyfile(REPO_ROOT / (SKELETON_DIR if name[:-3] in wanted else REFERENCE_DIR) / name, package / name)
     (package / "__init__.py").write_text(INIT_TEXT)
     submission, modules_dir = Submission(), submission_dir(root)
     for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
@@ -170,15 +170,10 @@ def stage_submission(root: Path, package: Path) -> Submission:
             if module:
                 (package / name).write_bytes(data)
                 submission.modules.add(path.stem)
-            elif not (path.parent == modules_dir and name in provided and data == trusted_file(name).read_bytes()):
+            elif not (path.parent == modules_dir and name in provided
+                      and data == (REPO_ROOT / REFERENCE_DIR / name).read_bytes()):
                 submission.ignored.append(shown)  # not provided code left unchanged
     return submission
-
-
-def trusted_file(name: str) -> Path:
-    """The trusted copy of a package file that is not a course module: provided code is the reference's."""
-    reference = REPO_ROOT / REFERENCE_DIR / name
-    return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
 # ---------------------------------------------------------------- scoring
@@ -229,9 +224,8 @@ def first_lines(text: str, count: int = 3) -> str:
 
 
 def status_word(test: CaseScore) -> str:
-    if test.outcome == "failed" and "not implemented yet" in test.output:
-        return "not implemented yet"
-    return STATUS_WORDS.get(test.outcome, test.outcome)
+    unwritten = test.outcome == "failed" and "not implemented yet" in test.output
+    return "not implemented yet" if unwritten else STATUS_WORDS.get(test.outcome, test.outcome)
 
 
 def task_status(tests: list[CaseScore]) -> str:
@@ -297,7 +291,7 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-# ---------------------------------------------------------------- time caps
+# ---------------------------------------------------------------- main
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
     """A day's flat time cap (grading.md, "A day has a flat time cap"): CAP_FACTOR x its recorded honest time plus
@@ -306,8 +300,6 @@ def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> floa
         return args.day_budget or DEFAULT_DAY_CAP
     return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
-
-# ---------------------------------------------------------------- main
 
 def submission_notes(submission: Submission, args: argparse.Namespace) -> list[str]:
     """What the report says about the submission's files: not graded, missing, not read."""
@@ -388,13 +380,9 @@ def grade(args: argparse.Namespace) -> int:
     return GRADER_FAILED if any(r.problems for r in reports) else 0
 
 
-def _stop(signum, frame):
-    raise KeyboardInterrupt  # so the test processes are killed on the way out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the test processes are killed on the way out
     try:
         return grade(args)
     except KeyboardInterrupt:
