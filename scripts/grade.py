@@ -99,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
                         help=f"time cap of one day (default {CAP_FACTOR:g}x its recorded time plus --timeout)")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
-                        help="address-space limit of each test process (default: the machine's memory, at most "
-                             "16384, on Linux without an NVIDIA GPU; 0: none)")
+                        help="address-space limit of a test process (default: the machine's, at most 16384; 0: none)")
     parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse to grade a student's code where bubblewrap cannot start (default: with --json)")
     return parser
@@ -203,11 +202,6 @@ def score_day(day: Day, run: RunResult) -> DayReport:
     if why:
         report.problems.append(f"{day.test_file} could not be run as a whole:\n{why}")
     return report
-
-
-def placeholder(day: Day) -> DayReport:
-    """A day not graded yet, in a report written before it is: every test at 0."""
-    return replace(score_day(day, RunResult(day.test_file)), pending=True)
 
 
 # ---------------------------------------------------------------- output
@@ -339,7 +333,8 @@ def grade(args: argparse.Namespace) -> int:
         return GRADER_FAILED
     days, notes = select_days(args.week, args.day), []
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
-    reports, extra = [placeholder(d) for d in days], {}
+    reports = [replace(score_day(d, RunResult(d.test_file)), pending=True) for d in days]  # at 0 until graded
+    extra = {}
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
 
     def save() -> None:
