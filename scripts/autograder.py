@@ -12,24 +12,25 @@ import sys
 from pathlib import Path
 
 from course.scratch import IGNORE
+from course.user_errors import OneLineParser, user_error
 from maint.make_skeleton import generate
 
+PROG = "pdm run make-autograder"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHELL_FILES = REPO_ROOT / "scripts" / "autograder"
 PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "maint", "scripts", "tests", "src", "src_ref",
          "models/qwen2-tiny-random")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdm run make-autograder", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dest", metavar="DIR", help="an empty or new folder to write the autograder to")
     return parser
 
 
 def make_autograder(dest: Path) -> None:
     if dest.exists() and any(dest.iterdir()):
-        raise SystemExit(f"make-autograder: {dest}: the folder is not empty")
+        raise SystemExit(user_error(PROG, f"{dest}: the folder is not empty"))
     course = dest / "course"
     course.mkdir(parents=True)
     for name in PARTS:
