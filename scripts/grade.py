@@ -65,6 +65,11 @@ class CaseScore:
     def passed(self) -> bool:
         return self.outcome == "passed"
 
+    @property
+    def status(self) -> str:  # the word the report shows
+        unwritten = self.outcome == "failed" and "not implemented yet" in self.output
+        return "not implemented yet" if unwritten else STATUS_WORDS.get(self.outcome, self.outcome)
+
 
 @dataclass
 class DayReport:
@@ -217,16 +222,11 @@ def first_lines(text: str, count: int = 3) -> str:
     return "\n".join("      " + line[:160] for line in chosen)
 
 
-def status_word(test: CaseScore) -> str:
-    unwritten = test.outcome == "failed" and "not implemented yet" in test.output
-    return "not implemented yet" if unwritten else STATUS_WORDS.get(test.outcome, test.outcome)
-
-
 def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
-    return f"{len(bad)} of {len(tests)} not passed: {', '.join(sorted({status_word(t) for t in bad}))}"
+    return f"{len(bad)} of {len(tests)} not passed: {', '.join(sorted({t.status for t in bad}))}"
 
 
 def points(units: int) -> str:
@@ -249,7 +249,7 @@ def render(reports: list[DayReport], notes: list[str], solution: str) -> str:
     lines += ["", f"total: {points(sum(t.units for t in every))} / {points(sum(t.max_units for t in every))}"]
     groups: dict[tuple, list[CaseScore]] = {}  # cases of one test function that fail the same way are shown once
     for test in (t for r in reports if not r.pending for t in r.tests if not t.passed):
-        groups.setdefault((test.function, status_word(test), first_lines(test.output)), []).append(test)
+        groups.setdefault((test.function, test.status, first_lines(test.output)), []).append(test)
     lines += ["", "Tests not passed:"] if groups else []
     for (function, word, text), tests in groups.items():
         name = tests[0].nodeid if len(tests) == 1 else f"{tests[0].day.test_file}::{function} ({len(tests)} cases)"
@@ -266,7 +266,7 @@ def gradescope_results(reports: list[DayReport], summary: str, seconds: float, e
     graded = [t for r in reports for t in r.tests]
     tests = [{"name": f"Week {t.day.week} Day {t.day.day} Task {t.task}: {t.nodeid.split('::')[-1]}",
               "score": t.units / UNITS, "max_score": t.max_units / UNITS, "status": "passed" if t.passed else "failed",
-              "output": "passed" if t.passed else f"{status_word(t)}\n{t.output}".strip(),
+              "output": "passed" if t.passed else f"{t.status}\n{t.output}".strip(),
               "tags": [f"week {t.day.week}", f"day {t.day.week}.{t.day.day}", f"task {t.task}"],
               "visibility": "visible"} for t in graded]
     return {"score": sum(t.units for t in graded) / UNITS, "execution_time": round(seconds), "output": summary,
@@ -333,8 +333,7 @@ def grade(args: argparse.Namespace) -> int:
         return GRADER_FAILED
     days, notes = select_days(args.week, args.day), []
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
-    reports = [replace(score_day(d, RunResult(d.test_file)), pending=True) for d in days]  # at 0 until graded
-    extra = {}
+    reports, extra = [replace(score_day(d, RunResult(d.test_file)), pending=True) for d in days], {}  # 0 till graded
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
 
     def save() -> None:

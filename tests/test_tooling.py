@@ -285,6 +285,30 @@ def test_grade_reference_gets_full_points_and_bad_arguments_exit_2(tmp_path):
     assert run_tool(root, "scripts.grade", "--week", "9").returncode == 2
 
 
+def test_a_stopped_grade_leaves_a_whole_report_with_the_days_not_graded_at_zero(tmp_path):
+    """The report is written before the first day (every day a placeholder at zero) and after each: a grade stopped
+    at any point (SIGTERM, as Gradescope's time-out) still leaves a valid results.json."""
+    import os
+    import signal
+    import time
+
+    root = make_course(tmp_path / "course", student=BROKEN_STUDENT)
+    report = tmp_path / "results.json"
+    grading = subprocess.Popen([sys.executable, "-m", "scripts.grade", "--week", "1", "--json", str(report),
+                                "--no-require-sandbox", "--timeout", "30"], cwd=root, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": "src:src_ref:."})
+    deadline = time.monotonic() + 120
+    while not report.exists() and grading.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grading.send_signal(signal.SIGTERM)  # during day 1.1's first test (spin hangs for its 30 s)
+    output = grading.communicate(timeout=120)[0]
+    assert grading.returncode == 130, output
+    results = json.loads(report.read_text())
+    assert gradescope_problems(results) == [] and results["score"] == 0, results
+    assert results["extra_data"]["not_graded"] == ["1.1", "1.2"] and results["extra_data"]["max_score"] == 16
+    assert all(t["status"] == "failed" for t in results["tests"])
+
+
 def test_grade_reports_an_uncollectable_test_file_as_a_grader_failure(tmp_path):
     root = make_course(tmp_path / "course", student=REFERENCE)
     (root / "tests" / "test_week_2_day_1.py").write_text("def test_task_1_square(:\n")
