@@ -49,10 +49,12 @@ def record(rounds: list[dict], times_file: Path) -> None:
     times = json.loads(times_file.read_text()) if times_file.exists() else {}
     for name in sorted(failed):
         print(f"[record_times] day {name}: not every test passed in every round; time not recorded")
+    recorded = {}
     for name, seconds in slowest.items():
         if name not in failed:
-            times[find_day(*map(int, name.split("."))).key] = round(seconds, 2)
-    times_file.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
+            recorded[find_day(*map(int, name.split("."))).key] = round(seconds, 2)
+    times_file.write_text(json.dumps(dict(sorted({**times, **recorded}.items())), indent=1) + "\n")
+    print(f"[record_times] {times_file}: {', '.join(f'{key} {s:g} s' for key, s in recorded.items()) or 'nothing new'}")
 
 
 def main(argv: list[str] | None = None) -> int:
