@@ -1,12 +1,8 @@
-"""The one way the course's tooling runs pytest: a process of its own, read through its results plugin.
-
-`pytest_command()` starts every pytest run of the tooling (`pdm run test`, the grader, `check-days`, `check_skeleton`).
-`run_test_file()` runs one and reads the lines course/pytest_events.py writes: the tests collected, then one per
-test as it ends. Tests run in the order collected, so when the process dies, or a `cap` (seconds from the end of
-collection) stops it, the first test without a line is the one that was running (`crashed`, `timeout`) and the rest
-are `not_run`. Each test has pytest-timeout's limit (`timeout`); `memory_mb` caps the address space (RLIMIT_AS).
+"""The one way the course's tooling runs pytest (`pytest_command()`): a process of its own, read through its results
+plugin, course/pytest_events.py (`run_test_file()`; book/src/grading.md says how the running test is known).
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -60,9 +56,8 @@ def child_env(solution: str = "student", paths: tuple[str, ...] = ("src", "src_r
 
 
 def default_memory_mb() -> int | None:
-    """The address-space limit of a test process when none is given: the machine's memory, at most 16 GiB (a
-    day's test process peaks at 1.1-1.5 GB on Linux, mlx 0.32, CPU). None on macOS, where Metal maps far more than
-    it uses and RLIMIT_AS is not enforced, and where an NVIDIA driver is (CUDA reserves terabytes of it)."""
+    """The machine's memory, at most 16 GiB (a day's test process peaks at 1.1-1.5 GB); None on macOS, where Metal
+    maps far more than it uses, and where an NVIDIA driver is (CUDA reserves terabytes of address space)."""
     if not sys.platform.startswith("linux") or Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists():
         return None
     return min(16_384, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20)
@@ -77,11 +72,11 @@ def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float |
         for event in map(json.loads, complete):
             if "collected" in event:
                 run.expected, run.collect_errors, collected = event["collected"], event["errors"], time.monotonic()
-            elif "finish" in event:
-                run.results[event["finish"]] = CaseResult(event["finish"], event["outcome"], event["output"])
             else:
-                done = time.monotonic()
+                run.results[event["finish"]] = CaseResult(event["finish"], event["outcome"], event["output"])
         now = time.monotonic()
+        if done is None and run.expected and len(run.results) == len(run.expected):
+            done = now  # the last test ended: pytest only has to shut down
         if exited or (done is not None and now - done > EXIT_GRACE_SECONDS):  # every result is in
             return
         if cap is not None and collected is not None and now > collected + cap:
@@ -95,7 +90,8 @@ def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float |
 
 def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: float = TEST_TIME_LIMIT,
                   cap: float | None = None, memory_mb: int | None = None) -> RunResult:
-    """Run `test_file` (relative to `cwd`; or a list of files) in one pytest process; see the module docstring."""
+    """Run `test_file` (relative to `cwd`; or a list of files) in one pytest process: each test with pytest-timeout's
+    `timeout`, the whole run stopped `cap` seconds after collection, its address space at most `memory_mb`."""
     targets = [test_file] if isinstance(test_file, str) else list(test_file)
     run, began = RunResult(" ".join(targets)), time.monotonic()
     command = pytest_command(["-q", "--color=no", f"--timeout={timeout:g}", "--timeout-method=signal", *targets])
@@ -112,10 +108,8 @@ def run_test_file(test_file: str | list[str], cwd: Path, env: dict, timeout: flo
             with open(events, "rb") as lines:
                 _watch(proc, run, lines, cap)
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # and whatever it left in its group
-            except (ProcessLookupError, PermissionError):
-                pass
             proc.wait()
         tail = log_path.read_bytes()[-LOG_TAIL:].decode(errors="replace").replace(f"{cwd}/", "")
     if not run.expected and not run.collect_errors and not run.problems:

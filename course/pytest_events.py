@@ -1,12 +1,8 @@
-"""The judge's results plugin: one JSON line per test as it ends, for course/isolated_pytest.py to read.
-
-Loaded by every pytest run of the tooling (`-p course.pytest_events`), it writes only where TINY_LLM_EVENTS names a
-file: {"collected": [ids], "errors": [texts]}, then {"finish": id, "outcome": ..., "output": text} per test, then
-{"done": exit status}, each with one `os.write`, so whatever kills the process, every earlier line is on disk. It
-also pauses pytest-timeout's clock between a test's phases and, while grading, starts every test after a broken
-sandboxed worker afresh. Nothing is signed: only trusted code runs here (book/src/grading.md).
+"""The judge's results plugin (book/src/grading.md): where TINY_LLM_EVENTS names a file, one JSON line, one `os.write`
+each (on disk whatever kills the process): {"collected": [ids], "errors": [texts]}, then {"finish": id, "outcome":
+..., "output": text} per test. It also stops pytest-timeout's clock between a test's phases, and starts the tests
+after a broken worker on fresh ones.
 """
-
 import json
 import os
 import signal
@@ -51,9 +47,8 @@ def pytest_runtest_logreport(report):
 
 
 def _clock(runs: bool) -> None:
-    """pytest-timeout's clock (a SIGALRM timer) runs while a test's set-up, call or tear-down runs, never between
-    them: a limit that fired while pytest writes a failure's report would stop the whole process (INTERNALERROR),
-    not one test."""
+    """pytest-timeout's clock (a SIGALRM timer) runs only within a test's phases: fired while pytest writes a report,
+    it would stop the whole process (INTERNALERROR), not one test."""
     if runs and _state["left"]:
         signal.setitimer(signal.ITIMER_REAL, _state["left"])
     elif not runs:
@@ -75,9 +70,8 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """While grading, a worker that broke during this test (stopped at a time limit, crashed) took its objects
-    with it, some held by module fixtures: every fixture is torn down first and every worker stopped, so the next
-    test sets up afresh on new workers and a broken task costs only its own tests."""
+    """While grading, a worker that broke during this test took its objects with it, some held by module fixtures:
+    every fixture is torn down and every worker stopped, so the next test sets up afresh on new workers."""
     _clock(runs=True)
     sandbox = sys.modules.get("course.sandbox")
     if sandbox is not None and sandbox.needs_restart():
@@ -106,7 +100,3 @@ def pytest_runtest_logfinish(nodeid, location):
         outcome = "timeout"
         texts.insert(0, f"timed out: still running after {_state['timeout']:g} s, so it was stopped.")
     _emit(finish=nodeid, outcome=outcome, output=_clip("\n".join(t for t in texts if t)))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _emit(done=int(exitstatus))

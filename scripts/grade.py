@@ -5,11 +5,9 @@
     pdm run grade --json results.json      # also write Gradescope's results.json
     pdm run grade --src path/to/submission # grade a submission (a directory of module files)
     pdm run grade --solution ref           # grade the reference (every task at full points)
-    pdm run grade --make-autograder DIR    # write a Gradescope autograder
 
-What is graded, where it runs, how points are counted and what bounds a run: book/src/grading.md. Exit status:
-0 when grading finished (whatever the score); 2 when the grader itself failed (bad arguments, an error in the
-grader, a day whose tests could not be run at all); the report is still written.
+What is graded, where it runs, how points are counted, what bounds a run: book/src/grading.md. Exit status 0 when
+grading finished (whatever the score); 2 when the grader itself failed (the report is still written).
 """
 
 import argparse
@@ -24,12 +22,12 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 
 from course import cgroup, sandbox, scratch
-from course.course_map import DAYS, Day
+from course.course_map import DAYS, Day, find_day
 from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
 from course.remote import printable
 
@@ -41,9 +39,9 @@ UNITS = 10_000  # points are counted in whole 1/10000 points, so sums are exact
 GRADER_FAILED = 2
 STATUS_WORDS = {"error": "error in set-up", "timeout": "timed out", "crashed": "crashed the test process",
                 "not_run": "not run", "not_collected": "could not be collected"}
-TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (--record-times)
+TIMES_FILE = REPO_ROOT / "course" / "grading_times.json"  # an honest run's seconds per day (maint/record_times.py)
 CAP_FACTOR = 3.0  # a day's cap: this many times its recorded honest run, plus one test's time limit
-DEFAULT_DAY_CAP = 600.0  # a day without a recorded time
+DEFAULT_DAY_CAP = 600.0  # a day without a recorded time, and every day while maint/record_times.py records
 MAX_FILE_BYTES = 1 << 20  # a submitted file larger than this is refused (the largest course module is 38 kB)
 INIT_TEXT = '"""tiny_llm: the package being graded (this file is written by the grader)."""\n'
 
@@ -68,8 +66,9 @@ class CaseScore:
         return self.outcome == "passed"
 
     @property
-    def name(self) -> str:
-        return f"Week {self.day.week} Day {self.day.day} Task {self.task}: {self.nodeid.split('::')[-1]}"
+    def status(self) -> str:  # the word the report shows
+        unwritten = self.outcome == "failed" and "not implemented yet" in self.output
+        return "not implemented yet" if unwritten else STATUS_WORDS.get(self.outcome, self.outcome)
 
 
 @dataclass
@@ -97,36 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--week", type=int, help="grade only this week")
     parser.add_argument("--day", type=int, nargs="+", help="grade only these days of --week")
     parser.add_argument("--json", metavar="FILE", help="write Gradescope's results.json format to FILE")
-    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR (its modules, or tiny_llm/ or "
-                        "src/tiny_llm/ holding them) instead of src/tiny_llm")
+    parser.add_argument("--src", metavar="DIR", help="grade the submission in DIR, DIR/tiny_llm or DIR/src/tiny_llm")
     parser.add_argument("--solution", choices=["student", "ref"], default="student",
                         help="grade the student package (default) or the reference (a sanity check)")
     parser.add_argument("--timeout", type=float, default=TEST_TIME_LIMIT, metavar="SECONDS",
                         help=f"time limit of one test (default {TEST_TIME_LIMIT:g})")
     parser.add_argument("--day-budget", type=float, default=None, metavar="SECONDS",
-                        help=f"time cap of one day (default: {CAP_FACTOR:g}x its time in course/grading_times.json "
-                             f"plus --timeout; {DEFAULT_DAY_CAP:g} for a day not recorded)")
+                        help=f"time cap of one day (default {CAP_FACTOR:g}x its recorded time plus --timeout)")
     parser.add_argument("--memory-mb", type=int, default=None, metavar="MB",
-                        help="address-space limit of each test process (default: the machine's memory, at most "
-                             "16384, on Linux without an NVIDIA GPU; 0: none)")
-    parser.add_argument("--record-times", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
-                        help="grade ROUNDS times (default 3) and save each day's slowest time for the caps "
-                             "(maintainers: --src src_ref/tiny_llm_ref on an idle machine)")
+                        help="address-space limit of a test process (default: the machine's, at most 16384; 0: none)")
     parser.add_argument("--require-sandbox", action=argparse.BooleanOptionalAction, default=None,
                         help="refuse to grade a student's code where bubblewrap cannot start (default: with --json)")
-    parser.add_argument("--make-autograder", metavar="DIR",
-                        help="write a Gradescope autograder (setup.sh, run_autograder and the course) to DIR")
     return parser
 
 
 def select_days(week: int | None, days: list[int] | None) -> list[Day]:
     if days and week is None:
         raise SystemExit("--day needs --week, e.g. `pdm run grade --week 2 --day 7`")
-    chosen = [d for d in DAYS if (week is None or d.week == week) and (not days or d.day in days)]
-    if not chosen or set(days or []) - {d.day for d in chosen}:
-        known = ", ".join(f"{d.week}.{d.day}" for d in DAYS)
-        asked = f"week {week}" + (f" day {' '.join(map(str, days))}" if days else "")
-        raise SystemExit(f"{asked} is not in the course (days: {known})")
+    chosen = [find_day(week, d) for d in sorted(set(days))] if days else [d for d in DAYS if week in (None, d.week)]
+    if not chosen:
+        raise SystemExit(f"week {week} is not in the course (weeks {DAYS[0].week} to {DAYS[-1].week})")
     return chosen
 
 
@@ -143,10 +132,8 @@ def submission_dir(src: Path) -> Path:
 
 
 def read_regular(path: Path) -> bytes:
-    """A submitted file's bytes if it is a plain file of its own, else ValueError saying what it is. The grader has
-    more rights than the sandbox, so a symbolic link (to the reference, to a hidden test), a hard link, a device, a
-    FIFO, a directory or a file over MAX_FILE_BYTES is never read: opened without following a link or blocking,
-    checked on the open descriptor."""
+    """A submitted file's bytes if it is a regular file of its own of at most MAX_FILE_BYTES, checked on a descriptor
+    opened without following a link or blocking; else ValueError saying what it is (grading.md, "The threat model")."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
@@ -164,14 +151,12 @@ def read_regular(path: Path) -> bytes:
 
 
 def stage_submission(root: Path, package: Path) -> Submission:
-    """The package being graded: the submission's course modules, the untouched skeleton's for a module it lacks,
-    the reference's provided code and an `__init__.py` of the grader's. Every file of the submission is read as
-    `read_regular` reads (a refused module counts as missing); those that are not course modules are listed, never
-    run."""
+    """The package being graded (grading.md, "What is graded"): every file of the submission read by `read_regular`
+    (a refused module counts as missing), the course modules staged and the others listed."""
     package.mkdir(parents=True)
     wanted, provided = course_modules(), {p.name for p in (REPO_ROOT / SKELETON_DIR).glob("*.py")}
-    for name in provided:
-        shutil.copyfile(REPO_ROOT / SKELETON_DIR / name if name[:-3] in wanted else trusted_file(name), package / name)
+    for name in provided:  # provided code is the reference's: this checkout's src/tiny_llm may be a student's
+        shutil.copyfile(REPO_ROOT / (SKELETON_DIR if name[:-3] in wanted else REFERENCE_DIR) / name, package / name)
     (package / "__init__.py").write_text(INIT_TEXT)
     submission, modules_dir = Submission(), submission_dir(root)
     for folder, dirs, files in os.walk(root):  # never into a link to a directory: it is listed, as a file is
@@ -189,15 +174,10 @@ def stage_submission(root: Path, package: Path) -> Submission:
             if module:
                 (package / name).write_bytes(data)
                 submission.modules.add(path.stem)
-            elif not (path.parent == modules_dir and name in provided and data == trusted_file(name).read_bytes()):
+            elif not (path.parent == modules_dir and name in provided
+                      and data == (REPO_ROOT / REFERENCE_DIR / name).read_bytes()):
                 submission.ignored.append(shown)  # not provided code left unchanged
     return submission
-
-
-def trusted_file(name: str) -> Path:
-    """The trusted copy of a package file that is not a course module: provided code is the reference's."""
-    reference = REPO_ROOT / REFERENCE_DIR / name
-    return reference if reference.exists() and name != "__init__.py" else REPO_ROOT / SKELETON_DIR / name
 
 
 # ---------------------------------------------------------------- scoring
@@ -208,9 +188,8 @@ def split(total: int, count: int) -> list[int]:
 
 
 def score_day(day: Day, run: RunResult) -> DayReport:
-    """A task's points split evenly across its test functions (`test_task_N_...`: maint/book_check.py checks that
-    every test of a day is one), a function's share across its cases (`run.expected`, the cases collected). A task
-    none of whose tests was collected counts as one case, at zero."""
+    """Each case's points (grading.md, "How points are counted") among the cases collected; a task none of whose
+    tests was collected counts as one case, at zero."""
     report = DayReport(day, seconds=run.seconds)
     cases: dict[str, list[str]] = {}
     for nodeid in run.expected:
@@ -230,39 +209,24 @@ def score_day(day: Day, run: RunResult) -> DayReport:
     return report
 
 
-def placeholder(day: Day) -> DayReport:
-    """A day not graded yet, in a report written before it is: every test at 0."""
-    report = score_day(day, RunResult(day.test_file))
-    report.pending = True
-    return report
-
-
 # ---------------------------------------------------------------- output
 
 def first_lines(text: str, count: int = 3) -> str:
-    """The most telling lines of a failure (the last ones of pytest's, "E   assert ..."), and where it happened:
-    the innermost frame in the student's package."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    telling = [line for line in lines if line.startswith(("E ", "timed out", "the test process died", "not run"))
-               or "not implemented yet" in line]
-    chosen = (telling or lines)[:count]
+    """The most telling lines of a failure ("E   assert ..."), and the innermost frame in the student's package."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    chosen = [line for line in lines if line.startswith(("E ", "timed out", "the test process died", "not run"))
+              or "not implemented yet" in line][:count] or lines[:count]
     where = [line for line in lines if re.search(r"src/tiny_llm\S*:\d+", line)][-1:]
     if where and where[0] not in chosen:
         chosen = chosen[: count - 1] + where
-    return "\n".join("      " + line.strip()[:160] for line in chosen)
-
-
-def status_word(test: CaseScore) -> str:
-    if test.outcome == "failed" and "not implemented yet" in test.output:
-        return "not implemented yet"
-    return STATUS_WORDS.get(test.outcome, test.outcome)
+    return "\n".join("      " + line[:160] for line in chosen)
 
 
 def task_status(tests: list[CaseScore]) -> str:
     bad = [t for t in tests if not t.passed]
     if not bad:
         return f"passed ({len(tests)} test{'s' * (len(tests) != 1)})"
-    return f"{len(bad)} of {len(tests)} not passed: {', '.join(sorted({status_word(t) for t in bad}))}"
+    return f"{len(bad)} of {len(tests)} not passed: {', '.join(sorted({t.status for t in bad}))}"
 
 
 def points(units: int) -> str:
@@ -285,7 +249,7 @@ def render(reports: list[DayReport], notes: list[str], solution: str) -> str:
     lines += ["", f"total: {points(sum(t.units for t in every))} / {points(sum(t.max_units for t in every))}"]
     groups: dict[tuple, list[CaseScore]] = {}  # cases of one test function that fail the same way are shown once
     for test in (t for r in reports if not r.pending for t in r.tests if not t.passed):
-        groups.setdefault((test.function, status_word(test), first_lines(test.output)), []).append(test)
+        groups.setdefault((test.function, test.status, first_lines(test.output)), []).append(test)
     lines += ["", "Tests not passed:"] if groups else []
     for (function, word, text), tests in groups.items():
         name = tests[0].nodeid if len(tests) == 1 else f"{tests[0].day.test_file}::{function} ({len(tests)} cases)"
@@ -300,15 +264,17 @@ def render(reports: list[DayReport], notes: list[str], solution: str) -> str:
 def gradescope_results(reports: list[DayReport], summary: str, seconds: float, extra: dict) -> dict:
     """Gradescope's results.json: top-level score and output, one entry per test case."""
     graded = [t for r in reports for t in r.tests]
-    tests = [{"name": t.name, "score": t.units / UNITS, "max_score": t.max_units / UNITS,
-              "status": "passed" if t.passed else "failed",
-              "output": "passed" if t.passed else f"{status_word(t)}\n{t.output}".strip(),
+    tests = [{"name": f"Week {t.day.week} Day {t.day.day} Task {t.task}: {t.nodeid.split('::')[-1]}",
+              "score": t.units / UNITS, "max_score": t.max_units / UNITS, "status": "passed" if t.passed else "failed",
+              "output": "passed" if t.passed else f"{t.status}\n{t.output}".strip(),
               "tags": [f"week {t.day.week}", f"day {t.day.week}.{t.day.day}", f"task {t.task}"],
               "visibility": "visible"} for t in graded]
     return {"score": sum(t.units for t in graded) / UNITS, "execution_time": round(seconds), "output": summary,
             "visibility": "visible", "stdout_visibility": "visible", "tests": tests,
             "extra_data": {"max_score": sum(t.max_units for t in graded) / UNITS,
-                           "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending], **extra}}
+                           "not_graded": [f"{r.day.week}.{r.day.day}" for r in reports if r.pending],
+                           "seconds": {f"{r.day.week}.{r.day.day}": r.seconds for r in reports if not r.pending},
+                           **extra}}
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -319,40 +285,15 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-# ---------------------------------------------------------------- time caps
+# ---------------------------------------------------------------- main
 
 def day_cap(day: Day, args: argparse.Namespace, times: dict[str, float]) -> float:
-    """A day's time cap, counted from the end of its tests' collection: CAP_FACTOR x its recorded honest time plus
-    one test's limit (the default limit if --timeout is shorter), the same at any load (no yardstick, nothing the
-    submission can stretch). --day-budget replaces it; a day not recorded, or a run recording times, gets
-    DEFAULT_DAY_CAP."""
-    if args.day_budget is not None or args.record_times or day.key not in times:
+    """A day's flat time cap (grading.md, "A day has a flat time cap"): CAP_FACTOR x its recorded honest time plus
+    one test's limit, never less than the default one; --day-budget replaces it."""
+    if args.day_budget is not None or day.key not in times:
         return args.day_budget or DEFAULT_DAY_CAP
     return CAP_FACTOR * times[day.key] + max(args.timeout, TEST_TIME_LIMIT)
 
-
-def recorded_times() -> dict[str, float]:
-    try:
-        return {k: float(v) for k, v in json.loads(TIMES_FILE.read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def record_times(reports: list[DayReport]) -> None:
-    """Save each day's slowest time of its rounds (`reports` holds each day once per round), only for a day that
-    passed every test in every round: a cut-short run is no honest run, and would shrink the next caps."""
-    times, slowest, failed = recorded_times(), {}, set()
-    for report in reports:
-        if report.tests and all(t.passed for t in report.tests) and not report.problems:
-            slowest[report.day.key] = max(slowest.get(report.day.key, 0.0), report.seconds)
-        else:
-            failed.add(report.day.key)
-            print(f"[grade] {report.day.key}: not every test passed; time not recorded")
-    times.update({key: round(seconds, 2) for key, seconds in slowest.items() if key not in failed})
-    TIMES_FILE.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
-
-
-# ---------------------------------------------------------------- main
 
 def submission_notes(submission: Submission, args: argparse.Namespace) -> list[str]:
     """What the report says about the submission's files: not graded, missing, not read."""
@@ -367,8 +308,7 @@ def submission_notes(submission: Submission, args: argparse.Namespace) -> list[s
 
 def grade_day(day: Day, args: argparse.Namespace, work: Path, trusted: Path, env: dict, package: Path | None,
               cap: float, memory_mb: int | None) -> DayReport:
-    """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it. The tests
-    expected are those that process collects: no test decides which tests exist from what the submission returns."""
+    """One day's tests in a trusted process of their own, the submission's code in sandboxes beside it."""
     work.mkdir()
     if package is not None:
         root = sandbox.prepare_root(work / "sandbox", package, REPO_ROOT / REFERENCE_DIR, REPO_ROOT / "course",
@@ -391,13 +331,9 @@ def grade(args: argparse.Namespace) -> int:
         print(f"grade: refused: the sandbox cannot start here ({sandbox.why_unsandboxed()}); "
               "--no-require-sandbox grades without it", file=sys.stderr)
         return GRADER_FAILED
-    selected = select_days(args.week, args.day)
-    days = [d for d in selected if (REPO_ROOT / d.test_file).exists()]
-    notes = [f"week {d.week} day {d.day}: no tests yet ({d.test_file}), not graded" for d in selected if d not in days]
-    if not days:
-        raise SystemExit("no day in the selection has tests yet")
+    days, notes = select_days(args.week, args.day), []
     groups = f"tiny-llm-grade-{os.getpid()}-"  # the cgroups of this run's sandboxes, removed after each day
-    reports, graded, extra = [placeholder(d) for d in days], [], {}
+    reports, extra = [replace(score_day(d, RunResult(d.test_file)), pending=True) for d in days], {}  # 0 till graded
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llm-grade-"))
 
     def save() -> None:
@@ -419,21 +355,18 @@ def grade(args: argparse.Namespace) -> int:
             extra = {"ignored_files": submission.ignored, "sandboxed": warning is None}
         trusted = scratch.copy_repository(tmp / "trusted", TRUSTED_FOLDERS)  # for every test process, no student code
         env = {**child_env(args.solution, ("src_ref", ".")), sandbox.CGROUP_PREFIX_VARIABLE: groups}
-        times, memory_mb = recorded_times(), default_memory_mb() if args.memory_mb is None else args.memory_mb or None
+        times = json.loads(TIMES_FILE.read_text()) if TIMES_FILE.exists() else {}
+        memory_mb = default_memory_mb() if args.memory_mb is None else args.memory_mb or None
         save()
-        for repeat in range(args.record_times or 1):  # --record-times N grades the selection N times
-            for index, day in enumerate(days):
-                print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
-                reports[index] = grade_day(day, args, tmp / f"{day.key}-{repeat}", trusted, env, package,
-                                           day_cap(day, args, times), memory_mb)
-                graded.append(reports[index])
-                cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
-                save()
+        for index, day in enumerate(days):
+            print(f"[grade] week {day.week} day {day.day}: {day.test_file}", file=sys.stderr, flush=True)
+            reports[index] = grade_day(day, args, tmp / day.key, trusted, env, package, day_cap(day, args, times),
+                                       memory_mb)
+            cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
+            save()
     finally:
         cgroup.remove_all(groups)
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.record_times:
-        record_times(graded)
     print(render(reports, notes, args.solution))
     print(f"\ngraded {len(reports)} day(s) in {time.monotonic() - started:.0f} s")
     if args.json:
@@ -441,76 +374,17 @@ def grade(args: argparse.Namespace) -> int:
     return GRADER_FAILED if any(r.problems for r in reports) else 0
 
 
-# ---------------------------------------------------------------- a Gradescope autograder
-
-AUTOGRADER_PARTS = ("pyproject.toml", "pdm.lock", "README.md", "course", "maint", "scripts", "tests", "src", "src_ref",
-                    "models/qwen2-tiny-random")
-SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu, Python 3.11 or later):
-# bubblewrap for the sandbox, then the course's packages from its lock file.
-set -euo pipefail
-apt-get update -qq
-apt-get install -y -qq bubblewrap
-cd /autograder/source/course
-python3 -m pip install --quiet 'pdm[locked]'
-PDM_CHECK_UPDATE=false pdm install --frozen-lockfile --prod
-"""
-RUN_AUTOGRADER = """#!/usr/bin/env bash
-# Gradescope runs this for each submission: it grades /autograder/submission (a student's modules, in
-# src/tiny_llm/, tiny_llm/ or the top folder) and writes /autograder/results/results.json. The variables
-# below move each place, to run it elsewhere (the course's own test does).
-course="${TINY_LLM_AUTOGRADER_COURSE:-/autograder/source/course}"
-cd "$course" || exit 2
-export PYTHONPATH=src:src_ref:.
-exec "${TINY_LLM_AUTOGRADER_PYTHON:-$course/.venv/bin/python}" -m scripts.grade \\
-    --src "${TINY_LLM_AUTOGRADER_SUBMISSION:-/autograder/submission}" \\
-    --json "${TINY_LLM_AUTOGRADER_RESULTS:-/autograder/results/results.json}" "$@"
-"""
-
-
-def make_autograder(dest: Path) -> None:
-    """Gradescope's autograder: setup.sh and run_autograder at the top (zip DIR's contents and upload them), and
-    the course (tests, tooling, reference, embedded model) in course/, with the skeleton written afresh from the
-    reference: whatever is in this checkout's src/tiny_llm (a student's work) never goes in."""
-    from maint.make_skeleton import generate
-    if dest.exists() and any(dest.iterdir()):
-        raise SystemExit(f"--make-autograder {dest}: the folder is not empty")
-    (dest / "course").mkdir(parents=True)
-    for name in AUTOGRADER_PARTS:
-        source = REPO_ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, dest / "course" / name, ignore=scratch.IGNORE, symlinks=True)
-        elif source.exists():
-            shutil.copyfile(source, dest / "course" / name)
-    for name, text in generate(REPO_ROOT / REFERENCE_DIR).items():
-        (dest / "course" / SKELETON_DIR / name).write_text(text)
-    for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
-        (dest / name).write_text(text)
-        (dest / name).chmod(0o755)
-    print(f"wrote a Gradescope autograder to {dest}: upload a zip of its contents "
-          f"(cd {dest} && zip -r ../autograder.zip .)")
-
-
-def _stop(signum, frame):
-    raise KeyboardInterrupt  # so the test processes are killed on the way out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the test processes are killed on the way out
     try:
-        if args.make_autograder:
-            make_autograder(Path(args.make_autograder).resolve())
-            return 0
         return grade(args)
     except KeyboardInterrupt:
         print("grade: interrupted; the report (--json) holds the days graded so far", file=sys.stderr)
         return 130
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            print(f"grade: {stop.code}", file=sys.stderr)
-            return GRADER_FAILED
-        return 0
+    except SystemExit as stop:  # a selection or --src that cannot be graded: one line
+        print(f"grade: {stop.code}", file=sys.stderr)
+        return GRADER_FAILED
     except Exception:
         traceback.print_exc()
         print("grade: the grader itself failed (see above); no grade was produced", file=sys.stderr)

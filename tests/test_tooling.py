@@ -285,6 +285,30 @@ def test_grade_reference_gets_full_points_and_bad_arguments_exit_2(tmp_path):
     assert run_tool(root, "scripts.grade", "--week", "9").returncode == 2
 
 
+def test_a_stopped_grade_leaves_a_whole_report_with_the_days_not_graded_at_zero(tmp_path):
+    """The report is written before the first day (every day a placeholder at zero) and after each: a grade stopped
+    at any point (SIGTERM, as Gradescope's time-out) still leaves a valid results.json."""
+    import os
+    import signal
+    import time
+
+    root = make_course(tmp_path / "course", student=BROKEN_STUDENT)
+    report = tmp_path / "results.json"
+    grading = subprocess.Popen([sys.executable, "-m", "scripts.grade", "--week", "1", "--json", str(report),
+                                "--no-require-sandbox", "--timeout", "30"], cwd=root, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": "src:src_ref:."})
+    deadline = time.monotonic() + 120
+    while not report.exists() and grading.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grading.send_signal(signal.SIGTERM)  # during day 1.1's first test (spin hangs for its 30 s)
+    output = grading.communicate(timeout=120)[0]
+    assert grading.returncode == 130, output
+    results = json.loads(report.read_text())
+    assert gradescope_problems(results) == [] and results["score"] == 0, results
+    assert results["extra_data"]["not_graded"] == ["1.1", "1.2"] and results["extra_data"]["max_score"] == 16
+    assert all(t["status"] == "failed" for t in results["tests"])
+
+
 def test_grade_reports_an_uncollectable_test_file_as_a_grader_failure(tmp_path):
     root = make_course(tmp_path / "course", student=REFERENCE)
     (root / "tests" / "test_week_2_day_1.py").write_text("def test_task_1_square(:\n")
@@ -1243,21 +1267,24 @@ def test_points_add_up_exactly_for_every_day():
 
 def test_a_days_cap_is_flat_three_times_its_honest_run_plus_one_tests_limit(monkeypatch):
     """No scaling to the load: CAP_FACTOR x the recorded time plus --timeout; --day-budget replaces it; a day never
-    recorded, or a run that records new times, gets the default."""
+    recorded, or a run that records new times (maint/record_times.py), gets the default."""
     import argparse
 
     from course.course_map import find_day
+    from maint import record_times
 
     times = {"week1-day1": 4.0}
-    args = argparse.Namespace(day_budget=None, record_times=0, timeout=60.0)
+    args = argparse.Namespace(day_budget=None, timeout=60.0)
     assert grade.day_cap(find_day(1, 1), args, times) == grade.CAP_FACTOR * 4.0 + 60.0
-    quick = argparse.Namespace(day_budget=None, record_times=0, timeout=3.0)
+    quick = argparse.Namespace(day_budget=None, timeout=3.0)
     assert grade.day_cap(find_day(1, 1), quick, times) == grade.CAP_FACTOR * 4.0 + 60.0, "a short --timeout keeps 60 s"
-    slow = argparse.Namespace(day_budget=None, record_times=0, timeout=90.0)
+    slow = argparse.Namespace(day_budget=None, timeout=90.0)
     assert grade.day_cap(find_day(1, 1), slow, times) == grade.CAP_FACTOR * 4.0 + 90.0
     assert grade.day_cap(find_day(1, 2), args, times) == grade.DEFAULT_DAY_CAP, "a day never recorded"
-    assert grade.day_cap(find_day(1, 1), argparse.Namespace(day_budget=30.0, record_times=0, timeout=60.0), times) == 30.0
-    recording = argparse.Namespace(day_budget=None, record_times=3, timeout=60.0)
+    assert grade.day_cap(find_day(1, 1), argparse.Namespace(day_budget=30.0, timeout=60.0), times) == 30.0
+    recording = grade.build_parser().parse_args(
+        record_times.grade_arguments(record_times.build_parser().parse_args(["--week", "1", "--day", "1"]), Path("r")))
+    assert recording.week == 1 and recording.day == [1] and recording.src.endswith("tiny_llm_ref")
     assert grade.day_cap(find_day(1, 1), recording, times) == grade.DEFAULT_DAY_CAP
 
 
@@ -1286,16 +1313,17 @@ def test_an_honest_run_on_a_loaded_machine_gets_full_marks(tmp_path):
 
 @pytest.mark.skipif(sandbox.bwrap_path() is None, reason="the sandbox needs bubblewrap (Linux): CI installs it")
 def test_the_gradescope_autograder_grades_a_submission_folder(tmp_path):
-    """`--make-autograder DIR` writes setup.sh, run_autograder and the course; run_autograder, with its places moved
+    """`make-autograder DIR` writes setup.sh, run_autograder and the course; run_autograder, with its places moved
     by environment variables, grades a folder of modules (day 1.1 solved) into a valid results.json."""
     import os
 
     autograder = tmp_path / "autograder"
-    done = subprocess.run([sys.executable, "-m", "scripts.grade", "--make-autograder", str(autograder)], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "scripts.autograder", str(autograder)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     for script in ("setup.sh", "run_autograder"):
         assert os.access(autograder / script, os.X_OK), script
+        assert (autograder / script).read_bytes() == (REPO_ROOT / "scripts" / "autograder" / script).read_bytes()
     course = autograder / "course"
     assert (course / "scripts" / "grade.py").exists() and (course / "tests" / "test_week_1_day_1.py").exists()
     from maint.make_skeleton import generate
@@ -1348,26 +1376,31 @@ def test_staging_reads_regular_files_only(tmp_path):
         assert all(b"hidden-31" not in path.read_bytes() for path in (tmp_path / attack / "package").iterdir())
 
 
-def test_record_times_keeps_only_days_that_passed_every_test(tmp_path, monkeypatch):
+def test_record_times_keeps_only_days_that_passed_every_test(tmp_path):
     """A day cut short by its budget (or failing) is not an honest run: recording its time would shrink the
-    next budget until honest runs fail."""
+    next budget until honest runs fail. maint/record_times.py reads each round's results.json."""
     from course.course_map import find_day
+    from maint import record_times
 
-    monkeypatch.setattr(grade, "TIMES_FILE", tmp_path / "times.json")
-    (tmp_path / "times.json").write_text(json.dumps({"week1-day1": 5.0, "week1-day2": 7.0}))
+    times_file = tmp_path / "times.json"
+    times_file.write_text(json.dumps({"week1-day1": 5.0, "week1-day2": 7.0}))
 
     def report(day, outcome, seconds):
         case = grade.CaseScore(find_day(1, day), 1, "test_task_1_x", "t::test_task_1_x", outcome, "", 0, 1)
         return grade.DayReport(find_day(1, day), tests=[case], seconds=seconds)
 
-    grade.record_times([report(1, "passed", 3.0), report(2, "timed out", 2.0)])
-    times = json.loads((tmp_path / "times.json").read_text())
+    def results(*reports):  # one round's results.json, as the grader writes it
+        return json.loads(json.dumps(grade.gradescope_results(list(reports), "", 0.0, {})))
+
+    record_times.record([results(report(1, "passed", 3.0), report(2, "timed out", 2.0))], times_file)
+    times = json.loads(times_file.read_text())
     assert times["week1-day1"] == 3.0, "a day that passed everything records its time"
     assert times["week1-day2"] == 7.0, "a day cut short keeps its earlier time"
-    rounds = [report(1, "passed", 20.0), report(2, "passed", 4.0), report(1, "passed", 26.0),
-              report(2, "timed out", 9.0), report(1, "passed", 23.0), report(2, "passed", 5.0)]
-    grade.record_times(rounds)  # --record-times 3: each day graded three times
-    times = json.loads((tmp_path / "times.json").read_text())
+    rounds = [results(report(1, "passed", 20.0), report(2, "passed", 4.0)),
+              results(report(1, "passed", 26.0), report(2, "timed out", 9.0)),
+              results(report(1, "passed", 23.0), report(2, "passed", 5.0))]
+    record_times.record(rounds, times_file)  # --rounds 3: each day graded three times
+    times = json.loads(times_file.read_text())
     assert times["week1-day1"] == 26.0, "several rounds: the slowest is recorded"
     assert times["week1-day2"] == 7.0, "a day cut short in one round of several records nothing"
 
