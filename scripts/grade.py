@@ -28,7 +28,8 @@ from pathlib import Path
 
 from course import cgroup, sandbox, scratch
 from course.course_map import DAYS, Day, find_day
-from course.isolated_pytest import TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb, run_test_file
+from course.isolated_pytest import (TEST_TIME_LIMIT, CaseResult, RunResult, child_env, default_memory_mb,
+                                    raise_if_stopped, run_test_file, stop_on_signal)
 from course.remote import printable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -364,6 +365,7 @@ def grade(args: argparse.Namespace) -> int:
                                        memory_mb)
             cgroup.remove_all(groups)  # a test process killed at a limit cannot end its sandboxes itself
             save()
+        raise_if_stopped()
     finally:
         cgroup.remove_all(groups)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -376,7 +378,7 @@ def grade(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad arguments exit with status 2
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: the test processes are killed on the way out
+    signal.signal(signal.SIGTERM, stop_on_signal)  # as Ctrl-C: the test processes are killed on the way out
     try:
         return grade(args)
     except KeyboardInterrupt:

@@ -1458,6 +1458,31 @@ def test_a_time_limit_never_fires_while_pytest_writes_a_report(tmp_path):
         "test_slow.py::test_fails": "failed", "test_slow.py::test_after": "passed"}, run.results
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped interrupt, on purpose
+def test_a_stop_python_drops_still_stops_the_judge_at_once(tmp_path):
+    """A SIGTERM that lands while `subprocess` forks raises its KeyboardInterrupt inside a fork handler, where Python
+    only prints it (CI saw a stopped grade carry on to the end and exit 0). The request is kept and the watch loop
+    acts on it: the run stops at once instead of after its tests."""
+    import time
+
+    from course import isolated_pytest
+
+    class StoppedInAFinalizer:  # Python ignores an exception raised in __del__, as in a fork handler
+        def __del__(self):
+            isolated_pytest.stop_on_signal(15, None)
+
+    (tmp_path / "test_sleeps.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    StoppedInAFinalizer()
+    try:
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            isolated_pytest.run_test_file("test_sleeps.py", tmp_path,
+                                          isolated_pytest.child_env("ref", (str(REPO_ROOT),)))
+        assert time.monotonic() - started < 10
+    finally:
+        isolated_pytest.STOP.clear()
+
+
 def test_the_test_running_when_the_judge_dies_or_its_cap_ends_is_named(tmp_path):
     """Tests run in the order collected, so the first without a result line is the one that was running: when the
     process died (crashed), or when the day's cap stopped it (timeout); those after it were not run."""
