@@ -19,7 +19,6 @@ from typing import BinaryIO
 TEST_TIME_LIMIT = 60.0  # seconds one test may run: the grader's default and `pdm run test`'s (pytest-timeout)
 POLL_SECONDS = 0.05
 STARTUP_SECONDS = 180.0  # how long pytest may take to collect the tests
-EXIT_GRACE_SECONDS = 20.0  # after the last test, how long pytest may take to shut down
 LOG_TAIL = 3000
 STOP = threading.Event()  # a stop was asked for (`stop_on_signal`)
 
@@ -79,8 +78,10 @@ def default_memory_mb() -> int | None:
 
 
 def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float | None) -> None:
-    """Read the plugin's lines until pytest exits, or a limit says to stop it."""
-    unread, launched, collected, done = b"", time.monotonic(), None, None
+    """Read the plugin's lines until every collected test has its result (what pytest does after that, its summary
+    and its workers' shut-down, changes no grade: the process is killed, not waited for), pytest exits, or a limit
+    says to stop it."""
+    unread, launched, collected = b"", time.monotonic(), None
     while True:
         raise_if_stopped()
         exited = proc.poll() is not None
@@ -91,9 +92,7 @@ def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float |
             else:
                 run.results[event["finish"]] = CaseResult(event["finish"], event["outcome"], event["output"])
         now = time.monotonic()
-        if done is None and run.expected and len(run.results) == len(run.expected):
-            done = now  # the last test ended: pytest only has to shut down
-        if exited or (done is not None and now - done > EXIT_GRACE_SECONDS):  # every result is in
+        if exited or (run.expected and len(run.results) == len(run.expected)):
             return
         if cap is not None and collected is not None and now > collected + cap:
             run.out_of_time = True
