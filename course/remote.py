@@ -24,8 +24,6 @@ import threading
 import traceback
 import unicodedata
 
-import numpy as np
-
 from course import models
 
 MAX_HEADER = 64 << 20
@@ -111,6 +109,13 @@ def _mlx():
     return mx
 
 
+def _numpy():
+    """numpy, imported at first use: the grader's own process (scripts/grade.py) needs `printable` alone."""
+    import numpy
+
+    return numpy
+
+
 def plain(value):
     """`value` as the exact built-in type it stands for, read with that type's own methods, or None: a deque, a list
     subclass, a numpy scalar crosses as data, and an overridden `__eq__`, `__iter__` or `__class__` stays behind."""
@@ -119,7 +124,7 @@ def plain(value):
         return value
     if issubclass(kind, enum.Enum):
         return None  # an enum member travels as its name (see `encode`)
-    if issubclass(kind, np.generic) and value.dtype.kind in "biuf":
+    if issubclass(kind, _numpy().generic) and value.dtype.kind in "biuf":
         return value.item()
     for base, read in ((int, int.__index__), (float, float.__float__), (str, str.__str__), (list, list.copy),
                        (set, set.copy), (frozenset, frozenset.copy),  # each an exact set, never the subclass's
@@ -242,7 +247,7 @@ class Endpoint:
         if value is Ellipsis:
             return {"$": "ellipsis"}
         mx = _mlx() if "mlx" in kind.__module__ else None
-        if (kind is np.ndarray and value.dtype.kind in "biufc") or (mx is not None and kind is mx.array):
+        if (kind is _numpy().ndarray and value.dtype.kind in "biufc") or (mx is not None and kind is mx.array):
             return self._encode_array(value, buffers)
         if mx is not None and kind is mx.distributed.Group and value.size() == 1:
             return {"$": "group1"}  # a group of this process alone holds no connection: the same on either side
@@ -303,7 +308,7 @@ class Endpoint:
     def _encode_array(value, buffers: list) -> dict:
         """A numpy or MLX array as raw bytes, dtype and shape, sent from the array's own memory where it can (no copy);
         an MLX bfloat16 array's bits go as uint16 (numpy has no bfloat16)."""
-        mx = _mlx()
+        mx, np = _mlx(), _numpy()
         bf16 = type(value) is mx.array and value.dtype == mx.bfloat16
         raw = np.ascontiguousarray(np.asarray(value.view(mx.uint16) if bf16 else value)).reshape(-1)
         buffers.append(raw.view(np.uint8).data if raw.size else b"")
@@ -376,6 +381,7 @@ class Endpoint:
 
     @staticmethod
     def _decode_array(value: dict, buffers: list):
+        np = _numpy()
         dtype = np.dtype(str(value["dtype"]))
         if dtype.kind not in "biufc":
             raise ProtocolError(f"an array of dtype {dtype} is not accepted")
