@@ -24,9 +24,8 @@ STOP = threading.Event()  # a stop was asked for (`stop_on_signal`)
 
 
 def stop_on_signal(signum, frame) -> None:
-    """A SIGTERM handler that stops as Ctrl-C does. Python drops a KeyboardInterrupt raised inside a fork handler or
-    a finalizer (a signal arriving while `subprocess` forks pytest lands there), so the request is also kept in
-    `STOP`, which the watch loop and the grader's loop over days check (`raise_if_stopped`)."""
+    """SIGTERM as Ctrl-C. Python drops a KeyboardInterrupt raised in a fork handler (a signal landing while `subprocess`
+    forks pytest), so the request is also kept, for the watch loop and the grader's loop to check."""
     STOP.set()
     raise KeyboardInterrupt
 
@@ -78,9 +77,8 @@ def default_memory_mb() -> int | None:
 
 
 def _watch(proc: subprocess.Popen, run: RunResult, lines: BinaryIO, cap: float | None) -> None:
-    """Read the plugin's lines until every collected test has its result (what pytest does after that, its summary
-    and its workers' shut-down, changes no grade: the process is killed, not waited for), pytest exits, or a limit
-    says to stop it."""
+    """Read the plugin's lines until every test collected has its result (pytest's summary and its workers' shut-down
+    change no grade: it is killed, not waited for), pytest exits, or a limit says to stop it."""
     unread, launched, collected = b"", time.monotonic(), None
     while True:
         raise_if_stopped()
