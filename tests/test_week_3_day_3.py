@@ -21,6 +21,7 @@ from tests.week3_fakes import PLAIN_ENGINE, run_until_done
 from tests.week3_stack import check_stack
 
 TASKS = {n: solution(week=3, day=3, task=n) for n in range(1, 5)}  # Task N's tests: the student's Task N alone
+STACK = stack(week=3, day=3)  # "your stack so far": started now, beside the collection
 ref = reference()
 
 BLOCK = 4  # small blocks: prefixes cross several of them with short prompts
@@ -329,4 +330,4 @@ def test_task_4_log_line_shows_hit_rate(week3_model, monkeypatch):
 
 def test_task_5_your_stack_so_far():
     """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
-    check_stack(stack(week=3, day=3), day=3)
+    check_stack(STACK, day=3)

@@ -19,6 +19,7 @@ from tests.week3_fakes import PLAIN_ENGINE
 from tests.week3_stack import check_stack
 
 TASKS = {n: solution(week=3, day=4, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
+STACK = stack(week=3, day=4)  # "your stack so far": started now, beside the collection
 ref = reference()
 
 
@@ -423,4 +424,4 @@ def test_task_5_the_planner_hears_the_oldest_wait():
 
 def test_task_6_your_stack_so_far():
     """Your week-3 code up to this day as one engine, on the workloads a server meets (tests/week3_stack.py)."""
-    check_stack(stack(week=3, day=4), day=4)
+    check_stack(STACK, day=4)

@@ -34,6 +34,7 @@ from tests.week3_fakes import PLAIN_ENGINE, mlx_lm_greedy
 from tests.week4_stack import check_speculative_stack
 
 TASKS = {n: solution(week=4, day=1, task=n) for n in range(1, 6)}  # Task N's tests: the student's Task N alone
+STACK = stack(week=4, day=1)  # "your stack so far": started now, beside the collection
 ref = reference()
 STEP_LIMIT = 2000  # no engine run in this file needs more steps; more means a sequence stopped moving
 
@@ -722,4 +723,4 @@ def test_task_5_whole_day_on_the_embedded_model_equals_mlx_lm(real, budget, k):
 def test_task_6_your_stack_so_far():
     """Your week-3 engine with your day 4.1 on server workloads (tests/week4_stack.py): preemptions, EOS, aborts, a
     failing model, exact acceptance, requests that cannot speculate, and the sampled distribution."""
-    check_speculative_stack(stack(week=4, day=1))
+    check_speculative_stack(STACK)

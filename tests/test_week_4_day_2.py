@@ -26,6 +26,7 @@ from tests.week3_fakes import PLAIN_ENGINE
 from tests.week4_stack import check_quantized_stack
 
 TASKS = {n: solution(week=4, day=2, task=n) for n in range(1, 4)}  # Task N's tests: the student's Task N alone
+STACK = stack(week=4, day=2)  # "your stack so far": started now, beside the collection
 ref = reference()
 
 BLOCK_SIZE = 4
@@ -459,4 +460,4 @@ def test_task_3_engine_end_to_end_with_preemption(wide_model, bits):
 def test_task_4_your_stack_so_far():
     """Your week-3 engine over your 8-bit and 4-bit pools on server workloads (tests/week4_stack.py): sized by
     memory, preemptions, EOS, aborts, a failing model, seeded sampling; every token MLX's round trip's."""
-    check_quantized_stack(stack(week=4, day=2))
+    check_quantized_stack(STACK)
