@@ -1463,13 +1463,14 @@ def test_a_stop_python_drops_still_stops_the_judge_at_once(tmp_path):
     """A SIGTERM that lands while `subprocess` forks raises its KeyboardInterrupt inside a fork handler, where Python
     only prints it (CI saw a stopped grade carry on to the end and exit 0). The request is kept and the watch loop
     acts on it: the run stops at once instead of after its tests."""
+    import signal
     import time
 
     from course import isolated_pytest
 
     class StoppedInAFinalizer:  # Python ignores an exception raised in __del__, as in a fork handler
         def __del__(self):
-            isolated_pytest.stop_on_signal(15, None)
+            isolated_pytest.stop_on_signal(signal.SIGTERM, None)
 
     (tmp_path / "test_sleeps.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(60)\n")
     StoppedInAFinalizer()
